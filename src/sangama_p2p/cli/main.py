@@ -1,0 +1,54 @@
+"""``sangama-peer``: one command with subcommands.
+
+Each ``cli/*_cmds.py`` module adds its subcommands with ``register(subparsers)``. Registration imports nothing
+heavy: torch, trio and libp2p are imported inside the handlers, so that e.g. ``sangama-peer bootstrap`` never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ..errors import SangamaError
+
+_COMMAND_MODULES = ("model_cmds", "net_cmds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sangama-peer",
+        description="Sangama: run language models too large for one machine across a peer-to-peer pipeline.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__package__}.{name}":
+                continue  # a command group that this build does not ship
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.handler(args) or 0)
+    except SangamaError as exc:
+        print(f"sangama-peer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

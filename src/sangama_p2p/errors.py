@@ -1,0 +1,109 @@
+"""The exception tree of Sangama.
+
+Every error that Sangama raises on purpose derives from :class:`SangamaError`, so an
+application can catch one class. Errors that cross the wire carry a numeric ``code``
+(see :class:`ErrorCode`), so that nobody matches message strings::
+
+    SangamaError
+    +-- ModelError            checkpoints, specs, layer ranges, runtime state
+    |   +-- CheckpointError       missing, corrupt or inconsistent weight files
+    |   +-- UnsupportedModelError unknown architecture, dtype or quantization type
+    |   +-- LayerRangeError       a stage range outside the model
+    |   +-- CapacityError         a session asked for more than it was given
+    |   +-- SessionStateError     a step that does not fit the session's state
+    +-- WireError             malformed, oversized or inconsistent frames from a peer
+    +-- NetworkError          identity, dialling, records, relays, private fleets
+    +-- RouteError            no chain of peers covers the model
+    +-- StageError            a stage refused or failed a request (carries a code)
+
+Foreign errors are re-raised ``from`` the original exception.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "CapacityError",
+    "CheckpointError",
+    "ErrorCode",
+    "LayerRangeError",
+    "ModelError",
+    "NetworkError",
+    "RouteError",
+    "SangamaError",
+    "SessionStateError",
+    "StageError",
+    "UnsupportedModelError",
+    "WireError",
+]
+
+
+class ErrorCode(enum.IntEnum):
+    """Stable numeric codes for errors that travel between peers."""
+
+    INTERNAL = 1
+    BAD_FRAME = 2
+    UNKNOWN_SESSION = 3
+    NOT_OWNER = 4
+    CAPACITY = 5
+    BAD_POSITION = 6
+    TOO_MANY_GUESSES = 7
+    WRONG_MODEL = 8
+    OVERLOADED = 9
+
+
+class SangamaError(Exception):
+    """Base class of every error Sangama raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+
+class ModelError(SangamaError):
+    """A problem with a model: its checkpoint, its spec or a runtime session."""
+
+
+class CheckpointError(ModelError):
+    """A checkpoint is missing, corrupt, truncated or inconsistent with its config."""
+
+
+class UnsupportedModelError(ModelError):
+    """An architecture, dtype or quantization type that Sangama does not run."""
+
+
+class LayerRangeError(ModelError):
+    """A stage's layer range lies outside the model or is empty."""
+
+
+class CapacityError(ModelError):
+    """A session or stage was asked to hold more than its configured capacity."""
+
+    code = ErrorCode.CAPACITY
+
+
+class SessionStateError(ModelError):
+    """A step does not fit the session's state (e.g. a start position ahead of it)."""
+
+    code = ErrorCode.BAD_POSITION
+
+
+class WireError(SangamaError):
+    """A frame or message from a peer is malformed, oversized or inconsistent."""
+
+    code = ErrorCode.BAD_FRAME
+
+
+class NetworkError(SangamaError):
+    """Identity, dialling, DHT records, relays or private-fleet membership failed."""
+
+
+class RouteError(SangamaError):
+    """No chain of live peers covers the requested model's layers."""
+
+
+class StageError(SangamaError):
+    """A stage refused or failed a request; ``code`` says why."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,1 @@
+"""The runtime: torch only (spec, weights, layers, caches, sampling, tiny-model maker). No trio, no libp2p."""

@@ -1,0 +1,1 @@
+"""Networking: trio + py-libp2p (identity, host, records, DHT, relay, hole punching). No torch."""
