@@ -12,6 +12,11 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- CapacityError         a session asked for more than it was given
     |   +-- SessionStateError     a step that does not fit the session's state
     +-- WireError             malformed, oversized or inconsistent frames from a peer
+    |   +-- FrameTooLargeError     a length prefix above the configured maximum
+    |   +-- TruncatedFrameError    the stream ended inside a frame
+    |   +-- MalformedFrameError    bytes that do not parse as a message (garbage, unknown tag)
+    |   +-- UnsupportedVersionError a message of a wire version this peer does not speak
+    |   +-- InvalidMessageError    a field breaks the wire rules (type, bound, dtype, shape)
     +-- NetworkError          identity, dialling, records, relays, private fleets
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
@@ -27,14 +32,19 @@ __all__ = [
     "CapacityError",
     "CheckpointError",
     "ErrorCode",
+    "FrameTooLargeError",
+    "InvalidMessageError",
     "LayerRangeError",
+    "MalformedFrameError",
     "ModelError",
     "NetworkError",
     "RouteError",
     "SangamaError",
     "SessionStateError",
     "StageError",
+    "TruncatedFrameError",
     "UnsupportedModelError",
+    "UnsupportedVersionError",
     "WireError",
 ]
 
@@ -91,6 +101,26 @@ class WireError(SangamaError):
     """A frame or message from a peer is malformed, oversized or inconsistent."""
 
     code = ErrorCode.BAD_FRAME
+
+
+class FrameTooLargeError(WireError):
+    """A frame's length prefix exceeds the maximum; raised before anything is buffered."""
+
+
+class TruncatedFrameError(WireError):
+    """The byte stream ended in the middle of a frame."""
+
+
+class MalformedFrameError(WireError):
+    """A frame payload does not parse: bad msgpack, unknown type tag, wrong arity, trailing bytes."""
+
+
+class UnsupportedVersionError(WireError):
+    """A message carries a wire version this peer does not speak."""
+
+
+class InvalidMessageError(WireError):
+    """A message field breaks the wire rules: wrong type, out of bounds, bad dtype or shape."""
 
 
 class NetworkError(SangamaError):
