@@ -1,0 +1,255 @@
+"""The typed messages of ``/sangama/stage/1`` and ``/sangama/info/1``.
+
+Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
+Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
+send: decoding builds messages through the same constructors. Lists are accepted and frozen into tuples.
+
+Every frame of a session (``Step``, ``StepResult``, ``CloseSession``, ``ErrorMessage``) carries its
+``session_id``, so one long-lived stream between two neighbouring peers carries many sessions interleaved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, TypeAlias
+
+from sangama_p2p.errors import ErrorCode, InvalidMessageError
+from sangama_p2p.wire.limits import (
+    MAX_GUESSES,
+    MAX_TEXT_BYTES,
+    MAX_TOKENS,
+    MAX_TRACE,
+    MAX_U64,
+    check_bool,
+    check_float,
+    check_opt_session_id,
+    check_opt_text,
+    check_opt_uint,
+    check_session_id,
+    check_text,
+    check_tokens,
+    check_tuple_of,
+    check_uint,
+)
+from sangama_p2p.wire.tensor import Tensor
+
+__all__ = [
+    "CloseSession",
+    "ErrorMessage",
+    "InfoRequest",
+    "InfoResponse",
+    "Message",
+    "OpenSession",
+    "SessionOpened",
+    "Step",
+    "StepResult",
+    "TraceStamp",
+]
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceStamp:
+    """One stage's timing for one trip, each on that stage's own monotonic clock (no clock sync needed)."""
+
+    peer: str
+    recv_ns: int
+    compute_start_ns: int
+    compute_end_ns: int
+    send_ns: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        check_text("trace peer", self.peer)
+        for name in ("recv_ns", "compute_start_ns", "compute_end_ns", "send_ns"):
+            check_uint(f"trace {name}", getattr(self, name), MAX_U64)
+        check_uint("trace batch_size", self.batch_size)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession:
+    """Client -> stage: reserve state for a session on layers ``[start, end)``."""
+
+    TAG: ClassVar[int] = 1
+    session_id: bytes
+    model_id: str
+    start: int
+    end: int
+    next_hop: str | None  # peer id of the next stage; None = the last stage, reply to the client
+    client_id: str
+    max_length: int
+    temperature: float
+    top_p: float
+    seed: int
+    max_guesses: int
+    adaptive_guesses: bool
+
+    def __post_init__(self) -> None:
+        check_session_id("session_id", self.session_id)
+        check_text("model_id", self.model_id)
+        check_uint("start", self.start)
+        check_uint("end", self.end)
+        if self.end <= self.start:
+            raise InvalidMessageError(f"layer range [{self.start}, {self.end}) is empty")
+        check_opt_text("next_hop", self.next_hop)
+        check_text("client_id", self.client_id)
+        check_uint("max_length", self.max_length)
+        _set(self, "temperature", check_float("temperature", self.temperature))
+        if self.temperature < 0.0:
+            raise InvalidMessageError(f"temperature must be >= 0, got {self.temperature}")
+        _set(self, "top_p", check_float("top_p", self.top_p))
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidMessageError(f"top_p must lie in (0, 1], got {self.top_p}")
+        check_uint("seed", self.seed, MAX_U64)
+        check_uint("max_guesses", self.max_guesses, MAX_GUESSES + 1)
+        check_bool("adaptive_guesses", self.adaptive_guesses)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOpened:
+    """Stage -> client: the session is open; ``free_sessions`` is what the stage can still take."""
+
+    TAG: ClassVar[int] = 2
+    session_id: bytes
+    free_sessions: int
+
+    def __post_init__(self) -> None:
+        check_session_id("session_id", self.session_id)
+        check_uint("free_sessions", self.free_sessions)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One trip's input for a stage: positions ``start_pos ..`` of a session.
+
+    The first stage gets ``token_ids`` and no ``hidden``; later stages get ``hidden`` (e.g. bf16 ``[T, D]``). A
+    ``start_pos`` behind the stage's cache rolls it back. ``guesses`` are the drafted tokens this trip checks.
+    """
+
+    TAG: ClassVar[int] = 3
+    session_id: bytes
+    step: int  # per-session sequence number
+    start_pos: int
+    token_ids: tuple[int, ...]
+    hidden: Tensor | None
+    guesses: tuple[int, ...]
+    trace: tuple[TraceStamp, ...]
+
+    def __post_init__(self) -> None:
+        check_session_id("session_id", self.session_id)
+        check_uint("step", self.step, MAX_U64)
+        check_uint("start_pos", self.start_pos)
+        _set(self, "token_ids", check_tokens("token_ids", self.token_ids, MAX_TOKENS))
+        if self.hidden is not None and type(self.hidden) is not Tensor:
+            raise InvalidMessageError(f"hidden must be a Tensor or None, got {type(self.hidden).__name__}")
+        _set(self, "guesses", check_tokens("guesses", self.guesses, MAX_GUESSES))
+        _set(self, "trace", check_tuple_of("trace", self.trace, TraceStamp, MAX_TRACE))
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Last stage -> client: ``tokens`` = accepted guesses + one new token; ``guesses`` = next drafts."""
+
+    TAG: ClassVar[int] = 4
+    session_id: bytes
+    step: int
+    tokens: tuple[int, ...]
+    guesses: tuple[int, ...]
+    trace: tuple[TraceStamp, ...]
+
+    def __post_init__(self) -> None:
+        check_session_id("session_id", self.session_id)
+        check_uint("step", self.step, MAX_U64)
+        _set(self, "tokens", check_tokens("tokens", self.tokens, MAX_GUESSES + 1))
+        _set(self, "guesses", check_tokens("guesses", self.guesses, MAX_GUESSES))
+        _set(self, "trace", check_tuple_of("trace", self.trace, TraceStamp, MAX_TRACE))
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession:
+    """Client -> stage (and forwarded down the chain): free the session's state."""
+
+    TAG: ClassVar[int] = 5
+    session_id: bytes
+
+    def __post_init__(self) -> None:
+        check_session_id("session_id", self.session_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMessage:
+    """A refused or failed request. ``session_id``/``step`` are None when the error is about the stream itself."""
+
+    TAG: ClassVar[int] = 6
+    session_id: bytes | None
+    step: int | None
+    code: ErrorCode
+    message: str
+
+    def __post_init__(self) -> None:
+        check_opt_session_id("session_id", self.session_id)
+        check_opt_uint("step", self.step, MAX_U64)
+        code = self.code
+        if type(code) is not int and type(code) is not ErrorCode:
+            raise InvalidMessageError(f"code must be an int, got {type(code).__name__}")
+        try:
+            _set(self, "code", ErrorCode(code))
+        except ValueError as exc:
+            raise InvalidMessageError(f"unknown error code {code}") from exc
+        check_text("message", self.message, MAX_TEXT_BYTES, empty=True)
+
+
+@dataclass(frozen=True, slots=True)
+class InfoRequest:
+    """Ask a peer what it serves (``/sangama/info/1``)."""
+
+    TAG: ClassVar[int] = 16
+
+
+@dataclass(frozen=True, slots=True)
+class InfoResponse:
+    """A peer's served range, measured throughput and load, straight from the peer (fresher than the DHT)."""
+
+    TAG: ClassVar[int] = 17
+    peer: str
+    model_id: str
+    start: int
+    end: int
+    throughput_tps: float
+    free_sessions: int
+    queue: int
+    version: str
+
+    def __post_init__(self) -> None:
+        check_text("peer", self.peer)
+        check_text("model_id", self.model_id)
+        check_uint("start", self.start)
+        check_uint("end", self.end)
+        if self.end <= self.start:
+            raise InvalidMessageError(f"layer range [{self.start}, {self.end}) is empty")
+        _set(self, "throughput_tps", check_float("throughput_tps", self.throughput_tps))
+        if self.throughput_tps < 0.0:
+            raise InvalidMessageError(f"throughput_tps must be >= 0, got {self.throughput_tps}")
+        check_uint("free_sessions", self.free_sessions)
+        check_uint("queue", self.queue)
+        check_text("version", self.version)
+
+
+Message: TypeAlias = (
+    OpenSession | SessionOpened | Step | StepResult | CloseSession | ErrorMessage | InfoRequest | InfoResponse
+)
+"""Every message that travels as a frame payload."""
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    OpenSession,
+    SessionOpened,
+    Step,
+    StepResult,
+    CloseSession,
+    ErrorMessage,
+    InfoRequest,
+    InfoResponse,
+)
