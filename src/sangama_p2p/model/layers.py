@@ -1,0 +1,262 @@
+"""Decoder layers that read the real checkpoint names: attention (plain and gated), Gated DeltaNet, MLP and MoE.
+
+Every layer works on a batched step: ``x`` is ``[N, hidden]``, the concatenated new positions of several sessions,
+described by ``segments``. Dense work (projections, experts) runs on all N rows at once; attention and the
+recurrence run per segment on that session's own state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .ops import apply_rope, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
+from .spec import FULL, ModelSpec
+from .state import AttentionLayerState, LinearLayerState, Segment
+from .weights import Weight, dense, weight_nbytes
+
+__all__ = ["DecoderLayer", "Loader", "linear"]
+
+# A loader returns the weight for a canonical name relative to a prefix.
+Loader = Callable[[str], Weight]
+
+# Steps up to this many positions run the delta rule position by position (and can fill the rollback ring).
+_STEPWISE_MAX = 16
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dense(w, x.dtype), bias)
+
+
+def _norm_weight(w: Weight, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
+    """Effective RMSNorm scale: Qwen3.5 stores w and applies 1 + w."""
+    t = dense(w, torch.float32)
+    return (t + 1.0) if spec.zero_centered_norm else t
+
+
+class Attention:
+    """Full attention with GQA and partial RoPE; Qwen3.5's variant adds q/k norms and a sigmoid output gate."""
+
+    def __init__(self, spec: ModelSpec, load: Loader, layer_key: int) -> None:
+        self.spec = spec
+        self.key = layer_key
+        self.q = load("self_attn.q_proj.weight")
+        self.k = load("self_attn.k_proj.weight")
+        self.v = load("self_attn.v_proj.weight")
+        self.o = load("self_attn.o_proj.weight")
+        self.biases: list[torch.Tensor | None] = [None, None, None]
+        if spec.attention_bias:
+            self.biases = [dense(load(f"self_attn.{p}_proj.bias"), torch.float32) for p in "qkv"]
+        self.q_norm = self.k_norm = None
+        if spec.attn_output_gate:
+            self.q_norm = _norm_weight(load("self_attn.q_norm.weight"), spec, torch.float32)
+            self.k_norm = _norm_weight(load("self_attn.k_norm.weight"), spec, torch.float32)
+
+    def weights(self) -> Iterator[Weight]:
+        yield from (self.q, self.k, self.v, self.o)
+        yield from (b for b in self.biases if b is not None)
+        yield from (n for n in (self.q_norm, self.k_norm) if n is not None)
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        n, hd = x.shape[0], spec.head_dim
+        q = linear(x, self.q, self.biases[0])
+        gate = None
+        if spec.attn_output_gate:
+            q, gate = q.view(n, spec.num_heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
+            gate = gate.reshape(n, spec.num_heads * hd)
+            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
+        else:
+            q = q.view(n, spec.num_heads, hd)
+        k = linear(x, self.k, self.biases[1]).view(n, spec.num_kv_heads, hd)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
+        v = linear(x, self.v, self.biases[2]).view(n, spec.num_kv_heads, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        out = torch.empty(n, spec.num_heads, hd, dtype=x.dtype, device=x.device)
+        row = 0
+        for seg in segments:
+            st = seg.state.layers[self.key]
+            assert isinstance(st, AttentionLayerState)
+            end = seg.start + seg.length
+            st.k[:, seg.start:end] = k[row:row + seg.length].transpose(0, 1)
+            st.v[:, seg.start:end] = v[row:row + seg.length].transpose(0, 1)
+            qs = q[row:row + seg.length].transpose(0, 1)[None]  # [1, heads, T, hd]
+            mask = None
+            if seg.length > 1:  # causal within the step; every cached position before it is visible
+                mask = torch.ones(seg.length, end, dtype=torch.bool, device=x.device).tril(seg.start)
+            o = F.scaled_dot_product_attention(
+                qs, st.k[None, :, :end], st.v[None, :, :end], attn_mask=mask, enable_gqa=True
+            )
+            out[row:row + seg.length] = o[0].transpose(0, 1)
+            row += seg.length
+        out = out.reshape(n, spec.num_heads * hd)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return linear(out, self.o)
+
+
+class GatedDeltaNet:
+    """Qwen3.5's linear attention: causal conv + gated delta rule with a recurrent state per session."""
+
+    def __init__(self, spec: ModelSpec, load: Loader, layer_key: int) -> None:
+        self.spec = spec
+        self.key = layer_key
+        self.in_qkv = load("linear_attn.in_proj_qkv.weight")
+        self.in_z = load("linear_attn.in_proj_z.weight")
+        self.in_b = load("linear_attn.in_proj_b.weight")
+        self.in_a = load("linear_attn.in_proj_a.weight")
+        self.out = load("linear_attn.out_proj.weight")
+        conv = dense(load("linear_attn.conv1d.weight"), torch.float32)
+        self.conv = conv.reshape(conv.shape[0], conv.shape[-1])  # [C, 1, K] -> [C, K]
+        self.neg_a = -dense(load("linear_attn.A_log"), torch.float32).exp()  # -exp(A_log), [Hv]
+        self.dt_bias = dense(load("linear_attn.dt_bias"), torch.float32)
+        self.norm = dense(load("linear_attn.norm.weight"), torch.float32)  # plain (not zero-centred) gated norm
+
+    def weights(self) -> Iterator[Weight]:
+        yield from (self.in_qkv, self.in_z, self.in_b, self.in_a, self.out, self.conv, self.neg_a, self.dt_bias,
+                    self.norm)
+
+    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        spec = self.spec
+        n = x.shape[0]
+        nk, nv, dk, dv = (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
+                          spec.linear_value_head_dim)
+        mixed = linear(x, self.in_qkv)  # [N, conv_dim]
+        z = linear(x, self.in_z)
+        beta = torch.sigmoid(linear(x, self.in_b)).float()  # [N, Hv]
+        g = self.neg_a * F.softplus(linear(x, self.in_a).float() + self.dt_bias)  # [N, Hv]
+        core = torch.empty(n, nv, dv, dtype=torch.float32, device=x.device)
+        conv_w = self.conv.to(x.dtype)
+        row = 0
+        for seg in segments:
+            st = seg.state.layers[self.key]
+            assert isinstance(st, LinearLayerState)
+            rows = slice(row, row + seg.length)
+            keep_ring = seg.state.ring >= seg.length
+            if keep_ring:
+                mixed_t = self._conv_keep(mixed[rows], st, conv_w)
+            else:
+                mixed_t = causal_conv(mixed[rows], st.conv, conv_w)
+                tail = torch.cat((st.conv, mixed[rows].t()), dim=-1)[:, -st.conv.shape[1]:]
+                st.conv.copy_(tail)
+            q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
+                                  dim=-1)
+            t = seg.length
+            q = q.reshape(t, nk, dk).repeat_interleave(nv // nk, dim=1)
+            k = k.reshape(t, nk, dk).repeat_interleave(nv // nk, dim=1)
+            q = l2norm(q) * dk ** -0.5
+            k = l2norm(k)
+            v = v.reshape(t, nv, dv)
+            if keep_ring:
+                core[rows] = delta_rule_steps(q, k, v, g[rows], beta[rows], st.rec, keep=st.ring_rec[:t])
+            elif t <= _STEPWISE_MAX:
+                core[rows] = delta_rule_steps(q, k, v, g[rows], beta[rows], st.rec)
+            else:
+                core[rows] = delta_rule_chunked(q, k, v, g[rows], beta[rows], st.rec)
+            row += seg.length
+        # gated RMSNorm over each value head, then the output projection
+        core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().view(n, nv, dv))
+        return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
+
+    @staticmethod
+    def _conv_keep(x: torch.Tensor, st: LinearLayerState, w: torch.Tensor) -> torch.Tensor:
+        """Causal conv that also records the window after every position in the session's ring."""
+        out = causal_conv(x, st.conv, w)
+        width = st.conv.shape[1]
+        seq = torch.cat((st.conv, x.t()), dim=-1)  # [C, K-1+T]
+        for i in range(x.shape[0]):
+            st.ring_conv[i].copy_(seq[:, i + 1:i + 1 + width])
+        st.conv.copy_(seq[:, -width:])
+        return out
+
+
+class DenseMLP:
+    """SwiGLU MLP (Llama's FFN and Qwen3.5's shared expert)."""
+
+    def __init__(self, load: Loader, prefix: str, bias: bool = False) -> None:
+        self.gate = load(f"{prefix}.gate_proj.weight")
+        self.up = load(f"{prefix}.up_proj.weight")
+        self.down = load(f"{prefix}.down_proj.weight")
+        self.biases = (
+            [dense(load(f"{prefix}.{p}.bias"), torch.float32) for p in ("gate_proj", "up_proj", "down_proj")]
+            if bias else [None, None, None]
+        )
+
+    def weights(self) -> Iterator[Weight]:
+        yield from (self.gate, self.up, self.down)
+        yield from (b for b in self.biases if b is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(linear(x, self.gate, self.biases[0])) * linear(x, self.up, self.biases[1])
+        return linear(h, self.down, self.biases[2])
+
+
+class MoE:
+    """Top-k softmax router (renormalised) over experts, plus a sigmoid-gated shared expert."""
+
+    def __init__(self, spec: ModelSpec, load: Loader) -> None:
+        self.spec = spec
+        self.router = load("mlp.gate.weight")
+        self.experts = [DenseMLP(load, f"mlp.experts.{e}") for e in range(spec.num_experts)]
+        self.shared = DenseMLP(load, "mlp.shared_expert") if spec.shared_expert_intermediate_size else None
+        self.shared_gate = load("mlp.shared_expert_gate.weight") if self.shared else None
+
+    def weights(self) -> Iterator[Weight]:
+        yield self.router
+        for e in self.experts:
+            yield from e.weights()
+        if self.shared is not None:
+            yield from self.shared.weights()
+            yield self.shared_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, self.spec.num_experts_per_tok, dim=-1)  # [N, k]
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = top_i.flatten()
+        for e in torch.unique(flat).tolist():
+            token, slot = torch.where(top_i == e)
+            y = self.experts[e].forward(x[token]) * top_w[token, slot, None]
+            out.index_add_(0, token, y)
+        if self.shared is not None:
+            gate = torch.sigmoid(linear(x, dense(self.shared_gate, x.dtype).reshape(1, -1)))
+            out = out + gate * self.shared.forward(x)
+        return out
+
+
+class DecoderLayer:
+    """Pre-norm residual block: token mixer (attention or Gated DeltaNet) then FFN (dense MLP or MoE)."""
+
+    def __init__(self, spec: ModelSpec, load: Loader, layer_key: int, layer_type: str) -> None:
+        self.spec = spec
+        self.kind = layer_type
+        self.input_norm = _norm_weight(load("input_layernorm.weight"), spec, torch.float32)
+        self.post_norm = _norm_weight(load("post_attention_layernorm.weight"), spec, torch.float32)
+        self.mixer: Attention | GatedDeltaNet = (
+            Attention(spec, load, layer_key) if layer_type == FULL else GatedDeltaNet(spec, load, layer_key)
+        )
+        self.ffn: MoE | DenseMLP = MoE(spec, load) if spec.is_moe else DenseMLP(load, "mlp", spec.mlp_bias)
+
+    def weights(self) -> Iterator[Weight]:
+        yield from (self.input_norm, self.post_norm)
+        yield from self.mixer.weights()
+        yield from self.ffn.weights()
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, self.input_norm, self.spec.rms_norm_eps)
+        if isinstance(self.mixer, Attention):
+            h = self.mixer.forward(h, segments, cos, sin)
+        else:
+            h = self.mixer.forward(h, segments)
+        x = x + h
+        return x + self.ffn.forward(rms_norm(x, self.post_norm, self.spec.rms_norm_eps))
+
+
+def resident_bytes(weights: Iterator[Weight]) -> int:
+    return sum(weight_nbytes(w) for w in weights)

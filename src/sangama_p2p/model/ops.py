@@ -1,0 +1,136 @@
+"""Small numeric building blocks shared by the layers: norms, RoPE, gated delta rule, causal conv."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .spec import ModelSpec
+
+__all__ = [
+    "causal_conv",
+    "delta_rule_chunked",
+    "delta_rule_steps",
+    "l2norm",
+    "rms_norm",
+    "rope_inv_freq",
+    "apply_rope",
+]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32; ``weight`` is the effective scale (1 + w already folded in for zero-centred norms)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies for the rotary dims (plain or llama3-scaled), fp32."""
+    dim = spec.rotary_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if spec.rope_llama3 is None:
+        return inv
+    factor, low, high, old_len = spec.rope_llama3
+    low_wl, high_wl = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the leading ``cos.shape[-1]`` dims of each head. x: [T, heads, D]; cos/sin: [T, R]."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over new inputs, continuing from the previous ``K-1`` inputs.
+
+    x: [T, C] new inputs; window: [C, K-1] previous inputs (oldest first); weight: [C, K]. Returns [T, C].
+    """
+    seq = torch.cat((window, x.t()), dim=-1)  # [C, K-1+T]
+    if x.shape[0] == 1:
+        out = (seq * weight).sum(-1, keepdim=True)  # [C, 1]
+    else:
+        out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
+    return F.silu(out).t()
+
+
+def delta_rule_steps(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated delta rule, one position at a time (decode and short verify steps).
+
+    q, k: [T, H, Dk] (already L2-normed, q scaled); v: [T, H, Dv]; g, beta: [T, H]; state: [H, Dk, Dv] fp32,
+    updated in place. ``keep`` [T, H, Dk, Dv], if given, receives the state after every position (for rollback).
+    Returns the outputs [T, H, Dv] fp32.
+    """
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    decay = g.exp()
+    for t in range(q.shape[0]):
+        state.mul_(decay[t][:, None, None])
+        kv_mem = torch.einsum("hkv,hk->hv", state, k[t])
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        state.add_(k[t][:, :, None] * delta[:, None, :])
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+        if keep is not None:
+            keep[t].copy_(state)
+    return out
+
+
+def delta_rule_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk: int = 64,
+) -> torch.Tensor:
+    """Gated delta rule over a long run of positions in chunks (prefill); same maths as :func:`delta_rule_steps`.
+
+    Within a chunk the delta-rule updates are condensed with a unit-lower-triangular solve (the UT transform of the
+    DeltaNet paper); between chunks the recurrent state carries over. ``state`` [H, Dk, Dv] is updated in place.
+    """
+    t_len = q.shape[0]
+    pad = (chunk - t_len % chunk) % chunk
+    # [H, T, D] layout, fp32
+    q, k, v = (F.pad(x.transpose(0, 1).float(), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.transpose(0, 1).float(), (0, pad)) for x in (g, beta))
+    h, total, dk = k.shape
+    n = total // chunk
+    q, k, v = (x.reshape(h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(h, n, chunk), beta.reshape(h, n, chunk)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)  # [H, N, C]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, N, C, C]
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    system = system.masked_fill(~torch.ones_like(upper).tril(-1), 0.0)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    a = system + eye
+    u = torch.linalg.solve_triangular(a, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(a, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair
+    q_dec = q * cum.exp()[..., None]
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty_like(v)
+    s = state
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
+    state.copy_(s)
+    return out.reshape(h, total, -1)[:, :t_len].transpose(0, 1)

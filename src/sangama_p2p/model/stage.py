@@ -1,0 +1,193 @@
+"""A stage: the layers [start, end) of a model, loaded alone, run over batched steps of many sessions.
+
+The first stage embeds token ids; the last applies the final norm and the head (and holds the MTP layer when the
+checkpoint has one). Between stages travel hidden states ``[N, hidden]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import CheckpointError, ModelError, SessionStateError, UnsupportedModelError
+from .layers import DecoderLayer, linear
+from .ops import rms_norm, rope_inv_freq
+from .spec import ModelSpec
+from .state import Segment, SessionState
+from .weights import TensorSource, Weight, dense, weight_nbytes
+
+__all__ = ["StageModel", "StepInput"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise UnsupportedModelError(f"unsupported compute dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise UnsupportedModelError(f"unsupported compute dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclasses.dataclass
+class StepInput:
+    """One session's new positions in a batched step: token ids (first stage) or hidden states (later stages)."""
+
+    state: SessionState
+    start: int
+    tokens: torch.Tensor | None = None  # [T] int64
+    hidden: torch.Tensor | None = None  # [T, hidden]
+
+    @property
+    def length(self) -> int:
+        src = self.tokens if self.tokens is not None else self.hidden
+        return 0 if src is None else int(src.shape[0])
+
+
+class StageModel:
+    """Layers [start, end) of a model plus, at the ends, the embedding or the final norm and head."""
+
+    def __init__(self, spec: ModelSpec, start: int, end: int, dtype: torch.dtype, device: torch.device) -> None:
+        spec.check_range(start, end)
+        self.spec, self.start, self.end = spec, start, end
+        self.dtype, self.device = dtype, device
+        self.is_first = start == 0
+        self.is_last = end == spec.num_layers
+        self.embed: Weight | None = None
+        self.layers: dict[int, DecoderLayer] = {}
+        self.final_norm: torch.Tensor | None = None
+        self.head: Weight | None = None
+        self.inv_freq = rope_inv_freq(spec).to(device)
+        self.loaded_names: list[str] = []
+
+    # ---- loading -------------------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        spec: ModelSpec,
+        source: TensorSource,
+        start: int,
+        end: int,
+        *,
+        dtype: str | torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> "StageModel":
+        """Read only the tensors of layers [start, end) (+ embedding if first, + norm/head if last)."""
+        dt = resolve_dtype(dtype)
+        stage = cls(spec, start, end, dt, torch.device(device))
+
+        def get(name: str) -> Weight:
+            if not source.has(name):
+                raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
+            w = source.get(name, dt)
+            stage.loaded_names.append(name)
+            return w.to(stage.device) if isinstance(w, torch.Tensor) else w
+
+        if stage.is_first or (stage.is_last and spec.tie_word_embeddings):
+            stage.embed = get("model.embed_tokens.weight")
+        for i in range(start, end):
+            prefix = f"model.layers.{i}."
+            stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
+        if stage.is_last:
+            stage.final_norm = rms_norm_weight(get("model.norm.weight"), spec)
+            stage.head = stage.embed if spec.tie_word_embeddings else get("lm_head.weight")
+        return stage
+
+    def weights(self) -> Iterator[Weight]:
+        seen: set[int] = set()
+        for w in self._all_weights():
+            if id(w) not in seen:
+                seen.add(id(w))
+                yield w
+
+    def _all_weights(self) -> Iterator[Weight]:
+        if self.embed is not None:
+            yield self.embed
+        for layer in self.layers.values():
+            yield from layer.weights()
+        if self.final_norm is not None:
+            yield self.final_norm
+        if self.head is not None:
+            yield self.head
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(weight_nbytes(w) for w in self.weights())
+
+    # ---- sessions ------------------------------------------------------------------------------------------
+    def new_session(self, capacity: int, *, ring: int = 0) -> SessionState:
+        """Preallocate one session's caches for up to ``capacity`` positions; ``ring`` = rollback depth."""
+        return SessionState(self.spec, self.start, self.end, capacity, dtype=self.dtype, device=self.device, ring=ring)
+
+    def session_bytes(self, capacity: int, ring: int = 0) -> int:
+        """Bytes a session of this capacity would take, without allocating it."""
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        spec = self.spec
+        kv = spec.kv_bytes_per_token(self.start, self.end, el) * capacity
+        n_lin = len(spec.linear_layers(self.start, self.end))
+        conv = spec.linear_conv_dim * (spec.linear_conv_kernel - 1) * el
+        rec = spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
+        return kv + n_lin * (conv + rec) * (1 + ring)
+
+    # ---- compute -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, steps: Sequence[StepInput]) -> torch.Tensor:
+        """Run one batched step; returns the new hidden states ``[N, hidden]`` (pre final norm), rows in order.
+
+        Each step's start position rolls its session back if the session is ahead of it.
+        """
+        if not steps:
+            raise SessionStateError("empty batch")
+        seen: set[int] = set()
+        for st in steps:
+            if id(st.state) in seen:
+                raise SessionStateError("a session appears twice in one batched step")
+            seen.add(id(st.state))
+            if self.is_first and st.tokens is None:
+                raise SessionStateError("the first stage needs token ids")
+            if not self.is_first and st.hidden is None:
+                raise SessionStateError("a middle or last stage needs hidden states")
+            st.state.check_step(st.start, st.length)
+        for st in steps:
+            st.state.roll_back(st.start)
+        if self.is_first:
+            ids = torch.cat([st.tokens for st in steps]).to(self.device)  # type: ignore[misc]
+            if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+                raise SessionStateError(f"token id out of range 0..{self.spec.vocab_size - 1}")
+            x = torch.nn.functional.embedding(ids, dense(self.embed, self.dtype))  # type: ignore[arg-type]
+        else:
+            x = torch.cat([st.hidden for st in steps]).to(self.device, self.dtype)  # type: ignore[misc]
+            if x.shape[-1] != self.spec.hidden_size:
+                raise SessionStateError(f"hidden size {x.shape[-1]} != model's {self.spec.hidden_size}")
+        segments = [Segment(st.state, st.start, st.length) for st in steps]
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        for layer in self.layers.values():
+            x = layer.forward(x, segments, cos, sin)
+        for s in segments:
+            st = s.state
+            st.position = s.start + s.length
+            if st.ring >= s.length and st.has_linear():
+                st.ring_base, st.ring_len = s.start, s.length
+            else:
+                st.ring_base, st.ring_len = -1, 0
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + head (last stage only): ``[N, hidden]`` -> ``[N, vocab]`` fp32."""
+        if not self.is_last:
+            raise ModelError("only the last stage computes logits")
+        h = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+        return linear(h, self.head).float()  # type: ignore[arg-type]
+
+
+def rms_norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
+    t = dense(w, torch.float32)
+    return t + 1.0 if spec.zero_centered_norm else t
