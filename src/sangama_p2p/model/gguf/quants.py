@@ -1,0 +1,246 @@
+"""GGML block formats, dequantized with device-agnostic torch ops.
+
+Each ``dequantize_*`` takes raw blocks as a uint8 tensor ``[n_blocks, type_size]`` (on any device) and returns float32
+``[n_blocks, block_size]``. The arithmetic follows gguf-py's numpy reference (``gguf/quants.py``) operation for
+operation, in float32, so the results are bit-for-bit equal to ``gguf.quants.dequantize``; the tests hold us to that.
+No numpy is used here, so the same code runs on CUDA tensors kept resident on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ...errors import UnsupportedModelError
+
+__all__ = [
+    "BLOCK_SIZES",
+    "QUANT_TYPES",
+    "QType",
+    "dequantize_blocks",
+    "dequantize_rows",
+    "fp16_at",
+    "row_bytes",
+]
+
+QK_K = 256
+
+
+class QType:
+    """GGML type ids (``gguf.GGMLQuantizationType`` values) that we read, without importing gguf here."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q5_0 = 6
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+# ggml type id -> (block_size in elements, type_size in bytes)
+BLOCK_SIZES: dict[int, tuple[int, int]] = {
+    QType.F32: (1, 4),
+    QType.F16: (1, 2),
+    QType.BF16: (1, 2),
+    QType.Q4_0: (32, 18),
+    QType.Q5_0: (32, 22),
+    QType.Q8_0: (32, 34),
+    QType.Q4_K: (QK_K, 144),
+    QType.Q5_K: (QK_K, 176),
+    QType.Q6_K: (QK_K, 210),
+}
+NAMES = {
+    QType.F32: "F32",
+    QType.F16: "F16",
+    QType.BF16: "BF16",
+    QType.Q4_0: "Q4_0",
+    QType.Q5_0: "Q5_0",
+    QType.Q8_0: "Q8_0",
+    QType.Q4_K: "Q4_K",
+    QType.Q5_K: "Q5_K",
+    QType.Q6_K: "Q6_K",
+}
+
+
+def fp16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian fp16 at byte ``offset`` of every block, as float32 ``[n, 1]``."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _shifts(values: list[int], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+
+
+def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = fp16_at(b, 0)
+    qs = b[:, 2:].reshape(n, -1, 1, 16) >> _shifts([0, 4], b, (1, 1, 2, 1))
+    q = (qs & 0x0F).reshape(n, -1).to(torch.int8) - 8
+    return d * q.to(torch.float32)
+
+
+def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = fp16_at(b, 0)
+    qh = b[:, 2:6]  # 32 high bits, little-endian: element j is bit j % 8 of byte j // 8
+    qh = (qh.reshape(n, 4, 1) >> _shifts(list(range(8)), b, (1, 1, 8))) & 1  # [n, 4, 8] -> element 8*byte + bit
+    ql = b[:, 6:].reshape(n, 1, 16) >> _shifts([0, 4], b, (1, 2, 1))
+    ql = (ql & 0x0F).reshape(n, 32)
+    q = (ql | (qh.reshape(n, 32) << 4)).to(torch.int8) - 16
+    return d * q.to(torch.float32)
+
+
+def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = fp16_at(b, 0)
+    return b[:, 2:].view(torch.int8).to(torch.float32) * d
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpack the 12-byte 6-bit scales and mins of a Q4_K/Q5_K block into two ``[n, 8]`` uint8 tensors."""
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = fp16_at(b, 0)
+    dmin = fp16_at(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    qs = b[:, 16:].reshape(n, 4, 1, 32) >> _shifts([0, 4], b, (1, 1, 2, 1))
+    q = (qs & 0x0F).reshape(n, 8, 32).to(torch.float32)
+    return (dd * q - dm).reshape(n, QK_K)
+
+
+def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = fp16_at(b, 0)
+    dmin = fp16_at(b, 2)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
+    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    qh = b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))
+    ql = b[:, 48:].reshape(n, 4, 1, 32) >> _shifts([0, 4], b, (1, 1, 2, 1))
+    ql = (ql & 0x0F).reshape(n, 8, 32)
+    qh = (qh & 0x01).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).to(torch.float32)
+    return (dd * q - dm).reshape(n, QK_K)
+
+
+def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales = b[:, 192:208].view(torch.int8).to(torch.float32)
+    d = fp16_at(b, 208)
+    d = (d * scales).reshape(n, QK_K // 16, 1)
+    ql = b[:, :128].reshape(n, 2, 1, 64) >> _shifts([0, 4], b, (1, 1, 2, 1))
+    ql = (ql & 0x0F).reshape(n, 8, 32)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))
+    qh = (qh & 0x03).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).to(torch.int8) - 32
+    q = q.reshape(n, QK_K // 16, 16).to(torch.float32)
+    return (d * q).reshape(n, QK_K)
+
+
+_DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    QType.Q4_0: dequantize_q4_0,
+    QType.Q5_0: dequantize_q5_0,
+    QType.Q8_0: dequantize_q8_0,
+    QType.Q4_K: dequantize_q4_k,
+    QType.Q5_K: dequantize_q5_k,
+    QType.Q6_K: dequantize_q6_k,
+}
+QUANT_TYPES = frozenset(_DEQUANT)
+
+
+def type_name(qtype: int) -> str:
+    return NAMES.get(qtype, f"ggml type {qtype}")
+
+
+def row_bytes(qtype: int, n_cols: int) -> int:
+    """Bytes one row of ``n_cols`` elements takes in ``qtype``."""
+    if qtype not in BLOCK_SIZES:
+        raise UnsupportedModelError(f"GGUF quantization type {type_name(qtype)} is not supported")
+    bs, ts = BLOCK_SIZES[qtype]
+    if n_cols % bs:
+        raise UnsupportedModelError(f"a row of {n_cols} elements is not a whole number of {type_name(qtype)} blocks")
+    return n_cols // bs * ts
+
+
+def dequantize_blocks(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Dequantize ``[n_blocks, type_size]`` uint8 blocks to float32 ``[n_blocks, block_size]``."""
+    fn = _DEQUANT.get(qtype)
+    if fn is None:
+        raise UnsupportedModelError(
+            f"GGUF quantization type {type_name(qtype)} is not supported "
+            f"(supported: F32, F16, BF16, {', '.join(type_name(t) for t in sorted(_DEQUANT))})"
+        )
+    _, ts = BLOCK_SIZES[qtype]
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != ts:
+        raise UnsupportedModelError(f"{type_name(qtype)} blocks must be uint8 [n, {ts}], got {blocks.dtype} {tuple(blocks.shape)}")
+    return fn(blocks)
+
+
+def dequantize_rows(qtype: int, data: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Dequantize ``[rows, row_bytes]`` uint8 data into float32 ``[rows, n_cols]``."""
+    rows = data.shape[0]
+    bs, ts = BLOCK_SIZES[qtype]
+    out = dequantize_blocks(qtype, data.reshape(-1, ts))
+    return out.reshape(rows, n_cols)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantTensor:
+    """A 2-D weight kept as GGML blocks; implements the runtime's ``QuantWeight`` protocol.
+
+    ``data`` is uint8 ``[out, row_bytes]`` (often a view of the memory-mapped file). ``col_perm``, when set, is applied
+    to the columns after dequantizing: llama.cpp reorders the *columns* of some matrices (``ssm_out``) and the columns
+    of raw blocks cannot be permuted, so the permutation waits until the values exist.
+    """
+
+    qtype: int
+    data: torch.Tensor
+    n_cols: int
+    col_perm: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), self.n_cols)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.col_perm is None else self.col_perm.numel() * self.col_perm.element_size()
+        return int(self.data.numel()) + extra
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out = dequantize_rows(self.qtype, self.data, self.n_cols)
+        if self.col_perm is not None:
+            out = out.index_select(1, self.col_perm.to(out.device))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def take_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantize only the rows in ``index`` (an embedding lookup without dequantizing the whole table)."""
+        sub = self.data.index_select(0, index.reshape(-1).to(self.data.device))
+        out = dequantize_rows(self.qtype, sub, self.n_cols)
+        if self.col_perm is not None:
+            out = out.index_select(1, self.col_perm.to(out.device))
+        out = out.reshape(*index.shape, self.n_cols)
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def to(self, device: torch.device | str) -> "QuantTensor":
+        """The same weight with its blocks on ``device`` (the blocks stay quantized there)."""
+        perm = None if self.col_perm is None else self.col_perm.to(device)
+        return QuantTensor(self.qtype, self.data.to(device), self.n_cols, perm)
