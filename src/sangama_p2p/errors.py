@@ -18,6 +18,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- UnsupportedVersionError a message of a wire version this peer does not speak
     |   +-- InvalidMessageError    a field breaks the wire rules (type, bound, dtype, shape)
     +-- NetworkError          identity, dialling, records, relays, private fleets
+    |   +-- RecordError           a signed DHT record failed validation
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
 
@@ -38,6 +39,7 @@ __all__ = [
     "MalformedFrameError",
     "ModelError",
     "NetworkError",
+    "RecordError",
     "RouteError",
     "SangamaError",
     "SessionStateError",
@@ -125,6 +127,10 @@ class InvalidMessageError(WireError):
 
 class NetworkError(SangamaError):
     """Identity, dialling, DHT records, relays or private-fleet membership failed."""
+
+
+class RecordError(NetworkError):
+    """A signed DHT record is forged, tampered, expired, malformed or in the wrong namespace."""
 
 
 class RouteError(SangamaError):
