@@ -1,0 +1,33 @@
+"""``sangama-peer make-model``: write a random-weight tiny/small checkpoint the project can serve and test with."""
+
+from __future__ import annotations
+
+import argparse
+
+_ARCHS = ("qwen3_5_moe", "llama")
+_PRESETS = ("tiny", "small")
+_DTYPES = ("float32", "bfloat16")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "make-model",
+        help="write a random-weight model checkpoint (Hugging Face format) with its tokenizer",
+        description="Write a random-weight checkpoint (config.json, model.safetensors, tokenizer) into OUT. "
+        "The same seed always gives the same bytes.",
+    )
+    p.add_argument("out", metavar="OUT", help="output directory (created if missing)")
+    p.add_argument("--arch", required=True, choices=_ARCHS, help="architecture")
+    p.add_argument("--preset", default="tiny", choices=_PRESETS, help="size (default: tiny)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weight dtype (default: float32)")
+    p.set_defaults(handler=_make_model)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from ..model.make import checkpoint_num_params, make_model  # imports torch: only when the command runs
+
+    out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    n = checkpoint_num_params(out)
+    print(f"{out}  {args.arch}/{args.preset}  {n:,} parameters ({args.dtype}, seed {args.seed})")
+    return 0
