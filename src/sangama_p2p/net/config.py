@@ -1,0 +1,113 @@
+"""``HostConfig``: everything a node needs to join the network, in one frozen dataclass.
+
+Grouped configuration instead of a long keyword list: the CLI, TOML files (``bootstrap/bootstrap.toml``) and tests
+all build the same object. Listen and announce addresses are separate on purpose: a peer behind a port forward or in a
+container listens on ``0.0.0.0`` but must advertise (and be dialled on) its public address, which nobody has observed
+yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+
+from ..errors import NetworkError
+
+__all__ = ["DEFAULT_LISTEN", "HostConfig", "Limits", "parse_multiaddrs"]
+
+DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/0",)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits handed to py-libp2p's resource manager.
+
+    py-libp2p's defaults refuse connections once the process uses 80 % of RAM or the system 90 %, which a peer that
+    holds a model's weights in memory reaches by design; these limits count connections and streams only.
+    """
+
+    max_connections: int = 512
+    max_streams: int = 8192
+    max_connections_per_peer: int = 4
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """How a node identifies itself, where it listens, what it advertises and whom it meets first.
+
+    ``fleet_secret`` (raw bytes, e.g. read from a file) turns the node into a member of a private fleet: every
+    connection is encrypted with a key derived from it, and peers without it cannot connect.
+    """
+
+    key_path: Path | None = None
+    listen_addrs: tuple[str, ...] = DEFAULT_LISTEN
+    announce_addrs: tuple[str, ...] = ()
+    bootstrap_addrs: tuple[str, ...] = ()
+    fleet_secret: bytes | None = field(default=None, repr=False)
+    dht_server: bool = True
+    relay_hop: bool = False
+    handshake_timeout: float = 5.0
+    record_ttl: float = 180.0
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        for name in ("listen_addrs", "announce_addrs", "bootstrap_addrs"):
+            value = tuple(getattr(self, name))
+            parse_multiaddrs(value, what=name)
+            object.__setattr__(self, name, value)
+        if not self.listen_addrs:
+            raise NetworkError("listen_addrs is empty: a node must listen somewhere")
+        if self.handshake_timeout <= 0 or self.record_ttl <= 0:
+            raise NetworkError("handshake_timeout and record_ttl must be positive")
+        if self.fleet_secret is not None and len(self.fleet_secret) < 16:
+            raise NetworkError("fleet secret is too short: use at least 16 bytes (e.g. `openssl rand -hex 32`)")
+        if self.key_path is not None:
+            object.__setattr__(self, "key_path", Path(self.key_path).expanduser())
+
+    def replace(self, **changes: Any) -> HostConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_toml(cls, path: Path, **overrides: Any) -> HostConfig:
+        """Read a ``[host]`` table (keys named like the fields; ``fleet_secret_file`` instead of the secret itself)."""
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise NetworkError(f"cannot read host config {path}: {exc}") from exc
+        table = dict(data.get("host", {}))
+        secret_file = table.pop("fleet_secret_file", None)
+        if secret_file:
+            from .fleet import read_fleet_secret
+
+            table["fleet_secret"] = read_fleet_secret(Path(path).parent / Path(secret_file).expanduser())
+        if "limits" in table:
+            table["limits"] = Limits(**table["limits"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(table) - known
+        if unknown:
+            raise NetworkError(f"unknown keys in [host] of {path}: {sorted(unknown)}")
+        for name in ("listen_addrs", "announce_addrs", "bootstrap_addrs"):
+            if name in table:
+                table[name] = tuple(table[name])
+        table.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**table)
+        except TypeError as exc:
+            raise NetworkError(f"bad [host] table in {path}: {exc}") from exc
+
+
+def parse_multiaddrs(addrs: tuple[str, ...] | list[str], *, what: str = "address") -> list[multiaddr.Multiaddr]:
+    """Parse multiaddr strings, raising :class:`NetworkError` that names the bad one."""
+    out = []
+    for text in addrs:
+        try:
+            out.append(multiaddr.Multiaddr(str(text)))
+        except Exception as exc:  # multiaddr raises several unrelated types
+            raise NetworkError(f"bad multiaddr in {what}: {text!r}: {exc}") from exc
+    return out

@@ -1,0 +1,157 @@
+"""Publishing what a peer serves, and finding every live peer that serves a model.
+
+A serving peer ``provide``s the model's provider key (so others can enumerate it) and ``put``s its signed
+:class:`~.records.ServingRecord` under its own record key; :class:`Announcer` re-signs (``seq + 1``) and
+re-publishes well before ``expires_at``. :func:`find_serving_peers` asks the network (never only the local store)
+for providers, fetches each provider's record (from the provider itself first: it holds the newest one), keeps the
+newest valid record per peer and drops expired ones, so a dead peer disappears once its record's TTL runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+
+from ..errors import NetworkError, RecordError
+from .dht import providers_from_network, values_from_network
+from .host import Node
+from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
+
+__all__ = ["Announcer", "Offer", "find_serving_peers", "publish"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a serving peer announces for one model (the record fields it controls)."""
+
+    model_id: str
+    start: int
+    end: int
+    throughput: float = 0.0
+    free_cache: int = 0
+    ttl: float = DEFAULT_TTL
+
+
+def _reachability(node: Node) -> str:
+    """``direct`` unless the only advertised addresses go through a relay (then that relay's peer id)."""
+    addrs = [str(a) for a in node.advertised_addrs()]
+    if not addrs or any("/p2p-circuit" not in a for a in addrs):
+        return "direct"
+    relay = addrs[0].split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
+    return relay
+
+
+async def publish(node: Node, offer: Offer, *, seq: int) -> SignedRecord:
+    """Sign ``offer`` with the node's key and store it in the DHT, and provide the model's key."""
+    if node.dht is None:
+        raise NetworkError("publishing needs a DHT")
+    signed = sign_record(
+        node.key_pair,
+        model_id=offer.model_id,
+        start=offer.start,
+        end=offer.end,
+        throughput=offer.throughput,
+        free_cache=offer.free_cache,
+        addrs=[str(a) for a in node.advertised_addrs()],
+        reachability=_reachability(node),
+        ttl=offer.ttl,
+        seq=seq,
+    )
+    try:
+        await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
+        await node.dht.provide(provider_key(offer.model_id))
+    except RecordError:
+        raise
+    except Exception as exc:  # py-libp2p raises ValueError and others on refusal
+        raise NetworkError(f"cannot publish record for {offer.model_id!r}: {exc}") from exc
+    return signed
+
+
+class Announcer:
+    """Keeps a peer's offers published: re-signs and re-publishes each one after a third of its TTL.
+
+    ``update`` replaces an offer (e.g. new throughput or free cache) and publishes it at once. Sequence numbers start
+    at the current time in milliseconds, so a restarted peer's records still win over its old ones.
+    """
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._offers: dict[str, Offer] = {}
+        self._seq = int(time.time() * 1000)
+        self._wake = trio.Event()
+        self.published: dict[str, SignedRecord] = {}
+
+    async def update(self, offer: Offer) -> SignedRecord:
+        self._offers[offer.model_id] = offer
+        signed = await self._publish(offer)
+        self._wake.set()
+        return signed
+
+    def withdraw(self, model_id: str) -> None:
+        """Stop re-publishing ``model_id`` (the record then expires after its TTL)."""
+        self._offers.pop(model_id, None)
+        self.published.pop(model_id, None)
+
+    async def _publish(self, offer: Offer) -> SignedRecord:
+        self._seq += 1
+        signed = await publish(self.node, offer, seq=self._seq)
+        self.published[offer.model_id] = signed
+        return signed
+
+    async def run(self) -> None:
+        """Re-publish forever (run it in the node's nursery)."""
+        while True:
+            now = time.time()
+            due = [
+                offer
+                for model, offer in self._offers.items()
+                if model not in self.published
+                or self.published[model].record.expires_at - now <= offer.ttl * 2 / 3
+            ]
+            for offer in due:
+                try:
+                    await self._publish(offer)
+                except NetworkError as exc:
+                    log.warning("re-publishing %s failed: %s", offer.model_id, exc)
+            waits = [
+                self.published[m].record.expires_at - offer.ttl * 2 / 3 - time.time()
+                for m, offer in self._offers.items()
+                if m in self.published
+            ]
+            self._wake = trio.Event()
+            with trio.move_on_after(max(0.05, min(waits, default=60.0))):
+                await self._wake.wait()
+
+
+async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = True) -> list[ServingRecord]:
+    """Every live peer serving ``model_id`` with its newest valid record, sorted by layer range then peer id."""
+    providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)))
+    if not include_self:
+        providers.discard(node.peer_id)
+    found: dict[str, ServingRecord] = {}
+
+    async def fetch(peer: ID) -> None:
+        key = record_key(model_id, peer)
+        values = await values_from_network(node, key, ask_first=[peer])
+        best: ServingRecord | None = None
+        for value in values:
+            try:
+                record = decode_record(key, value)
+            except RecordError:
+                continue  # expired since it was fetched, or otherwise stale
+            if best is None or (record.seq, record.expires_at) > (best.seq, best.expires_at):
+                best = record
+        if best is not None:
+            found[best.peer_id] = best
+
+    async with trio.open_nursery() as nursery:
+        for peer in providers:
+            nursery.start_soon(fetch, peer)
+    return sorted(found.values(), key=lambda r: (r.start, r.end, r.peer_id))
+

@@ -1,0 +1,46 @@
+"""Private fleets: a shared secret that keeps strangers out.
+
+Every connection of a fleet member is wrapped in libp2p's private-network layer (XSalsa20 keyed by a pre-shared key)
+before Noise runs, so a peer without the secret cannot even complete a handshake. The key is derived from the
+secret with a domain-separated SHA-256, so the secret file may hold any text (e.g. ``openssl rand -hex 32``).
+
+py-libp2p does not fail on a wrong key: both sides decrypt garbage and wait for bytes that never come. Sangama
+bounds every handshake (``HostConfig.handshake_timeout``) and reports a timed-out handshake on a TCP connection that
+opened as :func:`mismatch_error`, which names the likely cause.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..errors import NetworkError
+
+__all__ = ["mismatch_error", "psk_from_secret", "read_fleet_secret"]
+
+_DOMAIN = b"sangama/fleet-psk/v1\x00"
+
+
+def read_fleet_secret(path: Path) -> bytes:
+    """The secret in ``path`` with surrounding whitespace removed; an unreadable or short file is a NetworkError."""
+    try:
+        secret = Path(path).expanduser().read_bytes().strip()
+    except OSError as exc:
+        raise NetworkError(f"cannot read fleet secret file {path}: {exc}") from exc
+    if len(secret) < 16:
+        raise NetworkError(f"fleet secret in {path} is too short (need at least 16 bytes, e.g. `openssl rand -hex 32`)")
+    return secret
+
+
+def psk_from_secret(secret: bytes) -> str:
+    """The 32-byte pre-shared key (as the 64 hex digits py-libp2p expects) derived from a fleet secret."""
+    return hashlib.sha256(_DOMAIN + secret).hexdigest()
+
+
+def mismatch_error(peer: str, addr: str, timeout: float) -> NetworkError:
+    """The error for a handshake that opened a TCP connection but did not finish within ``timeout`` seconds."""
+    return NetworkError(
+        f"handshake with {peer} at {addr} did not complete within {timeout:g} s: fleet secret mismatch "
+        "(this node and the peer use different --fleet-secret-file, or only one of them has one) "
+        "or the peer is not a Sangama node"
+    )

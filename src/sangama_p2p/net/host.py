@@ -1,0 +1,315 @@
+"""``open_host``: a py-libp2p host with Sangama's choices made once, and the ``Node`` other modules hook into.
+
+Choices (see ``/work/shared/notes/py-libp2p-0.8.1.md`` for the measurements behind them):
+
+* TCP + Noise + Yamux only. A default py-libp2p host also accepts plaintext and secio; we pass a Noise-only
+  ``sec_opt`` and a Yamux-only ``muxer_opt``.
+* A resource manager that counts connections and streams but never refuses a peer for the memory its process uses
+  (a serving peer holds gigabytes of weights by design).
+* Listen and announce addresses are separate. Announced addresses are advertised first and :meth:`Node.connect`
+  dials a peer's addresses itself, in the order the peer advertised them (public first), one at a time. It does not
+  go through py-libp2p's dialer, which tries at most one address per transport, drops loopback addresses once it
+  knows any other, loses the dialled address from the peerstore, waits a fixed 250 ms per dial, and blocks a peer
+  for 60 s after a failure.
+
+Extension points for relays and hole punching (``net/relay.py``): ``Node.nursery`` runs background tasks for the
+node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g. ``/p2p-circuit`` ones), and
+``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address works. Services passed
+to :func:`open_host` start after the host listens and the DHT runs, and before bootstrap.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetConn
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.rcmgr import ResourceLimits, new_resource_manager
+from libp2p.rcmgr.memory_limits import MemoryConnectionLimits
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.utils.address_validation import expand_wildcard_address
+
+from ..errors import NetworkError
+from .config import HostConfig, parse_multiaddrs
+from .fleet import mismatch_error, psk_from_secret
+from .identity import load_or_create_key_pair
+
+if TYPE_CHECKING:
+    from libp2p.kad_dht.kad_dht import KadDHT
+
+__all__ = ["Dialer", "Node", "is_relayed", "open_host", "order_addrs", "remote_addr"]
+
+log = logging.getLogger(__name__)
+
+Dialer = Callable[["Node", ID, list[multiaddr.Multiaddr]], Awaitable[INetConn]]
+Service = Callable[["Node"], Awaitable[Any]]
+_ADDR_TTL = 3600  # seconds a peer's dialled addresses stay in our peerstore
+
+
+class Node:
+    """A running host and what other modules need from it; built by :func:`open_host`, never directly."""
+
+    def __init__(self, host: IHost, config: HostConfig, key_pair: KeyPair, nursery: trio.Nursery) -> None:
+        self.host = host
+        self.config = config
+        self.key_pair = key_pair
+        self.nursery = nursery
+        self.dht: KadDHT | None = None
+        self.extra_addrs: list[multiaddr.Multiaddr] = []
+        self.fallback_dialers: list[Dialer] = []
+        self._dialing: dict[ID, trio.Event] = {}
+        self._route_library_dials()
+
+    def _route_library_dials(self) -> None:
+        """Make py-libp2p's own dials (DHT queries, identify, relays) go through :meth:`connect`.
+
+        The swarm's ``dial_peer`` waits a fixed 250 ms per dial and mishandles announced addresses (see the module
+        docstring); replacing it on this one instance gives every dial the same address order and timeouts.
+        """
+        swarm = self.host.get_network()
+
+        async def dial_peer(peer_id: ID) -> list[INetConn]:
+            try:
+                return [await self.connect(peer_id)]
+            except NetworkError as exc:
+                raise SwarmException(str(exc)) from exc
+
+        swarm.dial_peer = dial_peer  # type: ignore[method-assign]
+
+    @property
+    def peer_id(self) -> ID:
+        return self.host.get_id()
+
+    def advertised_addrs(self) -> list[multiaddr.Multiaddr]:
+        """What other peers should dial, announced (public) addresses first, each ending in ``/p2p/<id>``."""
+        return list(self.host.get_addrs())
+
+    def listen_addrs(self) -> list[multiaddr.Multiaddr]:
+        """Where the host actually listens (real ports, no ``/p2p``)."""
+        return list(self.host.get_transport_addrs())
+
+    def connections(self, peer_id: ID) -> list[INetConn]:
+        """Open connections to ``peer_id``."""
+        return [c for c in self.host.get_network().get_connections(peer_id) if not c.is_closed]
+
+    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr] = ()) -> INetConn:
+        """A connection to ``peer_id``: an open one, else the first of ``addrs`` (then known ones) that answers.
+
+        Addresses are dialled one by one in :func:`order_addrs` order, each bounded by the handshake timeout, then
+        the fallback dialers (relays) are tried. Raises :class:`NetworkError` naming every failure.
+        """
+        if peer_id == self.peer_id:
+            raise NetworkError("refusing to dial ourselves")
+        while peer_id in self._dialing:  # one dial per peer at a time; later callers share its result
+            await self._dialing[peer_id].wait()
+        for conn in self.connections(peer_id):
+            return conn
+        self._dialing[peer_id] = trio.Event()
+        try:
+            return await self._connect(peer_id, addrs)
+        finally:
+            self._dialing.pop(peer_id).set()
+
+    async def _connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> INetConn:
+        peerstore = self.host.get_peerstore()
+        known = list(peerstore.addrs(peer_id)) if peer_id in peerstore.peer_ids() else []
+        candidates = order_addrs(_strip_p2p(a) for a in [*addrs, *known])
+        if candidates:
+            peerstore.add_addrs(peer_id, candidates, _ADDR_TTL)
+        failures: list[NetworkError] = []
+        for addr in (a for a in candidates if not is_relayed(a)):
+            try:
+                return await self._dial_direct(peer_id, addr)
+            except NetworkError as exc:
+                failures.append(exc)
+        for dialer in self.fallback_dialers:
+            try:
+                return await dialer(self, peer_id, candidates)
+            except NetworkError as exc:
+                failures.append(exc)
+        if not failures:
+            raise NetworkError(f"no address known for peer {peer_id}")
+        if len(failures) == 1:
+            raise failures[0]
+        raise NetworkError(f"cannot reach {peer_id}: " + "; ".join(str(f) for f in failures)) from failures[0]
+
+    async def connect_multiaddr(self, addr: str | multiaddr.Multiaddr) -> ID:
+        """Connect to a ``.../p2p/<id>`` address (e.g. a bootstrap node) and return the peer id."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(str(addr)))
+        except Exception as exc:
+            raise NetworkError(f"bad peer address {addr!r} (it must end in /p2p/<peer id>): {exc}") from exc
+        await self.connect(info.peer_id, info.addrs)
+        return info.peer_id
+
+    async def _dial_direct(self, peer_id: ID, addr: multiaddr.Multiaddr) -> INetConn:
+        swarm = self.host.get_network()
+        timeout = self.config.handshake_timeout
+        with trio.move_on_after(timeout):
+            try:
+                conn = await swarm.dial_addr(addr, peer_id)
+                await conn.event_started.wait()
+            except Exception as exc:  # SwarmException and transport errors
+                cause = exc.__cause__ or exc
+                raise NetworkError(f"cannot connect to {peer_id} at {addr}: {cause}") from exc
+            negative_cache = getattr(swarm, "_negative_peer_cache", None)
+            if negative_cache is not None:
+                negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
+            return conn
+        if self.config.fleet_secret is not None:
+            raise mismatch_error(str(peer_id), str(addr), timeout)
+        raise NetworkError(f"handshake with {peer_id} at {addr} did not complete within {timeout:g} s")
+
+
+def order_addrs(addrs: Any) -> list[multiaddr.Multiaddr]:
+    """Deduplicate, keeping the given order within each class: public, then private, then loopback, then relayed.
+
+    The order a peer advertised is kept inside each class, so its announced public addresses stay first.
+    """
+    seen: set[str] = set()
+    unique = []
+    for addr in addrs:
+        if str(addr) not in seen:
+            seen.add(str(addr))
+            unique.append(addr)
+    return sorted(unique, key=_addr_rank)  # sorted() is stable
+
+
+def _addr_rank(addr: multiaddr.Multiaddr) -> int:
+    if is_relayed(addr):
+        return 3
+    for proto in ("ip4", "ip6"):
+        try:
+            ip = ipaddress.ip_address(addr.value_for_protocol(proto))
+        except Exception:
+            continue
+        if ip.is_loopback:
+            return 2
+        return 1 if ip.is_private or ip.is_link_local else 0
+    return 0  # dns names: assume public
+
+
+def is_relayed(addr: multiaddr.Multiaddr) -> bool:
+    """True for ``/p2p-circuit`` addresses (reachable only through a relay)."""
+    return "/p2p-circuit" in str(addr)
+
+
+def remote_addr(conn: INetConn) -> tuple[str, int] | None:
+    """The (ip, port) at the far end of a connection, or None for relayed/unknown ones."""
+    muxed = getattr(conn, "muxed_conn", None)
+    getter = getattr(muxed, "get_remote_address", None)
+    return getter() if getter is not None else None
+
+
+def _strip_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
+    addr = multiaddr.Multiaddr(str(addr))
+    text = str(addr)
+    if is_relayed(addr):
+        return addr
+    idx = text.rfind("/p2p/")
+    return multiaddr.Multiaddr(text[:idx]) if idx > 0 else addr
+
+
+def _build_host(config: HostConfig, key_pair: KeyPair, node_ref: list[Node]) -> IHost:
+    listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
+    announce = parse_multiaddrs(config.announce_addrs, what="announce_addrs")
+
+    def advertise(candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        if announce:
+            base = list(announce)
+        else:
+            base = []
+            for addr in candidates:
+                base.extend(expand_wildcard_address(addr) if _is_wildcard(addr) else [addr])
+        extra = node_ref[0].extra_addrs if node_ref else []
+        return order_addrs([*base, *extra]) if not announce else [*base, *order_addrs(extra)]
+
+    limits = config.limits
+    resource_manager = new_resource_manager(
+        limits=ResourceLimits(max_connections=limits.max_connections, max_streams=limits.max_streams),
+        memory_limits=MemoryConnectionLimits(max_process_memory_percent=100.0, max_system_memory_percent=100.0),
+        enable_circuit_breaker=False,  # five refusals would otherwise block all connections for 60 s
+        enable_graceful_degradation=False,
+        enable_memory_pooling=False,
+    )
+    timeout = config.handshake_timeout
+    connection_config = ConnectionConfig(
+        max_connections=limits.max_connections,
+        min_connections=0,
+        low_watermark=0,  # no auto-connector churn: Sangama decides whom to dial
+        high_watermark=limits.max_connections,
+        max_connections_per_peer=limits.max_connections_per_peer,
+        dial_timeout=timeout,
+        inbound_upgrade_timeout=timeout,
+        outbound_upgrade_timeout=timeout,
+    )
+    try:
+        host = new_host(
+            key_pair=key_pair,
+            sec_opt={NOISE_PROTOCOL_ID: NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)},
+            muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+            listen_addrs=listen,
+            addrs_factory=advertise,
+            resource_manager=resource_manager,
+            connection_config=connection_config,
+            psk=psk_from_secret(config.fleet_secret) if config.fleet_secret is not None else None,
+        )
+    except Exception as exc:
+        raise NetworkError(f"cannot create libp2p host: {exc}") from exc
+    host.get_network().retry_config = RetryConfig(max_retries=0)  # Node.connect walks the addresses itself
+    return host
+
+
+def _is_wildcard(addr: multiaddr.Multiaddr) -> bool:
+    return "/ip4/0.0.0.0/" in str(addr) or "/ip6/::/" in str(addr)
+
+
+@asynccontextmanager
+async def open_host(
+    config: HostConfig,
+    *,
+    key_pair: KeyPair | None = None,
+    services: Sequence[Service] = (),
+) -> AsyncIterator[Node]:
+    """Run a node for the duration of the ``async with`` block.
+
+    Starts the host on ``config.listen_addrs``, the Kademlia DHT (server mode when ``config.dht_server``), the
+    given ``services`` (each ``await service(node)`` runs in the node's nursery), then connects to the bootstrap
+    addresses. If bootstrap addresses are configured and none answers, raises :class:`NetworkError`.
+    """
+    from .dht import bootstrap, run_dht  # local: dht imports records, which need nothing from here
+
+    key_pair = key_pair or load_or_create_key_pair(config.key_path)
+    node_ref: list[Node] = []
+    host = _build_host(config, key_pair, node_ref)
+    try:
+        async with host.run(parse_multiaddrs(config.listen_addrs, what="listen_addrs")):
+            async with trio.open_nursery() as nursery:
+                node = Node(host, config, key_pair, nursery)
+                node_ref.append(node)
+                await nursery.start(run_dht, node)
+                for service in services:
+                    nursery.start_soon(service, node)
+                if config.bootstrap_addrs:
+                    await bootstrap(node, config.bootstrap_addrs)
+                try:
+                    yield node
+                finally:
+                    nursery.cancel_scope.cancel()
+    except OSError as exc:
+        raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc

@@ -1,0 +1,267 @@
+"""Signed serving records: what a peer serves, how fast, where to reach it, until when.
+
+A serving peer publishes one :class:`ServingRecord` per model under ``record_key(model_id, peer_id)`` in the DHT.
+Records are signed with the peer's Ed25519 key and carry the public key, so anyone can check that the record was
+written by the peer its key names. py-libp2p keeps DHT values for a fixed 24 h, so the record carries its own
+``expires_at`` and the validator rejects stale records; ``seq`` orders re-publications, and :func:`select_best`
+keeps the newest, so a stale copy never replaces a fresh one.
+
+Encoding: ``msgpack([body, signature])`` where ``body`` is a msgpack map with a fixed set of fields and the
+signature covers ``SIGNING_DOMAIN + body``. Pure functions only (no I/O), so tests call them directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import multiaddr
+from libp2p.crypto.keys import KeyPair, KeyType
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+from libp2p.records.validator import Validator
+
+from ..errors import RecordError
+
+__all__ = [
+    "DEFAULT_TTL",
+    "MAX_TTL",
+    "NAMESPACE",
+    "RecordValidator",
+    "ServingRecord",
+    "SignedRecord",
+    "decode_record",
+    "provider_key",
+    "record_key",
+    "select_best",
+    "sign_record",
+]
+
+NAMESPACE = "sangama"  # the DHT key namespace: keys look like /sangama/<hash of model id and peer id>
+SCHEMA = "sangama/serving/1"
+SIGNING_DOMAIN = b"sangama-serving-record-v1\x00"
+DEFAULT_TTL = 180.0
+MAX_TTL = 3600.0  # a record claiming to live longer is rejected (no near-immortal records)
+MAX_RECORD_BYTES = 8192
+MAX_ADDRS = 16
+_FIELDS = frozenset(
+    {"schema", "model", "peer", "pk", "start", "end", "tps", "free", "addrs", "reach", "sw", "exp", "seq"}
+)
+
+
+@dataclass(frozen=True)
+class ServingRecord:
+    """One peer's offer for one model: layers ``[start, end)``; ``reachability`` is ``"direct"`` or a relay's id."""
+
+    model_id: str
+    peer_id: str
+    start: int
+    end: int
+    throughput: float  # tokens per second the stage sustains
+    free_cache: int  # sessions it can still open
+    addrs: tuple[str, ...]  # announced public addresses first
+    reachability: str
+    version: str
+    expires_at: float  # unix seconds
+    seq: int
+
+    @property
+    def ttl_left(self) -> float:
+        return self.expires_at - time.time()
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    """A record with the bytes it was decoded from (what travels in the DHT)."""
+
+    record: ServingRecord
+    value: bytes
+
+
+def record_key(model_id: str, peer_id: ID | str) -> str:
+    """The DHT key of ``peer_id``'s record for ``model_id``: ``/sangama/<32 hex digits>``.
+
+    Hashed because model ids contain ``/``, and short because py-libp2p's DHT servers ignore FIND_NODE lookups
+    for keys over 50 bytes, which would leave the record on no peer but its author.
+    """
+    digest = hashlib.sha256(b"sangama/record\x00" + model_id.encode() + b"\x00" + str(peer_id).encode())
+    return f"/{NAMESPACE}/{digest.hexdigest()[:32]}"
+
+
+def provider_key(model_id: str) -> str:
+    """The DHT provider key of ``model_id``: 64 hex digits, i.e. a 32-byte key, the same on every peer."""
+    return hashlib.sha256(b"sangama/provide\x00" + model_id.encode()).hexdigest()
+
+
+def sign_record(
+    key_pair: KeyPair,
+    *,
+    model_id: str,
+    start: int,
+    end: int,
+    throughput: float,
+    free_cache: int,
+    addrs: tuple[str, ...] | list[str],
+    reachability: str = "direct",
+    version: str = "",
+    ttl: float = DEFAULT_TTL,
+    seq: int = 0,
+    now: float | None = None,
+) -> SignedRecord:
+    """Build, sign and encode a record; the result decodes with :func:`decode_record` (which checks everything)."""
+    if version == "":
+        from .. import __version__
+
+        version = __version__
+    peer_id = ID.from_pubkey(key_pair.public_key)
+    exp = (time.time() if now is None else now) + ttl
+    body = {
+        "schema": SCHEMA,
+        "model": model_id,
+        "peer": peer_id.to_base58(),
+        "pk": key_pair.public_key.serialize(),
+        "start": int(start),
+        "end": int(end),
+        "tps": float(throughput),
+        "free": int(free_cache),
+        "addrs": [str(a) for a in addrs][:MAX_ADDRS],
+        "reach": reachability,
+        "sw": version,
+        "exp": float(exp),
+        "seq": int(seq),
+    }
+    body_bytes = msgpack.packb(body, use_bin_type=True)
+    signature = key_pair.private_key.sign(SIGNING_DOMAIN + body_bytes)
+    value = msgpack.packb([body_bytes, signature], use_bin_type=True)
+    return SignedRecord(decode_record(record_key(model_id, peer_id), value, now=now), value)
+
+
+def decode_record(key: str, value: bytes, *, now: float | None = None) -> ServingRecord:
+    """Check ``value`` against ``key`` and return its record, or raise :class:`RecordError` saying why.
+
+    Rejects: oversized or undecodable bytes, a body that breaks the schema, a key outside our namespace or not
+    derived from the record's model and peer, a public key that does not hash to the record's peer id, a bad
+    signature, and an expired record (or one claiming to live longer than ``MAX_TTL``).
+    """
+    if not key.startswith(f"/{NAMESPACE}/"):
+        raise RecordError(f"record key {key!r} is not in the /{NAMESPACE}/ namespace")
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordError(f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        envelope = msgpack.unpackb(value, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES)
+        body_bytes, signature = envelope
+        if not isinstance(body_bytes, bytes) or not isinstance(signature, bytes):
+            raise TypeError("envelope fields are not bytes")
+        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types; unpacking a non-pair raises ValueError/TypeError
+        raise RecordError(f"record is not a msgpack [body, signature] envelope: {exc}") from exc
+    record, public_key_bytes = _parse_body(body)
+    if key != record_key(record.model_id, record.peer_id):
+        raise RecordError(f"record for {record.peer_id} / {record.model_id!r} is stored under the wrong key {key!r}")
+    try:
+        public_key = deserialize_public_key(public_key_bytes)
+    except Exception as exc:
+        raise RecordError(f"record's public key does not parse: {exc}") from exc
+    if public_key.get_type() != KeyType.Ed25519:
+        raise RecordError("record's public key is not Ed25519")
+    if ID.from_pubkey(public_key).to_base58() != record.peer_id:
+        raise RecordError(f"record's public key is not the key of peer {record.peer_id} (forged signer)")
+    try:
+        valid = public_key.verify(SIGNING_DOMAIN + body_bytes, signature)
+    except Exception as exc:
+        raise RecordError(f"record signature check failed: {exc}") from exc
+    if not valid:
+        raise RecordError(f"record signature of {record.peer_id} is invalid (tampered or forged)")
+    now = time.time() if now is None else now
+    if record.expires_at <= now:
+        raise RecordError(f"record of {record.peer_id} expired {now - record.expires_at:.1f} s ago")
+    if record.expires_at > now + MAX_TTL + 60:  # 60 s allowance for clock skew
+        raise RecordError(f"record of {record.peer_id} claims to live {record.expires_at - now:.0f} s (> {MAX_TTL:g})")
+    return record
+
+
+def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
+    if not isinstance(body, dict):
+        raise RecordError("record body is not a map")
+    if set(body) != _FIELDS:
+        raise RecordError(f"record fields {sorted(body)} differ from the schema's {sorted(_FIELDS)}")
+    if body["schema"] != SCHEMA:
+        raise RecordError(f"record schema {body['schema']!r} is not {SCHEMA!r}")
+    _check(body, "model", str, lambda v: 0 < len(v) <= 256)
+    _check(body, "peer", str, lambda v: 0 < len(v) <= 128)
+    _check(body, "pk", bytes, lambda v: 0 < len(v) <= 128)
+    _check(body, "start", int, lambda v: 0 <= v < 1_000_000)
+    _check(body, "end", int, lambda v: body["start"] < v <= 1_000_000)
+    _check(body, "tps", float, lambda v: math.isfinite(v) and v >= 0)
+    _check(body, "free", int, lambda v: 0 <= v < 2**63)
+    _check(body, "addrs", list, lambda v: len(v) <= MAX_ADDRS and all(_is_multiaddr(a) for a in v))
+    _check(body, "reach", str, lambda v: v == "direct" or _is_peer_id(v))
+    _check(body, "sw", str, lambda v: len(v) <= 64)
+    _check(body, "exp", float, math.isfinite)
+    _check(body, "seq", int, lambda v: 0 <= v < 2**63)
+    record = ServingRecord(
+        model_id=body["model"],
+        peer_id=body["peer"],
+        start=body["start"],
+        end=body["end"],
+        throughput=body["tps"],
+        free_cache=body["free"],
+        addrs=tuple(body["addrs"]),
+        reachability=body["reach"],
+        version=body["sw"],
+        expires_at=body["exp"],
+        seq=body["seq"],
+    )
+    return record, body["pk"]
+
+
+def _check(body: dict[str, Any], name: str, kind: type, ok: Any) -> None:
+    value = body[name]
+    if not isinstance(value, kind) or isinstance(value, bool) or not ok(value):
+        raise RecordError(f"record field {name!r} is invalid: {value!r:.80}")
+
+
+def _is_multiaddr(text: Any) -> bool:
+    if not isinstance(text, str) or len(text) > 256:
+        return False
+    try:
+        multiaddr.Multiaddr(text)
+    except Exception:
+        return False
+    return True
+
+
+def _is_peer_id(text: str) -> bool:
+    try:
+        ID.from_base58(text)
+    except Exception:
+        return False
+    return True
+
+
+def select_best(key: str, values: list[bytes], *, now: float | None = None) -> int:
+    """Index of the newest valid value (highest ``seq``, then latest expiry); invalid values always lose."""
+    best_index, best_rank = 0, (-1, -math.inf)
+    for index, value in enumerate(values):
+        try:
+            record = decode_record(key, value, now=now)
+        except RecordError:
+            continue
+        rank = (record.seq, record.expires_at)
+        if rank > best_rank:
+            best_index, best_rank = index, rank
+    return best_index
+
+
+class RecordValidator(Validator):
+    """The DHT validator for the ``sangama`` namespace: py-libp2p stores and forwards only what passes."""
+
+    def validate(self, key: str, value: bytes) -> None:
+        decode_record(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return select_best(key, values)

@@ -1,0 +1,176 @@
+"""NAT traversal for a node: learn reachability, hold relay reservations when private, connect, hole punch.
+
+:class:`Traversal` plugs into ``open_host`` as a service and uses the hooks ``Node`` offers::
+
+    traversal = Traversal(TraversalConfig())
+    async with open_host(config, services=[traversal.run]) as node:
+        await traversal.wait_ready()
+        link = await traversal.connect(peer_id, addrs)      # LinkInfo: "direct" or "relayed via <relay id>"
+
+What ``run`` does, in order:
+
+1. starts the circuit-relay client (STOP: accept relayed connections), the HOP side too on relay nodes
+   (``HostConfig.relay_hop``), the dial-back server on relay nodes, and the DCUtR hole puncher;
+2. registers a fallback dialer on the node, so ``Node.connect`` tries a peer's ``/p2p-circuit`` addresses after its
+   direct ones;
+3. asks the relays (by default the bootstrap nodes) to dial it back; if nobody could, it keeps a reservation on up to
+   ``max_reservations`` relays and advertises the resulting ``/p2p-circuit`` addresses (``Node.extra_addrs``);
+4. re-checks reachability every ``recheck_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import INetConn
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from ..errors import NetworkError
+from .holepunch import HolePuncher, LinkInfo, link_info, run_hole_puncher, wait_direct
+from .host import Node, is_relayed
+from .reach import Reachability, ReachabilityReport, check_reachability, serve_dialback
+from .relay import RelayClient, RelayError, RelayServiceConfig, open_relay_client
+
+__all__ = ["Traversal", "TraversalConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TraversalConfig:
+    """How a node finds out whether it is reachable and what it does about it.
+
+    ``relays`` are ``.../p2p/<id>`` multiaddrs; empty means "the bootstrap nodes". ``serve_relay`` ``None`` follows
+    ``HostConfig.relay_hop``. ``reachability`` forces a verdict (``"public"``/``"private"``) instead of asking.
+    """
+
+    relays: tuple[str, ...] = ()
+    serve_relay: bool | None = None
+    hole_punch: bool = True
+    max_reservations: int = 2
+    recheck_s: float = 600.0
+    reachability: str | None = None
+    relay_limits: RelayServiceConfig = RelayServiceConfig()
+
+    def __post_init__(self) -> None:
+        if self.reachability not in (None, "public", "private"):
+            raise NetworkError(f"reachability must be 'public', 'private' or unset, not {self.reachability!r}")
+        if self.max_reservations < 1 or self.recheck_s <= 0:
+            raise NetworkError("max_reservations must be >= 1 and recheck_s > 0")
+
+
+class Traversal:
+    """The NAT-traversal side of one node; ``run`` is its lifetime (pass it to ``open_host(services=...)``)."""
+
+    def __init__(self, config: TraversalConfig | None = None) -> None:
+        self.config = config or TraversalConfig()
+        self.report: ReachabilityReport | None = None
+        self.relay_client: RelayClient | None = None
+        self.puncher: HolePuncher | None = None
+        self._node: Node | None = None
+        self._ready = trio.Event()
+
+    @property
+    def reachability(self) -> Reachability:
+        return self.report.status if self.report is not None else Reachability.UNKNOWN
+
+    async def wait_ready(self) -> None:
+        """Wait until reachability is known and, for a private node, a first reservation was tried."""
+        await self._ready.wait()
+
+    # -- lifetime --------------------------------------------------------------------------------------------------
+    async def run(self, node: Node) -> None:
+        """Run until the node closes (``open_host`` cancels its services)."""
+        self._node = node
+        serve = node.config.relay_hop if self.config.serve_relay is None else self.config.serve_relay
+        async with AsyncExitStack() as stack:
+            relay_client = await stack.enter_async_context(
+                open_relay_client(node.host, relay_config=self.config.relay_limits if serve else None)
+            )
+            self.relay_client = relay_client
+            relay_client.on_change = self._advertise
+            if serve:
+                await stack.enter_async_context(serve_dialback(node.host))
+            if self.config.hole_punch:
+                self.puncher = await stack.enter_async_context(run_hole_puncher(node.host, relay_client))
+            node.fallback_dialers.append(self._dial_via_relay)
+            stack.callback(node.fallback_dialers.remove, self._dial_via_relay)
+            relays = self._relays(node)
+            while True:
+                await self._check(node, relays, serve)
+                self._ready.set()
+                await trio.sleep(self.config.recheck_s)
+
+    def _relays(self, node: Node) -> list[PeerInfo]:
+        out = []
+        for addr in self.config.relays or node.config.bootstrap_addrs:
+            try:
+                out.append(info_from_p2p_addr(Multiaddr(addr)))
+            except Exception as exc:
+                raise NetworkError(f"relay address {addr!r} must end in /p2p/<peer id>: {exc}") from exc
+        return [r for r in out if r.peer_id != node.peer_id]
+
+    async def _check(self, node: Node, relays: list[PeerInfo], serving: bool) -> None:
+        forced = self.config.reachability
+        if forced is not None or serving or not relays:
+            status = Reachability(forced) if forced else (Reachability.PUBLIC if serving else Reachability.UNKNOWN)
+            self.report = ReachabilityReport(status, (), ())
+        else:
+            self.report = await check_reachability(node.host, relays)
+        logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
+        if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
+            await self._reserve(relays[: self.config.max_reservations])
+
+    async def _reserve(self, relays: list[PeerInfo]) -> None:
+        assert self.relay_client is not None
+        client = self.relay_client
+        for relay in relays:
+            client.keep_reservation(relay)
+        with trio.move_on_after(10.0):  # first grant, so that wait_ready means "advertising a circuit"
+            while relays and not client.reservations:
+                await trio.sleep(0.05)
+
+    def _advertise(self) -> None:
+        if self._node is not None and self.relay_client is not None:
+            self._node.extra_addrs[:] = self.relay_client.circuit_addrs()
+
+    async def _dial_via_relay(self, node: Node, peer_id: ID, addrs: list[Multiaddr]) -> INetConn:
+        if self.relay_client is None:
+            raise NetworkError("relay client not running")
+        circuits = [a for a in addrs if is_relayed(a) and str(a).rstrip("/").endswith(f"/p2p/{peer_id}")]
+        if not circuits:
+            raise NetworkError(f"no relay address known for {peer_id}")
+        errors: list[str] = []
+        for addr in circuits:
+            try:
+                return await self.relay_client.dial(addr)
+            except RelayError as exc:
+                errors.append(str(exc))
+        raise RelayError(f"no relay reached {peer_id}: " + "; ".join(errors))
+
+    # -- links -----------------------------------------------------------------------------------------------------
+    async def connect(self, peer_id: ID, addrs: Sequence[Multiaddr | str] = ()) -> LinkInfo:
+        """Reach ``peer_id``: an open link, else its direct addresses, else through a relay. Reports the link."""
+        if self._node is None:
+            raise NetworkError("traversal is not running")
+        await self._node.connect(peer_id, [Multiaddr(str(a)) for a in addrs])
+        info = link_info(self._node.host, peer_id)
+        if info is None:
+            raise NetworkError(f"connection to {peer_id} closed right after it opened")
+        return info
+
+    def link(self, peer_id: ID) -> LinkInfo | None:
+        """The current link to ``peer_id`` (direct preferred), or ``None``."""
+        return link_info(self._node.host, peer_id) if self._node is not None else None
+
+    async def wait_direct(self, peer_id: ID, timeout_s: float) -> LinkInfo | None:
+        """Wait for a hole punch to give a direct link to ``peer_id``; ``None`` if it did not within ``timeout_s``."""
+        if self._node is None:
+            raise NetworkError("traversal is not running")
+        return await wait_direct(self._node.host, peer_id, timeout_s)

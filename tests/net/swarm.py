@@ -1,0 +1,34 @@
+"""An in-process swarm on loopback: N nodes in one trio nursery, the first a bootstrap node."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+from sangama_p2p.net.config import HostConfig
+from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.identity import generate_key_pair
+
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def config(**changes: object) -> HostConfig:
+    base = {"listen_addrs": LOOPBACK, "handshake_timeout": 3.0}
+    base.update(changes)
+    return HostConfig(**base)  # type: ignore[arg-type]
+
+
+def first_addr(node: Node) -> str:
+    return str(node.advertised_addrs()[0])
+
+
+@asynccontextmanager
+async def swarm(n: int, **changes: object) -> AsyncIterator[list[Node]]:
+    """``n`` nodes (DHT servers): node 0 is the bootstrap node, the others bootstrap from it."""
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_host(config(**changes), key_pair=generate_key_pair()))
+        nodes = [boot]
+        for _ in range(n - 1):
+            cfg = config(bootstrap_addrs=(first_addr(boot),), **changes)
+            nodes.append(await stack.enter_async_context(open_host(cfg, key_pair=generate_key_pair())))
+        yield nodes
