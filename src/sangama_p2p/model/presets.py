@@ -99,7 +99,7 @@ PRESETS: dict[str, dict[str, Preset]] = {
             shared_expert_intermediate_size=64,
         ),
         "small": QwenMoePreset(
-            vocab_size=4096,
+            vocab_size=2048,
             hidden_size=512,
             num_hidden_layers=12,
             num_attention_heads=8,
@@ -125,7 +125,7 @@ PRESETS: dict[str, dict[str, Preset]] = {
             intermediate_size=512,
         ),
         "small": LlamaPreset(
-            vocab_size=4096,
+            vocab_size=2048,
             hidden_size=768,
             num_hidden_layers=12,
             num_attention_heads=12,
