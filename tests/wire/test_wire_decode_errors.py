@@ -1,0 +1,141 @@
+"""Hostile payloads: every malformation raises a WireError subclass naming the problem, never anything else."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+
+from sangama_p2p.errors import (
+    FrameTooLargeError,
+    InvalidMessageError,
+    MalformedFrameError,
+    UnsupportedVersionError,
+    WireError,
+)
+from sangama_p2p.wire import CloseSession, FrameDecoder, Step, Tensor, TraceStamp, decode, encode
+
+SID = b"S" * 16
+STEP_FIELDS = [SID, 1, 0, [], ["bf16", [2, 4]], [7], [["peer", 1, 2, 3, 4, 1]]]
+HIDDEN = bytes(16)
+
+
+def payload(tag: int, fields: object, blob: bytes = b"", version: int = 1) -> bytes:
+    header = msgpack.packb(fields, use_bin_type=True)
+    return struct.pack(">BBI", version, tag, len(header)) + header + blob
+
+
+def test_hand_built_step_decodes() -> None:
+    msg = decode(payload(3, STEP_FIELDS, HIDDEN))
+    assert msg == Step(SID, 1, 0, (), Tensor("bf16", (2, 4), HIDDEN), (7,), (TraceStamp("peer", 1, 2, 3, 4, 1),))
+
+
+@pytest.mark.parametrize("cut", range(len(payload(3, STEP_FIELDS, HIDDEN))))
+def test_every_truncation_is_a_wire_error(cut: int) -> None:
+    with pytest.raises(WireError):
+        decode(payload(3, STEP_FIELDS, HIDDEN)[:cut])
+
+
+def test_short_prelude_and_cut_header_are_malformed() -> None:
+    with pytest.raises(MalformedFrameError, match="prelude"):
+        decode(b"\x01\x05\x00")
+    good = encode(CloseSession(SID))
+    with pytest.raises(MalformedFrameError, match="runs past"):
+        decode(good[:-1])
+
+
+def test_wrong_version() -> None:
+    with pytest.raises(UnsupportedVersionError):
+        decode(payload(5, [SID], version=2))
+    with pytest.raises(UnsupportedVersionError):
+        decode(payload(5, [SID], version=0))
+
+
+@pytest.mark.parametrize("tag", [0, 7, 15, 18, 255])
+def test_unknown_tag(tag: int) -> None:
+    with pytest.raises(MalformedFrameError, match="unknown message type"):
+        decode(payload(tag, [SID]))
+
+
+def test_trailing_bytes() -> None:
+    with pytest.raises(MalformedFrameError, match="trailing"):
+        decode(encode(CloseSession(SID)) + b"\x00")
+    with pytest.raises(MalformedFrameError, match="trailing"):
+        decode(payload(3, STEP_FIELDS[:4] + [None] + STEP_FIELDS[5:], b"x"))
+    with pytest.raises(InvalidMessageError, match="needs 16 bytes"):
+        decode(payload(3, STEP_FIELDS, HIDDEN + b"x"))
+
+
+def test_extra_msgpack_inside_the_header_is_malformed() -> None:
+    header = msgpack.packb([SID]) + msgpack.packb(1)
+    with pytest.raises(MalformedFrameError):
+        decode(struct.pack(">BBI", 1, 5, len(header)) + header)
+
+
+@pytest.mark.parametrize(
+    ("index", "value"),
+    [
+        (4, ["int8", [2, 4]]),  # wrong dtype
+        (4, ["bf16", [2, 5]]),  # shape disagrees with the data
+        (4, ["bf16", [32]]),  # wrong length
+        (4, ["bf16", []]),  # rank 0
+        (4, ["bf16", [1, 1, 1, 2, 4]]),  # rank 5
+        (4, ["bf16"]),  # descriptor arity
+        (4, "bf16"),
+        (0, "S" * 16),  # session id as str
+        (0, b"S" * 17),
+        (1, 1.0),  # step as float
+        (1, -1),
+        (2, True),
+        (3, {"a": 1}),  # token ids as a map
+        (3, [1, "2"]),
+        (5, [2**31]),
+        (6, [["peer", 1, 2, 3]]),  # trace stamp arity
+        (6, "trace"),
+        (6, [[b"peer", 1, 2, 3, 4, 1]]),
+    ],
+)
+def test_wrong_field_values_are_invalid(index: int, value: object) -> None:
+    fields = list(STEP_FIELDS)
+    fields[index] = value
+    with pytest.raises(InvalidMessageError):
+        decode(payload(3, fields, HIDDEN))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        msgpack.packb({"session_id": SID}),  # a map instead of an array
+        msgpack.packb([SID, 1]),  # wrong arity
+        msgpack.packb([]),
+        msgpack.packb(SID),
+        b"\xc1",  # never-used msgpack byte
+        b"\xdd\xff\xff\xff\xff",  # array claiming 4 billion items
+        b"\x91\xd9\x02\xff\xfe",  # invalid UTF-8 string
+        msgpack.packb([msgpack.ExtType(5, b"x")]),
+    ],
+)
+def test_garbage_headers_are_wire_errors(header: bytes) -> None:
+    with pytest.raises(WireError) as info:
+        decode(struct.pack(">BBI", 1, 5, len(header)) + header)
+    assert isinstance(info.value, (MalformedFrameError, InvalidMessageError))
+
+
+def test_deeply_nested_header_is_a_wire_error() -> None:
+    header = b"\x91" * 100_000 + b"\xc0"
+    with pytest.raises(MalformedFrameError):
+        decode(struct.pack(">BBI", 1, 5, len(header)) + header)
+
+
+def test_oversized_frame_is_refused_by_the_decoder() -> None:
+    dec = FrameDecoder(max_frame=1024)
+    with pytest.raises(FrameTooLargeError):
+        dec.feed(struct.pack(">I", 1025) + b"x" * 100)
+
+
+def test_huge_tensor_descriptor_is_refused() -> None:
+    fields = list(STEP_FIELDS)
+    fields[4] = ["fp32", [2**24, 2**24]]
+    with pytest.raises(InvalidMessageError):
+        decode(payload(3, fields, HIDDEN))
