@@ -59,6 +59,11 @@ log = logging.getLogger(__name__)
 Dialer = Callable[["Node", ID, list[multiaddr.Multiaddr]], Awaitable[INetConn]]
 Service = Callable[["Node"], Awaitable[Any]]
 _ADDR_TTL = 3600  # seconds a peer's dialled addresses stay in our peerstore
+# Site-local ranges: dialled after public ones. Documentation and benchmark ranges (198.18/15, 203.0.113/24, ...)
+# count as public on purpose: network-namespace tests use them as "the internet".
+_LOCAL_NETS = tuple(
+    ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
+)
 
 
 class Node:
@@ -200,7 +205,7 @@ def _addr_rank(addr: multiaddr.Multiaddr) -> int:
             continue
         if ip.is_loopback:
             return 2
-        return 1 if ip.is_private or ip.is_link_local else 0
+        return 1 if ip.is_link_local or any(ip in net for net in _LOCAL_NETS if net.version == ip.version) else 0
     return 0  # dns names: assume public
 
 

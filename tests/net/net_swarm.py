@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
 from sangama_p2p.net.config import HostConfig
 from sangama_p2p.net.host import Node, open_host
@@ -12,8 +15,12 @@ from sangama_p2p.net.identity import generate_key_pair
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
+_KEYS = Path(tempfile.mkdtemp(prefix="sangama-test-keys-"))
+
+
 def config(**changes: object) -> HostConfig:
-    base = {"listen_addrs": LOOPBACK, "handshake_timeout": 3.0}
+    """A loopback config with its own fresh key file (never the user's ``~/.sangama`` key)."""
+    base = {"listen_addrs": LOOPBACK, "handshake_timeout": 3.0, "key_path": _KEYS / f"{uuid.uuid4().hex}.key"}
     base.update(changes)
     return HostConfig(**base)  # type: ignore[arg-type]
 
