@@ -154,7 +154,7 @@ async def _read_message(stream: INetStream) -> bytes:
         except StreamEOF:
             return b""
 
-    data = await read_frame(read, MAX_MESSAGE)
+    data = await read_frame(read, max_frame=MAX_MESSAGE)
     if data is None:
         raise WireError("dial-back stream ended before a message")
     return data
@@ -206,7 +206,7 @@ async def serve_dialback(host: IHost, *, timeout_s: float = 3.0, concurrency: in
 
                             nursery.start_soon(run)
                     reply = DialBackReply(tuple(t for t in targets if results.get(t)), tuple(targets))
-                await stream.write(encode_frame(reply.encode(), MAX_MESSAGE))
+                await stream.write(encode_frame(reply.encode(), max_frame=MAX_MESSAGE))
         except (WireError, NetworkError, trio.TooSlowError) as exc:
             logger.debug("dial-back request from %s dropped: %s", peer_id, exc)
         except Exception as exc:  # a broken stream from one peer must not reach the host's handler machinery
@@ -237,7 +237,7 @@ async def _ask(host: IHost, server: PeerInfo, addrs: list[str], timeout_s: float
             await host.connect(server)
             stream = await host.new_stream(server.peer_id, [DIALBACK_PROTOCOL])
             try:
-                await stream.write(encode_frame(DialBackRequest(tuple(addrs)).encode(), MAX_MESSAGE))
+                await stream.write(encode_frame(DialBackRequest(tuple(addrs)).encode(), max_frame=MAX_MESSAGE))
                 return DialBackReply.decode(await _read_message(stream))
             finally:
                 await stream.close()

@@ -75,6 +75,7 @@ class Traversal:
         self.puncher: HolePuncher | None = None
         self._node: Node | None = None
         self._ready = trio.Event()
+        self._warned = False
 
     @property
     def reachability(self) -> Reachability:
@@ -137,8 +138,28 @@ class Traversal:
                 await trio.sleep(0.05)
 
     def _advertise(self) -> None:
-        if self._node is not None and self.relay_client is not None:
-            self._node.extra_addrs[:] = self.relay_client.circuit_addrs()
+        """Advertise our circuit addresses through ``Node.extra_addrs``, but only if they come out intact.
+
+        py-libp2p 0.8.1's ``BasicHost.get_addrs`` strips everything from the *first* ``/p2p/`` of each address and
+        appends ours, turning ``<relay>/p2p/R/p2p-circuit/p2p/US`` into ``<relay>/p2p/US``: a wrong address for us that
+        makes other peers dial the relay as if it were us. When the host routes ``extra_addrs`` through
+        ``get_addrs`` we therefore advertise nothing and log why (``circuit_addrs`` still lists them).
+        """
+        node, client = self._node, self.relay_client
+        if node is None or client is None:
+            return
+        circuits = client.circuit_addrs()
+        node.extra_addrs[:] = circuits
+        advertised = {str(a) for a in node.advertised_addrs()}
+        if not {str(c) for c in circuits} <= advertised:
+            node.extra_addrs.clear()
+            if not self._warned:
+                self._warned = True
+                logger.warning("host mangles /p2p-circuit addresses; not advertising them (see traversal.py)")
+
+    def circuit_addrs(self) -> list[Multiaddr]:
+        """Our ``/p2p-circuit`` addresses (empty when public or before a reservation)."""
+        return self.relay_client.circuit_addrs() if self.relay_client is not None else []
 
     async def _dial_via_relay(self, node: Node, peer_id: ID, addrs: list[Multiaddr]) -> INetConn:
         if self.relay_client is None:
