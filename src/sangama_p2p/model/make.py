@@ -134,17 +134,17 @@ def tensor_plan(p: Preset) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _draw(shape: tuple[int, ...], init: _Init, g: torch.Generator) -> torch.Tensor:
-    kind = init[0]
+    kind = init[0]  # in-place ops: the small presets draw hundreds of millions of numbers
     if kind == "proj":
-        return torch.randn(shape, generator=g) * (init[2] / math.sqrt(init[1]))
+        return torch.randn(shape, generator=g).mul_(init[2] / math.sqrt(init[1]))
     if kind == "normal":
-        return torch.randn(shape, generator=g) * init[1]
+        return torch.randn(shape, generator=g).mul_(init[1])
     if kind == "norm0":
-        return torch.randn(shape, generator=g) * 0.1
+        return torch.randn(shape, generator=g).mul_(0.1)
     if kind == "norm1":
-        return 1.0 + torch.randn(shape, generator=g) * 0.1
+        return torch.randn(shape, generator=g).mul_(0.1).add_(1.0)
     if kind == "alog":
-        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=g))
+        return torch.rand(shape, generator=g).mul_(15.0).add_(1.0).log_()  # log U(1, 16)
     raise ModelError(f"unknown init kind {kind!r}")  # pragma: no cover - plans only use the kinds above
 
 

@@ -126,11 +126,11 @@ PRESETS: dict[str, dict[str, Preset]] = {
         ),
         "small": LlamaPreset(
             vocab_size=2048,
-            hidden_size=768,
+            hidden_size=512,
             num_hidden_layers=12,
-            num_attention_heads=12,
+            num_attention_heads=8,
             num_key_value_heads=4,
-            intermediate_size=2048,
+            intermediate_size=1536,
         ),
     },
 }
