@@ -48,6 +48,24 @@ def test_byte_by_byte() -> None:
     assert dec.buffered == 0
 
 
+def test_a_lone_prefix_is_not_a_boundary() -> None:
+    dec = FrameDecoder()
+    assert dec.feed(b"\x00\x00\x00\x02") == []
+    assert not dec.at_boundary
+    with pytest.raises(TruncatedFrameError):
+        dec.finish()
+    assert dec.feed(b"hi") == [b"hi"]
+    assert dec.at_boundary
+
+
+def test_memoryview_chunks_of_any_format() -> None:
+    import array
+
+    dec = FrameDecoder()
+    words = array.array("H", encode_frame(b"abcd"))  # 8 bytes viewed as 4 uint16s
+    assert dec.feed(memoryview(words)) == [b"abcd"]
+
+
 def test_oversized_length_is_refused_before_buffering() -> None:
     dec = FrameDecoder(max_frame=1000)
     assert dec.feed(encode_frame(b"ok")) == [b"ok"]

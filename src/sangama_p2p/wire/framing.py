@@ -83,39 +83,54 @@ class FrameDecoder:
     @property
     def at_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the stream to end)."""
-        return not self._buf
+        return not self._buf and self._need is None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
-        """Add ``data``; return the payloads of all frames now complete."""
+        """Add ``data``; return the payloads of all frames now complete.
+
+        Each payload is copied once: straight out of ``data`` when no partial frame was pending (the common case of
+        whole frames per read), else out of the internal buffer.
+        """
         if self._failed is not None:
             raise type(self._failed)(f"decoder already failed: {self._failed}")
         buf = self._buf
-        buf += data
+        source: bytes | bytearray | memoryview = data
+        if buf:
+            buf += data
+            source = buf
         frames: list[bytes] = []
+        try:
+            with memoryview(source) as view:
+                flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+                pos = self._split(flat, frames)
+                if source is not buf:
+                    buf += flat[pos:]
+        except FrameTooLargeError as exc:
+            self._failed = exc
+            buf.clear()
+            raise
+        if source is buf and pos:
+            del buf[:pos]
+        return frames
+
+    def _split(self, view: memoryview, frames: list[bytes]) -> int:
+        """Append every complete payload in ``view`` to ``frames``; return how many bytes were consumed."""
         pos = 0
-        end = len(buf)
+        end = view.nbytes
         while True:
             if self._need is None:
                 if end - pos < PREFIX_SIZE:
-                    break
-                (length,) = _PREFIX.unpack_from(buf, pos)
-                try:
-                    _check_length(length, self._max)
-                except FrameTooLargeError as exc:
-                    self._failed = exc
-                    buf.clear()
-                    raise
+                    return pos
+                (length,) = _PREFIX.unpack_from(view, pos)
+                _check_length(length, self._max)
                 pos += PREFIX_SIZE
                 self._need = length
             need = self._need
             if end - pos < need:
-                break
-            frames.append(bytes(buf[pos : pos + need]))
+                return pos
+            frames.append(bytes(view[pos : pos + need]))
             pos += need
             self._need = None
-        if pos:
-            del buf[:pos]
-        return frames
 
     def finish(self) -> None:
         """Call at end of stream: raise :class:`TruncatedFrameError` if a frame was cut off."""

@@ -141,5 +141,6 @@ def check_shape(name: str, value: object, max_rank: int, max_dim: int) -> tuple[
     if not 1 <= len(value) <= max_rank:
         raise InvalidMessageError(f"{name} must have rank 1..{max_rank}, got {len(value)}")
     for d in value:
-        check_uint(f"{name} dimension", d, max_dim + 1)
+        if type(d) is not int or not 0 <= d <= max_dim:
+            raise InvalidMessageError(f"{name} dimensions must be ints in [0, {max_dim}], got {d!r}")
     return value

@@ -64,8 +64,10 @@ class TraceStamp:
 
     def __post_init__(self) -> None:
         check_text("trace peer", self.peer)
-        for name in ("recv_ns", "compute_start_ns", "compute_end_ns", "send_ns"):
-            check_uint(f"trace {name}", getattr(self, name), MAX_U64)
+        check_uint("trace recv_ns", self.recv_ns, MAX_U64)
+        check_uint("trace compute_start_ns", self.compute_start_ns, MAX_U64)
+        check_uint("trace compute_end_ns", self.compute_end_ns, MAX_U64)
+        check_uint("trace send_ns", self.send_ns, MAX_U64)
         check_uint("trace batch_size", self.batch_size)
 
 
