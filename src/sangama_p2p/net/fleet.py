@@ -37,10 +37,14 @@ def psk_from_secret(secret: bytes) -> str:
     return hashlib.sha256(_DOMAIN + secret).hexdigest()
 
 
-def mismatch_error(peer: str, addr: str, timeout: float) -> NetworkError:
-    """The error for a handshake that opened a TCP connection but did not finish within ``timeout`` seconds."""
+def mismatch_error(peer: str, addr: str, timeout: float, *, have_secret: bool) -> NetworkError:
+    """The error for a handshake that did not finish within ``timeout`` seconds (the PSK layer hangs on mismatch)."""
+    cause = (
+        "this node and the peer use different fleet secrets, or the peer belongs to no private fleet"
+        if have_secret
+        else "the peer belongs to a private fleet and this node has no --fleet-secret-file"
+    )
     return NetworkError(
-        f"handshake with {peer} at {addr} did not complete within {timeout:g} s: fleet secret mismatch "
-        "(this node and the peer use different --fleet-secret-file, or only one of them has one) "
-        "or the peer is not a Sangama node"
+        f"handshake with {peer} at {addr} did not complete within {timeout:g} s: "
+        f"fleet secret mismatch ({cause}), or the peer is not a Sangama node"
     )

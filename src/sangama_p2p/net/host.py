@@ -176,9 +176,7 @@ class Node:
             if negative_cache is not None:
                 negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
             return conn
-        if self.config.fleet_secret is not None:
-            raise mismatch_error(str(peer_id), str(addr), timeout)
-        raise NetworkError(f"handshake with {peer_id} at {addr} did not complete within {timeout:g} s")
+        raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=self.config.fleet_secret is not None)
 
 
 def order_addrs(addrs: Any) -> list[multiaddr.Multiaddr]:
@@ -297,24 +295,49 @@ async def open_host(
     given ``services`` (each ``await service(node)`` runs in the node's nursery), then connects to the bootstrap
     addresses. If bootstrap addresses are configured and none answers, raises :class:`NetworkError`.
     """
-    from .dht import bootstrap, run_dht  # local: dht imports records, which need nothing from here
+    from .dht import bootstrap, run_dht  # local: dht imports this module
 
     key_pair = key_pair or load_or_create_key_pair(config.key_path)
     node_ref: list[Node] = []
     host = _build_host(config, key_pair, node_ref)
+    listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
     try:
-        async with host.run(parse_multiaddrs(config.listen_addrs, what="listen_addrs")):
-            async with trio.open_nursery() as nursery:
-                node = Node(host, config, key_pair, nursery)
-                node_ref.append(node)
-                await nursery.start(run_dht, node)
-                for service in services:
-                    nursery.start_soon(service, node)
-                if config.bootstrap_addrs:
-                    await bootstrap(node, config.bootstrap_addrs)
-                try:
-                    yield node
-                finally:
-                    nursery.cancel_scope.cancel()
+        async with host.run(listen), trio.open_nursery() as nursery:
+            node = Node(host, config, key_pair, nursery)
+            node_ref.append(node)
+            await nursery.start(run_dht, node)
+            for service in services:
+                nursery.start_soon(service, node)
+            if config.bootstrap_addrs:
+                await bootstrap(node, config.bootstrap_addrs)
+            try:
+                yield node
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # trio wraps errors that cross a nursery; callers get the one error that happened, unwrapped
+        leaf = _single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from None
     except OSError as exc:
         raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc
+
+
+def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
+    """The only non-Cancelled exception inside ``group`` (nested groups included), or None if there are several."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        elif not isinstance(exc, trio.Cancelled):
+            leaves.append(exc)
+
+    walk(group)
+    if len(leaves) != 1:
+        return None
+    if isinstance(leaves[0], OSError):
+        return NetworkError(f"network error: {leaves[0]}")
+    return leaves[0]

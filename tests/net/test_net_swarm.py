@@ -1,0 +1,106 @@
+"""A six-node in-process swarm on loopback: records published, discovered, re-published, expired, validated."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+from libp2p.peer.id import ID
+
+from sangama_p2p.net.dht import providers_from_network
+from sangama_p2p.net.discovery import Announcer, Offer, find_serving_peers
+from sangama_p2p.net.records import provider_key, record_key, sign_record
+
+from .net_swarm import swarm
+
+MODEL = "test-org/tiny-model"
+TTL = 2.0
+
+
+def test_records_published_discovered_republished_and_expired():
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(6) as nodes:
+                announcers = []
+                for i, node in enumerate(nodes[1:4]):
+                    announcer = Announcer(node)
+                    await announcer.update(Offer(MODEL, i * 8, i * 8 + 8, throughput=10.0 + i, free_cache=3, ttl=TTL))
+                    node.nursery.start_soon(announcer.run)
+                    announcers.append(announcer)
+                serving = {n.peer_id.to_base58(): (i * 8, i * 8 + 8) for i, n in enumerate(nodes[1:4])}
+
+                found = await find_serving_peers(nodes[5], MODEL)
+                assert {r.peer_id: (r.start, r.end) for r in found} == serving
+                assert [r.throughput for r in found] == [10.0, 11.0, 12.0]
+                assert all(r.addrs and r.reachability == "direct" for r in found)
+                first_seq = {r.peer_id: r.seq for r in found}
+                assert await find_serving_peers(nodes[5], "another/model") == []
+
+                # re-published before expiry: still all there after 2 TTLs, with higher sequence numbers
+                await trio.sleep(2 * TTL)
+                found = await find_serving_peers(nodes[4], MODEL)
+                assert {r.peer_id: (r.start, r.end) for r in found} == serving
+                assert all(r.seq > first_seq[r.peer_id] for r in found)
+                assert all(r.expires_at > time.time() for r in found)
+
+                # a peer that stops re-publishing disappears once its record's TTL has run out,
+                # although its provider entry (48 h in py-libp2p) is still there
+                gone = nodes[1].peer_id
+                announcers[0].withdraw(MODEL)
+                await trio.sleep(TTL + 0.5)
+                assert gone in await providers_from_network(nodes[5], bytes.fromhex(provider_key(MODEL)))
+                found = await find_serving_peers(nodes[5], MODEL)
+                assert {r.peer_id for r in found} == set(serving) - {gone.to_base58()}
+
+    trio.run(main)
+
+
+def test_discovery_is_not_fooled_by_a_non_empty_local_provider_store():
+    """py-libp2p's find_providers answers from the local store alone when it has any entry; we ask the network."""
+
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(6) as nodes:
+                for i, node in enumerate(nodes[1:]):  # every node but the bootstrap serves a slice
+                    await Announcer(node).update(Offer(MODEL, i, i + 1, ttl=30))
+                asker = nodes[5]  # it provides the model itself, so its local provider store is not empty
+                key = provider_key(MODEL)
+                local_only = await asker.dht.find_providers(key)
+                found = await find_serving_peers(asker, MODEL)
+                assert {r.peer_id for r in found} == {n.peer_id.to_base58() for n in nodes[1:]}
+                assert len(found) == 5 and len(local_only) < 5  # what the library alone would have returned
+                assert [r.start for r in found] == [0, 1, 2, 3, 4]  # deduplicated and sorted
+                assert {r.peer_id for r in await find_serving_peers(asker, MODEL, include_self=False)} == {
+                    n.peer_id.to_base58() for n in nodes[1:5]
+                }
+
+    trio.run(main)
+
+
+def test_forged_and_stale_records_are_refused_by_remote_peers():
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(6) as nodes:
+                victim, attacker, store = nodes[1], nodes[2], nodes[3]
+                honest = await Announcer(victim).update(Offer(MODEL, 0, 4, ttl=30))
+                key = record_key(MODEL, victim.peer_id)
+                # the attacker signs "victim serves layers 0:40" with its own key and pushes it to a peer
+                forged = sign_record(attacker.key_pair, model_id=MODEL, start=0, end=40, throughput=1.0,
+                                     free_cache=1, addrs=[], seq=honest.record.seq + 100)
+                assert not await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), forged.value)
+                # a stale record of the victim itself (lower seq) must not replace the fresh one
+                stale = sign_record(victim.key_pair, model_id=MODEL, start=0, end=4, throughput=1.0,
+                                    free_cache=1, addrs=[], seq=honest.record.seq - 1)
+                await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), stale.value)
+                expired = sign_record(victim.key_pair, model_id=MODEL, start=0, end=4, throughput=1.0,
+                                      free_cache=1, addrs=[], seq=honest.record.seq + 5, ttl=1,
+                                      now=time.time() - 10)
+                assert not await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), expired.value)
+                stored = store.dht.value_store.get(key.encode())
+                if stored is not None:  # the store may or may not be among the record's closest peers
+                    assert stored.value == honest.value
+                (found,) = await find_serving_peers(nodes[5], MODEL)
+                assert (found.peer_id, found.end, found.seq) == (victim.peer_id.to_base58(), 4, honest.record.seq)
+                assert ID.from_base58(found.peer_id) == victim.peer_id
+
+    trio.run(main)
