@@ -1,0 +1,35 @@
+"""GGUF checkpoints (llama.cpp's format), kept quantized in memory.
+
+``open_gguf(path)`` gives the model's :class:`ModelSpec`, a :class:`TensorSource` with canonical Hugging Face names
+(llama.cpp's transforms undone, quantized tensors as :class:`QuantTensor`) and the tokenizer. ``write_gguf`` writes
+a Hugging Face checkpoint the way llama.cpp's converter does (F16, Q8_0, Q4_K, Q6_K).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..spec import ModelSpec
+    from .source import GGUFSource
+
+__all__ = ["open_gguf", "write_gguf"]
+
+
+def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> "tuple[ModelSpec, GGUFSource, Any]":
+    """Open a GGUF file (or the first of ``-0000K-of-0000N.gguf`` splits): ``(spec, source, tokenizer)``.
+
+    ``mtp_from`` names a safetensors checkpoint directory whose ``mtp.*`` tensors replace (or supply, since GGUF files
+    usually lack them) the multi-token-prediction head.
+    """
+    from .open import open_gguf as _open
+
+    return _open(path, mtp_from)
+
+
+def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F16", **kwargs: Any) -> list[Path]:
+    """Write the HF checkpoint in ``hf_dir`` as GGUF with llama.cpp's conventions; returns the files written."""
+    from .writer import write_gguf as _write
+
+    return _write(hf_dir, out_path, qtype, **kwargs)

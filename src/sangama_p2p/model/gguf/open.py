@@ -1,0 +1,44 @@
+"""``open_gguf``: the file, its spec, its tensor source and its tokenizer in one call."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from ...errors import CheckpointError
+from ..spec import ModelSpec
+from .config import spec_from_gguf
+from .reader import GGUFFile
+from .source import GGUFSource
+from .tokenizer import tokenizer_from_gguf
+
+__all__ = ["open_gguf"]
+
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[ModelSpec, GGUFSource, Any]:
+    f = GGUFFile(path)
+    try:
+        spec = spec_from_gguf(f)
+        source = GGUFSource(f, spec, mtp_from)
+        spec = dataclasses.replace(spec, mtp_num_layers=_mtp_layers(source, spec))
+        source.spec = spec
+        tokenizer = tokenizer_from_gguf(f)
+    except BaseException:
+        f.close()
+        raise
+    if tokenizer.get_vocab_size() > spec.vocab_size:
+        f.close()
+        raise CheckpointError(f"{path}: tokenizer has {tokenizer.get_vocab_size()} tokens, model {spec.vocab_size}")
+    return spec, source, tokenizer
+
+
+def _mtp_layers(source: GGUFSource, spec: ModelSpec) -> int:
+    """MTP layers actually present (GGUF files often declare nextn layers but drop their tensors)."""
+    if spec.arch == "llama" or not source.has("mtp.fc.weight"):
+        return 0
+    layers = {int(m.group(1)) for n in source.names() if (m := _MTP_LAYER.match(n))}
+    return len(layers)

@@ -1,0 +1,121 @@
+"""A :class:`TensorSource` over a GGUF checkpoint that keeps quantized tensors quantized.
+
+Canonical HF names are mapped to GGUF tensors when the file is opened (no data is read then). ``get`` reads one
+tensor: quantized tensors become :class:`QuantTensor` (uint8 blocks, dequantized per use by the runtime), dense
+F32/F16/BF16 tensors are returned as stored (a stage computing in float32 upcasts F16 per use rather than holding a
+second, wider copy). One expert of a stacked ``ffn_*_exps`` tensor is a view of its slice; the other experts' bytes
+are never touched. llama.cpp's transforms are undone here, so values equal the Hugging Face checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ...errors import CheckpointError
+from ..spec import ModelSpec
+from ..weights import SafetensorsSource, Weight
+from .quants import QuantTensor
+from .reader import GGUFFile
+from .transforms import folds_norm, hf_name, inverse_col_perm, inverse_dense, inverse_row_perm
+
+__all__ = ["GGUFSource"]
+
+_VALUE_CHANGED = ("linear_attn.A_log", "linear_attn.conv1d.weight", "mlp.shared_expert_gate.weight")
+
+
+class GGUFSource:
+    """Canonical-name access to a GGUF file's tensors; ``reads`` lists the names asked for, ``gguf_reads`` the
+    GGUF tensors (with expert index) whose bytes were touched."""
+
+    def __init__(self, file: GGUFFile, spec: ModelSpec, mtp_from: str | Path | None = None) -> None:
+        self.file = file
+        self.spec = spec
+        self.reads: list[str] = []
+        self.gguf_reads: list[tuple[str, int | None]] = []
+        self._index = {}
+        arch = "llama" if spec.arch == "llama" else "qwen35moe"
+        for name in file.tensors:
+            for hf, mapping in hf_name(arch, name, spec.num_layers, spec.num_experts):
+                self._index[hf] = mapping
+        self._mtp = SafetensorsSource(mtp_from) if mtp_from is not None else None
+
+    def names(self) -> list[str]:
+        own = [n for n in self._index if not (self._mtp is not None and n.startswith("mtp."))]
+        extra = [n for n in self._mtp.names() if n.startswith("mtp.")] if self._mtp is not None else []
+        return own + extra
+
+    def has(self, name: str) -> bool:
+        if self._mtp is not None and name.startswith("mtp."):
+            return self._mtp.has(name)
+        return name in self._index
+
+    def nbytes_in_file(self, name: str) -> int:
+        """Bytes the tensor behind ``name`` takes in the file (one expert's share of a stacked tensor)."""
+        mapping = self._index[name]
+        info = self.file.tensors[mapping.gguf]
+        if mapping.expert is None:
+            return info.nbytes
+        share = info.nbytes // info.shape[0]
+        return share // 2 if mapping.fused_half is not None else share
+
+    def get(self, name: str, dtype: torch.dtype) -> Weight:
+        if self._mtp is not None and name.startswith("mtp."):
+            self.reads.append(name)
+            return self._mtp.get(name, dtype)
+        mapping = self._index.get(name)
+        if mapping is None:
+            raise CheckpointError(f"GGUF checkpoint {self.file.path} lacks tensor {name}")
+        self.reads.append(name)
+        self.gguf_reads.append((mapping.gguf, mapping.expert))
+        info = self.file.tensors[mapping.gguf]
+        if mapping.expert is not None:
+            return self._expert(name, mapping.gguf, mapping.expert, mapping.fused_half, dtype)
+        row_perm = inverse_row_perm(self.spec, name)
+        col_perm = inverse_col_perm(self.spec, name)
+        if info.is_quantized:
+            if len(info.shape) != 2:
+                raise CheckpointError(f"quantized tensor {mapping.gguf} has shape {info.shape}; expected 2-D")
+            if folds_norm(self.spec, name) or name.endswith(_VALUE_CHANGED):
+                raise CheckpointError(f"{mapping.gguf} is quantized ({info.type_name}); llama.cpp stores it as F32")
+            data = self.file.view(mapping.gguf)
+            if row_perm is not None:
+                data = self.file.read(mapping.gguf).index_select(0, row_perm)
+            return QuantTensor(info.qtype, data, info.shape[-1], col_perm)
+        changed = row_perm is not None or col_perm is not None or folds_norm(self.spec, name)
+        changed = changed or name.endswith(_VALUE_CHANGED)
+        t = self.file.read(mapping.gguf) if changed else self.file.view(mapping.gguf)
+        return _narrow(inverse_dense(self.spec, name, t), dtype)
+
+    def _expert(self, name: str, gguf: str, e: int, half: int | None, dtype: torch.dtype) -> Weight:
+        info = self.file.tensors[gguf]
+        if len(info.shape) != 3 or info.shape[0] != self.spec.num_experts or e >= info.shape[0]:
+            raise CheckpointError(
+                f"{gguf} has shape {info.shape}; expected [{self.spec.num_experts}, out, in] for {name}"
+            )
+        full = self.file.view(gguf)
+        part = full[e] if info.is_quantized else full.reshape(info.shape)[e]
+        if half is not None:
+            rows = part.shape[0] // 2
+            part = part[:rows] if half == 0 else part[rows:]
+        if info.is_quantized:
+            return QuantTensor(info.qtype, part, info.shape[-1])
+        return _narrow(part, dtype)
+
+    def close(self) -> None:
+        self.file.close()
+        if self._mtp is not None:
+            self._mtp.close()
+
+
+def _narrow(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast only when it makes the tensor smaller; the runtime upcasts per use (``weights.dense``)."""
+    if t.dtype != dtype and dtype.is_floating_point and torch.finfo(dtype).bits < torch.finfo(t.dtype).bits:
+        return t.to(dtype)
+    return t
+
+
+def replace_mtp_layers(spec: ModelSpec, n: int) -> ModelSpec:
+    return dataclasses.replace(spec, mtp_num_layers=n)

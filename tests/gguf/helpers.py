@@ -1,0 +1,69 @@
+"""Shared helpers for the GGUF tests: fixture paths, reference JSONs, and a transformers model fed from a source."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sangama_p2p.model.weights import dense
+
+FIXTURES = Path("/work/shared/fixtures/gguf")
+QWEN_DIR = FIXTURES / "qwen35moe-h16"
+LLAMA_DIR = FIXTURES / "llama-h32"
+QWEN_F32 = QWEN_DIR / "tiny-qwen35moe-F32.gguf"
+QWEN_Q4KM = QWEN_DIR / "tiny-qwen35moe-Q4_K_M.gguf"
+LLAMA_F16 = LLAMA_DIR / "tiny-llama-F16.gguf"
+LLAMA_Q4KM = LLAMA_DIR / "tiny-llama-Q4_K_M.gguf"
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def reference(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def hf_state_dict(source: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """transformers 5 layout (fused experts) built from per-expert canonical names of ``source``."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for n in names:
+        w = dense(source.get(n, torch.float32), torch.float32)
+        m = _EXPERT.match(n)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = w
+        else:
+            out[n] = w
+    for pre, per in experts.items():
+        ids = sorted(per)
+        out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]]) for e in ids])
+        out[f"{pre}.down_proj"] = torch.stack([per[e]["down_proj"] for e in ids])
+    return out
+
+
+def transformers_logits(config_dir: Path, state: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """Full-sequence logits [T, vocab] of the HF model (config.json beside the fixture) with ``state`` loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((config_dir / "config.json").read_text())
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not missing, missing
+    assert not [u for u in unexpected if not u.startswith("mtp.")], unexpected
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def top64_gap(logits: torch.Tensor, ref: dict[str, Any], rows: range) -> float:
+    """Max |ours - ref| over the reference's top-64 ids of each row."""
+    gap = 0.0
+    for j in rows:
+        pos = ref["positions"][j]
+        ids = torch.tensor(pos["top_ids"])
+        gap = max(gap, float((logits[j, ids] - torch.tensor(pos["top_logits"])).abs().max()))
+    return gap
