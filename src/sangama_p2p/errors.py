@@ -122,7 +122,14 @@ class UnsupportedVersionError(WireError):
 
 
 class InvalidMessageError(WireError):
-    """A message field breaks the wire rules: wrong type, out of bounds, bad dtype or shape."""
+    """A message field breaks the wire rules: wrong type, out of bounds, bad dtype or shape.
+
+    When decoding could still read a valid ``session_id`` (and ``step``) from the bad message, they are set here,
+    so the receiver can fail just that session (reply with an ErrorMessage) and keep the stream.
+    """
+
+    session_id: bytes | None = None
+    step: int | None = None
 
 
 class NetworkError(SangamaError):

@@ -139,3 +139,21 @@ def test_huge_tensor_descriptor_is_refused() -> None:
     fields[4] = ["fp32", [2**24, 2**24]]
     with pytest.raises(InvalidMessageError):
         decode(payload(3, fields, HIDDEN))
+
+
+def test_invalid_message_names_its_session_when_it_can() -> None:
+    fields = list(STEP_FIELDS)
+    fields[5] = [2**31]  # a bad guess: the session and step are still known
+    with pytest.raises(InvalidMessageError) as info:
+        decode(payload(3, fields, HIDDEN))
+    assert info.value.session_id == SID and info.value.step == 1
+    fields[0] = b"short"
+    with pytest.raises(InvalidMessageError) as info:
+        decode(payload(3, fields, HIDDEN))
+    assert info.value.session_id is None and info.value.step is None
+    with pytest.raises(InvalidMessageError) as info:
+        decode(payload(2, [SID, -1]))  # SessionOpened has no step
+    assert info.value.session_id == SID and info.value.step is None
+    with pytest.raises(InvalidMessageError) as info:
+        decode(payload(17, ["p", "m", 0, 0, 1.0, 0, 0, "v"]))  # not session-scoped
+    assert info.value.session_id is None

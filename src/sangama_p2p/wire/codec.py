@@ -26,6 +26,7 @@ import msgpack
 
 from sangama_p2p.errors import InvalidMessageError, MalformedFrameError, UnsupportedVersionError
 from sangama_p2p.wire.framing import DEFAULT_MAX_FRAME, encode_frame
+from sangama_p2p.wire.limits import MAX_U64, SESSION_ID_BYTES
 from sangama_p2p.wire.messages import MESSAGE_TYPES, Message, Step, StepResult, TraceStamp
 from sangama_p2p.wire.protocols import WIRE_VERSION
 from sangama_p2p.wire.tensor import Tensor
@@ -110,7 +111,7 @@ def _plain_in(cls: type[Any]) -> Callable[[Header, Blob], Any]:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Codec:
     cls: type[Any]
-    arity: int
+    names: tuple[str, ...]
     out: Callable[[Any], tuple[Header, bytes | memoryview]]
     into: Callable[[Header, Blob], Any]
 
@@ -118,10 +119,10 @@ class _Codec:
 def _codec(cls: type[Any]) -> _Codec:
     names = tuple(f.name for f in dataclasses.fields(cls))
     if cls is Step:
-        return _Codec(cls, len(names), _step_out, _step_in)
+        return _Codec(cls, names, _step_out, _step_in)
     if cls is StepResult:
-        return _Codec(cls, len(names), _result_out, _result_in)
-    return _Codec(cls, len(names), _plain_out(names), _plain_in(cls))
+        return _Codec(cls, names, _result_out, _result_in)
+    return _Codec(cls, names, _plain_out(names), _plain_in(cls))
 
 
 _BY_TYPE: Final = {cls: _codec(cls) for cls in MESSAGE_TYPES}
@@ -168,6 +169,22 @@ def decode(payload: bytes | bytearray | memoryview) -> Message:
         fields = msgpack.unpackb(view[PRELUDE_SIZE:header_end], use_list=False, raw=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise MalformedFrameError(f"bad msgpack header for {codec.cls.__name__}: {exc}") from exc
-    if type(fields) is not tuple or len(fields) != codec.arity:
-        raise MalformedFrameError(f"{codec.cls.__name__} header must be an array of {codec.arity} fields")
-    return codec.into(fields, view[header_end:])
+    if type(fields) is not tuple or len(fields) != len(codec.names):
+        raise MalformedFrameError(f"{codec.cls.__name__} header must be an array of {len(codec.names)} fields")
+    try:
+        return codec.into(fields, view[header_end:])
+    except InvalidMessageError as exc:
+        _blame(exc, codec.names, fields)
+        raise
+
+
+def _blame(exc: InvalidMessageError, names: tuple[str, ...], fields: Header) -> None:
+    """Record the session (and step) of an invalid message when they themselves are valid."""
+    if names[:1] != ("session_id",):
+        return
+    sid = fields[0]
+    if type(sid) is bytes and len(sid) == SESSION_ID_BYTES:
+        exc.session_id = sid
+        step = fields[1] if names[1:2] == ("step",) else None
+        if type(step) is int and 0 <= step < MAX_U64:
+            exc.step = step
