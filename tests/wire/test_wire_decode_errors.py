@@ -62,7 +62,7 @@ def test_trailing_bytes() -> None:
     with pytest.raises(MalformedFrameError, match="trailing"):
         decode(encode(CloseSession(SID)) + b"\x00")
     with pytest.raises(MalformedFrameError, match="trailing"):
-        decode(payload(3, STEP_FIELDS[:4] + [None] + STEP_FIELDS[5:], b"x"))
+        decode(payload(3, [*STEP_FIELDS[:4], None, *STEP_FIELDS[5:]], b"x"))
     with pytest.raises(InvalidMessageError, match="needs 16 bytes"):
         decode(payload(3, STEP_FIELDS, HIDDEN + b"x"))
 

@@ -43,9 +43,7 @@ Blob = memoryview
 
 
 def _trace_out(trace: tuple[TraceStamp, ...]) -> tuple[tuple[Any, ...], ...]:
-    return tuple(
-        (s.peer, s.recv_ns, s.compute_start_ns, s.compute_end_ns, s.send_ns, s.batch_size) for s in trace
-    )
+    return tuple((s.peer, s.recv_ns, s.compute_start_ns, s.compute_end_ns, s.send_ns, s.batch_size) for s in trace)
 
 
 def _trace_in(items: object) -> tuple[TraceStamp, ...]:
@@ -66,10 +64,8 @@ def _no_blob(blob: Blob) -> None:
 
 def _step_out(m: Step) -> tuple[Header, bytes | memoryview]:
     h = m.hidden
-    desc = None if h is None else (h.dtype, h.shape)
-    return (m.session_id, m.step, m.start_pos, m.token_ids, desc, m.guesses, _trace_out(m.trace)), (
-        _EMPTY if h is None else h.data
-    )
+    desc, blob = (None, _EMPTY) if h is None else ((h.dtype, h.shape), h.data)
+    return (m.session_id, m.step, m.start_pos, m.token_ids, desc, m.guesses, _trace_out(m.trace)), blob
 
 
 def _step_in(f: Header, blob: Blob) -> Step:
@@ -100,8 +96,8 @@ def _plain_out(names: tuple[str, ...]) -> Callable[[Any], tuple[Header, bytes]]:
     return out
 
 
-def _plain_in(cls: type[Any]) -> Callable[[Header, Blob], Any]:
-    def into(f: Header, blob: Blob) -> Any:
+def _plain_in(cls: type[Message]) -> Callable[[Header, Blob], Message]:
+    def into(f: Header, blob: Blob) -> Message:
         _no_blob(blob)
         return cls(*f)
 
@@ -113,7 +109,7 @@ class _Codec:
     cls: type[Any]
     names: tuple[str, ...]
     out: Callable[[Any], tuple[Header, bytes | memoryview]]
-    into: Callable[[Header, Blob], Any]
+    into: Callable[[Header, Blob], Message]
 
 
 def _codec(cls: type[Any]) -> _Codec:

@@ -119,7 +119,7 @@ def check_tokens(name: str, value: object, max_len: int) -> tuple[int, ...]:
     return value
 
 
-def check_tuple_of(name: str, value: object, kind: type, max_len: int) -> tuple:
+def check_tuple_of(name: str, value: object, kind: type, max_len: int) -> tuple[object, ...]:
     """A tuple (or list) of at most ``max_len`` instances of ``kind``."""
     if type(value) is list:
         value = tuple(value)

@@ -42,7 +42,7 @@ class Tensor:
         numel = math.prod(shape)
         if numel > MAX_ELEMENTS:
             raise InvalidMessageError(f"tensor of {numel} elements exceeds the limit of {MAX_ELEMENTS}")
-        data = self.data
+        data: object = self.data
         if type(data) is bytearray:
             data = bytes(data)
         elif type(data) is memoryview:
