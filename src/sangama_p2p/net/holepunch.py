@@ -148,6 +148,11 @@ class HolePuncher(DCUtRProtocol):
             source = ("::" if ":" in source[0] else "0.0.0.0", port)
         await super()._dial_peer(peer_id, addr, source, as_responder)
 
+    async def initiate_hole_punch(self, peer_id: ID) -> bool:
+        """Count every DCUtR session we start (tests check that only the accepting side starts any)."""
+        self.attempts += 1
+        return await super().initiate_hole_punch(peer_id)
+
     def punch_soon(self, peer_id: ID, relay_id: ID | None = None) -> None:
         """Start a hole punch to ``peer_id`` in the background (the relay client calls this on accept)."""
         if self._nursery is None:
@@ -156,7 +161,6 @@ class HolePuncher(DCUtRProtocol):
         self._nursery.start_soon(self._punch, peer_id)
 
     async def _punch(self, peer_id: ID) -> None:
-        self.attempts += 1
         try:
             ok = await self.initiate_hole_punch(peer_id)
         except Exception as exc:  # a failed punch only costs the upgrade; the relayed link stays

@@ -115,6 +115,10 @@ def circuit_addr(relay_addr: Multiaddr | str, relay_id: ID | str, peer_id: ID | 
 def parse_circuit_addr(addr: Multiaddr | str) -> tuple[Multiaddr, ID, ID]:
     """Split a circuit address into (relay transport address, relay id, destination id); :class:`RelayError` if not one."""
     text = str(addr)
+    try:
+        Multiaddr(text)  # validates every component, peer ids included (ID.from_base58 takes any base58 text)
+    except Exception as exc:
+        raise RelayError(f"not a valid multiaddr: {text!r}: {exc}") from exc
     head, sep, tail = text.partition("/p2p-circuit")
     if not sep or not tail.startswith("/p2p/") or "/p2p/" not in head:
         raise RelayError(f"not a circuit address: {text!r}")
