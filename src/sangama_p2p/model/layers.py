@@ -22,8 +22,9 @@ __all__ = ["DecoderLayer", "Loader", "linear"]
 # A loader returns the weight for a canonical name relative to a prefix.
 Loader = Callable[[str], Weight]
 
-# Steps up to this many positions run the delta rule position by position (and can fill the rollback ring).
-_STEPWISE_MAX = 16
+# Steps up to this many positions run the delta rule position by position; longer ones run it in chunks (as
+# transformers does for a prefill), unless the session keeps a rollback ring, which needs every position's state.
+_STEPWISE_MAX = 1
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

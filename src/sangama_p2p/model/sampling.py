@@ -1,0 +1,55 @@
+"""Turning logits into tokens: pure functions that the chain, the stage and the tests call directly."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..errors import ModelError
+
+__all__ = ["SamplingParams", "next_token", "token_probs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when ``temperature`` is 0; otherwise softmax sampling at ``temperature`` within nucleus ``top_p``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ModelError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ModelError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampling distribution over the vocabulary for each row of ``logits`` ([..., V] -> [..., V], fp32)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from a single row of logits ``[V]``."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = token_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))
