@@ -248,3 +248,19 @@ def test_tiny_checkpoints_keep_their_golden_bytes(arch, made) -> None:
     import hashlib
 
     assert hashlib.sha256((made[arch] / "model.safetensors").read_bytes()).hexdigest() == GOLDEN_SHA256[arch]
+
+
+def test_files_are_complete_and_readable_by_others(made) -> None:
+    names = sorted(p.name for p in made["llama"].iterdir())
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # no temporary files left behind
+    assert (made["llama"] / "model.safetensors").stat().st_mode & 0o044 == 0o044
+    gen = transformers.GenerationConfig.from_pretrained(made["llama"])
+    cfg = json.loads((made["llama"] / "config.json").read_text())
+    assert gen.eos_token_id == cfg["eos_token_id"] and gen.pad_token_id == cfg["pad_token_id"]

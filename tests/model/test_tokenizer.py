@@ -17,6 +17,7 @@ from sangama_p2p.errors import CheckpointError, ModelError
 from sangama_p2p.model.tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,
+    IncrementalDecoder,
     SPECIAL_TOKENS,
     Tokenizer,
     corpus_text,
@@ -197,3 +198,34 @@ def test_bad_ids_raise_typed_errors(tok: Tokenizer) -> None:
         Tokenizer(tok.backend, eos_ids=[tok.vocab_size + 5])
     with pytest.raises(ModelError, match="vocab_size"):
         train_bpe(100)
+
+
+def _stream(tok: Tokenizer, ids: list[int], chunk: int) -> list[str]:
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return pieces + [dec.flush()]
+
+
+@pytest.mark.parametrize("text", TRICKY[1:])
+def test_incremental_decoder_never_splits_a_character(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    pieces = _stream(tok, ids, 1)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)  # no partial characters leak out mid-stream
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=1023), max_size=40), st.integers(min_value=1, max_value=4))
+def test_incremental_decoder_matches_full_decode_for_any_ids(tok: Tokenizer, ids: list[int], chunk: int) -> None:
+    """Random models emit arbitrary ids (invalid UTF-8 included): the stream still equals the full decode."""
+    assert "".join(_stream(tok, ids, chunk)) == tok.decode(ids)
+
+
+def test_incremental_decoder_holds_back_a_partial_character(tok: Tokenizer) -> None:
+    dec = IncrementalDecoder(tok)
+    assert dec.push(tok.encode("ok ")) == "ok "
+    emoji = tok.encode("🎉")  # 4 UTF-8 bytes: several byte tokens, none a full character alone
+    assert len(emoji) > 1
+    assert dec.push(emoji[:1]) == ""
+    assert dec.push(emoji[1:]) == "🎉"
+    assert dec.push(emoji[:1]) == "" and dec.flush() == "\ufffd"

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import CheckpointError, ModelError, UnsupportedModelError
 from .presets import LlamaPreset, Preset, QwenMoePreset, generation_config, get_preset, hf_config
-from .tokenizer import EOS_TOKEN, PAD_TOKEN, train_bpe, write_tokenizer_files
+from .tokenizer import EOS_TOKEN, PAD_TOKEN, atomic_write, train_bpe, write_tokenizer_files
 
 __all__ = ["DTYPES", "checkpoint_num_params", "make_model", "tensor_plan"]
 
@@ -156,9 +156,7 @@ def _weights(p: Preset, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def make_model(
@@ -192,8 +190,9 @@ def make_model(
     write_tokenizer_files(tok, out, model_max_length=p.max_position_embeddings)
 
     tensors = _weights(p, seed, dtype)
-    tmp = out / "model.safetensors.tmp"
+    tmp = out / f".model.safetensors.{os.getpid()}.tmp"  # renamed into place: readers never see half a file
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # safetensors creates the file 0600; a checkpoint is meant to be shared
     os.replace(tmp, out / "model.safetensors")
     _write_json(out / "generation_config.json", generation_config(cfg))
     _write_json(out / "config.json", cfg)  # last: a directory with config.json is complete

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -27,7 +28,9 @@ __all__ = [
     "EOS_TOKEN",
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
+    "IncrementalDecoder",
     "Tokenizer",
+    "atomic_write",
     "corpus_text",
     "train_bpe",
     "write_tokenizer_files",
@@ -87,6 +90,40 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise CheckpointError(f"corrupt tokenizer file {tok_path}: {exc}") from exc
         return cls(tok, _eos_ids_from_dir(path, tok))
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text pieces for streaming output.
+
+    A byte-level token can end inside a UTF-8 character, and some decoders treat the first token specially (e.g.
+    strip a leading space), so tokens cannot be decoded one at a time. As vLLM's detokenizer does, this keeps a short
+    window of already-emitted ids as context, decodes the window with and without the new ids, and emits the
+    difference - holding it back while it ends in U+FFFD (an incomplete character). The concatenated pieces plus
+    :meth:`flush` equal ``tokenizer.decode(all_ids)`` for prefix-stable decoders such as byte-level BPE.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: context ids already emitted
+        self._read = 0  # ids before this index have been emitted
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add ids; return the text that is now complete (possibly empty)."""
+        self._ids.extend(int(i) for i in ids)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (a truncated character comes out as U+FFFD)."""
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(prefix_text) :]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -166,10 +203,25 @@ def train_bpe(vocab_size: int) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_str(_trained_json(vocab_size))
 
 
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write via a per-process temporary file and rename, so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if isinstance(data, str):
+        tmp.write_text(data, encoding="utf-8")
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
 def write_tokenizer_files(tok: tokenizers.Tokenizer, out_dir: Path, model_max_length: int) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json (loadable by AutoTokenizer)."""
     out_dir = Path(out_dir)
-    tok.save(str(out_dir / "tokenizer.json"))
+    atomic_write(out_dir / "tokenizer.json", tok.to_str(pretty=True))
     config = {
         "backend": "tokenizers",
         "eos_token": EOS_TOKEN,
@@ -177,6 +229,5 @@ def write_tokenizer_files(tok: tokenizers.Tokenizer, out_dir: Path, model_max_le
         "pad_token": PAD_TOKEN,
         "tokenizer_class": "TokenizersBackend",
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    special = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+    atomic_write(out_dir / "tokenizer_config.json", _json_text(config))
+    atomic_write(out_dir / "special_tokens_map.json", _json_text({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}))
