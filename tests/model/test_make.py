@@ -192,8 +192,9 @@ def test_bad_inputs_raise_typed_errors(tmp_path: Path) -> None:
         make_model(tmp_path / "x", "llama", dtype="int8")
     with pytest.raises(UnsupportedModelError, match="dtype"):
         make_model(tmp_path / "x", "llama", dtype=torch.int8)
-    with pytest.raises(ModelError, match="seed"):
-        make_model(tmp_path / "x", "llama", seed=-1)
+    for seed in (-1, 2**63, 1.5, "0"):
+        with pytest.raises(ModelError, match="seed"):
+            make_model(tmp_path / "x", "llama", seed=seed)
     (tmp_path / "file").write_text("not a dir")
     with pytest.raises(CheckpointError, match="not a directory"):
         make_model(tmp_path / "file", "llama")
@@ -264,3 +265,13 @@ def test_files_are_complete_and_readable_by_others(made) -> None:
     gen = transformers.GenerationConfig.from_pretrained(made["llama"])
     cfg = json.loads((made["llama"] / "config.json").read_text())
     assert gen.eos_token_id == cfg["eos_token_id"] and gen.pad_token_id == cfg["pad_token_id"]
+
+
+def test_remaking_over_an_old_checkpoint_replaces_it(tmp_path: Path, made) -> None:
+    d = tmp_path / "m"
+    make_model(d, "qwen3_5_moe", "tiny", seed=5)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # e.g. left by a sharded checkpoint
+    make_model(d, "llama", "tiny", seed=0)
+    assert not (d / "model.safetensors.index.json").exists()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (d / name).read_bytes() == (made["llama"] / name).read_bytes(), name

@@ -177,8 +177,8 @@ def make_model(
     dtype_name = next((k for k, v in DTYPES.items() if v == dtype), None)
     if dtype_name is None:
         raise UnsupportedModelError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
-    if not isinstance(seed, int) or seed < 0:
-        raise ModelError(f"seed must be a non-negative integer, got {seed!r}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ModelError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
@@ -194,6 +194,7 @@ def make_model(
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)  # safetensors creates the file 0600; a checkpoint is meant to be shared
     os.replace(tmp, out / "model.safetensors")
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)  # a stale shard index would shadow the new file
     _write_json(out / "generation_config.json", generation_config(cfg))
     _write_json(out / "config.json", cfg)  # last: a directory with config.json is complete
     return out
