@@ -3,7 +3,15 @@
 Why two readers: :class:`FrameDecoder` is push-style and transport-agnostic (feed it whatever bytes arrived), and
 :class:`FrameReader` / :func:`read_frame` pull from any ``async def read(n) -> bytes`` callable, because trio and
 py-libp2p streams return short reads (``read(n)`` may give fewer than ``n`` bytes). Neither imports an async
-library: the net layer passes its stream's read method (translating its EOF exception to ``b""``).
+library: the net layer passes its stream's read method, translating its end-of-stream exception to ``b""``::
+
+    async def read(n: int) -> bytes:  # in net/, around a py-libp2p stream
+        try:
+            return await stream.read(n)
+        except StreamEOF:
+            return b""
+
+Other exceptions (a reset stream) pass through untouched.
 
 A length above the maximum raises :class:`FrameTooLargeError` before a single payload byte is buffered, so a peer
 cannot make us allocate by lying about a length.
@@ -146,12 +154,14 @@ async def read_exactly(read: ReadFn, n: int) -> bytes:
     _check_chunk(first, n)
     if len(first) == n:
         return bytes(first)
-    buf = bytearray(first)
-    while len(buf) < n:
-        chunk = await read(n - len(buf))
-        _check_chunk(chunk, n - len(buf))
-        buf += chunk
-    return bytes(buf)
+    chunks = [first]
+    got = len(first)
+    while got < n:
+        chunk = await read(n - got)
+        _check_chunk(chunk, n - got)
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)  # the one copy
 
 
 def _check_chunk(chunk: bytes, asked: int) -> None:
