@@ -39,7 +39,30 @@ def active_params(p) -> tuple[int, int]:
     return total, int(active)
 
 
-def decode_ms(path: Path, steps: int, prompt: int) -> tuple[float, float]:
+def gemv_floor_ms(p, reps: int = 7) -> float:
+    """One token through every active 2-D weight (x @ W.T, fp32): the matmul floor of an efficient decode step.
+
+    Only the routed experts' share counts: the first ``top_k`` experts of each layer stand in for the chosen ones.
+    """
+    weights = []
+    for name, shape in tensor_plan(p):
+        if len(shape) != 2 or name.startswith("mtp.") or name == "model.embed_tokens.weight":
+            continue
+        if ".mlp.experts." in name and int(name.split(".mlp.experts.")[1].split(".")[0]) >= p.num_experts_per_tok:
+            continue
+        weights.append(torch.randn(shape))
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for w in weights:
+                x = torch.randn(1, w.shape[1])
+                x @ w.T
+            times.append((time.perf_counter() - t0) * 1e3)
+    return min(times)
+
+
+def decode_ms(path: Path, steps: int, prompt: int) -> tuple[float, float, float]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -55,7 +78,7 @@ def decode_ms(path: Path, steps: int, prompt: int) -> tuple[float, float]:
             out = model(tok, past_key_values=cache, use_cache=True)
             times.append((time.perf_counter() - t0) * 1e3)
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    return prefill, statistics.median(times[2:] or times)
+    return prefill, statistics.median(times[2:] or times), min(times)
 
 
 def main() -> None:
@@ -76,17 +99,20 @@ def main() -> None:
                 path = make_model(Path(tmp) / "m", arch, name, seed=0)
                 make_s = time.perf_counter() - t0
                 size_mb = (path / "model.safetensors").stat().st_size / 2**20
-                prefill, step = decode_ms(path, args.steps, args.prompt)
+                prefill, step, step_min = decode_ms(path, args.steps, args.prompt)
+            floor = gemv_floor_ms(p)
             rows.append(
                 dict(arch=arch, preset=name, params=total, active_params=active, gflop_per_token=2 * active / 1e9,
                      active_mb_fp32=active * 4 / 2**20, file_mb=size_mb, make_s=make_s,
-                     hf_prefill_ms=prefill, hf_decode_ms=step, threads=args.threads,
+                     hf_prefill_ms=prefill, hf_decode_ms=step, hf_decode_min_ms=step_min, gemv_floor_ms=floor,
+                     threads=args.threads,
                      load_avg_1m=os.getloadavg()[0])
             )
             r = rows[-1]  # the load average says how busy the machine was (other processes inflate the times)
             print(f"{arch:12} {name:6} params {total/1e6:8.2f}M active {active/1e6:6.2f}M "
                   f"{r['gflop_per_token']:.3f} GFLOP/tok  file {size_mb:7.1f} MB  make {make_s:5.1f}s  "
-                  f"HF prefill({args.prompt}) {prefill:7.1f} ms  HF decode {step:6.1f} ms", flush=True)
+                  f"HF prefill({args.prompt}) {prefill:7.1f} ms  HF decode med {step:6.1f} / min {step_min:6.1f} ms  "
+                  f"GEMV floor {floor:5.1f} ms  (load {r['load_avg_1m']:.1f})", flush=True)
     out = Path(__file__).parent / "results" / "presets.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=2) + "\n")
