@@ -105,42 +105,35 @@ def check_opt_session_id(name: str, value: object) -> bytes | None:
     return None if value is None else check_session_id(name, value)
 
 
-def check_tokens(name: str, value: object, max_len: int) -> tuple[int, ...]:
-    """A tuple (a list is accepted and frozen) of at most ``max_len`` token ids in ``[0, 2**31)``."""
-    if type(value) is list:
-        value = tuple(value)
-    if type(value) is not tuple:
-        raise InvalidMessageError(f"{name} must be a tuple of ints, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise InvalidMessageError(f"{name} holds {len(value)} ids, more than {max_len}")
-    for v in value:
-        if type(v) is not int or not 0 <= v < MAX_TOKEN_ID:
-            raise InvalidMessageError(f"{name} holds {v!r}, not a token id in [0, {MAX_TOKEN_ID})")
-    return value
-
-
-def check_tuple_of(name: str, value: object, kind: type, max_len: int) -> tuple[object, ...]:
-    """A tuple (or list) of at most ``max_len`` instances of ``kind``."""
+def _as_tuple(name: str, value: object, min_len: int, max_len: int) -> tuple[object, ...]:
+    """A tuple (a list is accepted and frozen) of ``min_len`` to ``max_len`` items."""
     if type(value) is list:
         value = tuple(value)
     if type(value) is not tuple:
         raise InvalidMessageError(f"{name} must be a tuple, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise InvalidMessageError(f"{name} holds {len(value)} items, more than {max_len}")
-    for v in value:
+    if not min_len <= len(value) <= max_len:
+        raise InvalidMessageError(f"{name} holds {len(value)} items, expected {min_len} to {max_len}")
+    return value
+
+
+def check_uints(name: str, value: object, max_len: int, bound: int, min_len: int = 0) -> tuple[int, ...]:
+    """A tuple of ``min_len`` to ``max_len`` ints in ``[0, bound)``: token ids, tensor shapes."""
+    items = _as_tuple(name, value, min_len, max_len)
+    for v in items:
+        if type(v) is not int or not 0 <= v < bound:
+            raise InvalidMessageError(f"{name} holds {v!r}, not an int in [0, {bound})")
+    return items  # type: ignore[return-value]  # every item checked above
+
+
+def check_tokens(name: str, value: object, max_len: int) -> tuple[int, ...]:
+    """At most ``max_len`` token ids in ``[0, 2**31)``."""
+    return check_uints(name, value, max_len, MAX_TOKEN_ID)
+
+
+def check_tuple_of(name: str, value: object, kind: type, max_len: int) -> tuple[object, ...]:
+    """At most ``max_len`` instances of exactly ``kind``."""
+    items = _as_tuple(name, value, 0, max_len)
+    for v in items:
         if type(v) is not kind:
             raise InvalidMessageError(f"{name} holds a {type(v).__name__}, expected {kind.__name__}")
-    return value
-
-
-def check_shape(name: str, value: object, max_rank: int, max_dim: int) -> tuple[int, ...]:
-    if type(value) is list:
-        value = tuple(value)
-    if type(value) is not tuple:
-        raise InvalidMessageError(f"{name} must be a tuple of ints, got {type(value).__name__}")
-    if not 1 <= len(value) <= max_rank:
-        raise InvalidMessageError(f"{name} must have rank 1..{max_rank}, got {len(value)}")
-    for d in value:
-        if type(d) is not int or not 0 <= d <= max_dim:
-            raise InvalidMessageError(f"{name} dimensions must be ints in [0, {max_dim}], got {d!r}")
-    return value
+    return items

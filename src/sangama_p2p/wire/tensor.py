@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from sangama_p2p.errors import InvalidMessageError
-from sangama_p2p.wire.limits import check_shape
+from sangama_p2p.wire.limits import check_uints
 
 __all__ = ["DTYPE_SIZES", "MAX_DIM", "MAX_ELEMENTS", "MAX_RANK", "Tensor"]
 
@@ -37,7 +37,7 @@ class Tensor:
     def __post_init__(self) -> None:
         if type(self.dtype) is not str or self.dtype not in DTYPE_SIZES:
             raise InvalidMessageError(f"tensor dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
-        shape = check_shape("tensor shape", self.shape, MAX_RANK, MAX_DIM)
+        shape = check_uints("tensor shape", self.shape, MAX_RANK, MAX_DIM + 1, min_len=1)
         object.__setattr__(self, "shape", shape)
         numel = math.prod(shape)
         if numel > MAX_ELEMENTS:
