@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,17 @@ def test_incremental_decoder_holds_back_a_partial_character(tok: Tokenizer) -> N
     assert dec.push(emoji[:1]) == ""
     assert dec.push(emoji[1:]) == "🎉"
     assert dec.push(emoji[:1]) == "" and dec.flush() == "\ufffd"
+
+
+QWEN_FIXTURE = Path("/work/shared/fixtures/gguf/qwen35moe-h16")
+
+
+@pytest.mark.skipif(not (QWEN_FIXTURE / "tokenizer.json").is_file(), reason="Qwen3.5 tokenizer fixture not present")
+def test_reads_the_real_qwen_tokenizer() -> None:
+    """A tokenizer.json made elsewhere (Qwen3.5's, 248k tokens): eos from config.json, exact round trips."""
+    t = Tokenizer.from_dir(QWEN_FIXTURE)
+    assert t.vocab_size == 248077 and t.eos_token_ids == (248046,)
+    for text in TRICKY:  # Qwen's tokenizer NFC-normalizes first, so only NFC text comes back unchanged
+        assert t.decode(t.encode(text)) == unicodedata.normalize("NFC", text)
+    assert t.encode("<|im_end|>") == [t.token_id("<|im_end|>")]
+    assert "".join(_stream(t, t.encode(TRICKY[3]), 1)) == TRICKY[3]
