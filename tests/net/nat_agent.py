@@ -1,6 +1,6 @@
 """A Sangama node driven over stdin/stdout JSON lines, for the network-namespace tests (see ``netns.py``).
 
-Run as ``python nat_agent.py --port P [--relay] [--bootstrap ADDR] [--announce ADDR]``. It prints one
+Run as ``python nat_agent.py --port P [--relay] [--key FILE] [--bootstrap ADDR] [--announce ADDR]``. It prints one
 ``{"event": "ready", ...}`` line once its reachability is known (and, if private, a reservation was tried), then
 answers each command line ``{"id": n, "cmd": ..., ...}`` with ``{"id": n, "ok": true, ...}`` or an error.
 """
@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from dataclasses import asdict
 from typing import Any
 
@@ -26,7 +27,7 @@ from multiaddr import Multiaddr
 from sangama_p2p.net.config import HostConfig
 from sangama_p2p.net.holepunch import LinkInfo, stream_link
 from sangama_p2p.net.host import Node, open_host
-from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.identity import generate_key_pair, load_key_pair
 from sangama_p2p.net.traversal import Traversal, TraversalConfig
 from sangama_p2p.wire.framing import encode_frame, read_frame
 
@@ -141,7 +142,24 @@ async def serve_commands(agent: Agent) -> None:
             print(json.dumps(reply), flush=True)
 
 
+async def wait_for_listener(addr: str, limit: float = 30.0) -> None:
+    """Wait until the bootstrap node accepts TCP: all agents start at once, and it may not listen yet."""
+    ma = Multiaddr(addr)
+    target = (ma.value_for_protocol("ip4"), int(ma.value_for_protocol("tcp")))
+    with trio.fail_after(limit):
+        while True:
+            try:
+                stream = await trio.open_tcp_stream(*target)
+            except OSError:
+                await trio.sleep(0.1)
+                continue
+            await stream.aclose()
+            return
+
+
 async def main(args: argparse.Namespace) -> None:
+    for addr in args.bootstrap:
+        await wait_for_listener(addr)
     config = HostConfig(
         listen_addrs=(f"/ip4/0.0.0.0/tcp/{args.port}",),
         announce_addrs=tuple(args.announce),
@@ -150,7 +168,8 @@ async def main(args: argparse.Namespace) -> None:
         handshake_timeout=3.0,
     )
     traversal = Traversal(TraversalConfig(reachability="public" if args.relay else None))
-    async with open_host(config, key_pair=generate_key_pair(), services=[traversal.run]) as node:
+    key_pair = load_key_pair(args.key) if args.key else generate_key_pair()
+    async with open_host(config, key_pair=key_pair, services=[traversal.run]) as node:
         node.host.set_stream_handler(ECHO, echo_handler)
         with trio.fail_after(30):
             await traversal.wait_ready()
@@ -165,7 +184,8 @@ if __name__ == "__main__":
     parser.add_argument("--relay", action="store_true")
     parser.add_argument("--bootstrap", action="append", default=[])
     parser.add_argument("--announce", action="append", default=[])
+    parser.add_argument("--key", type=Path, default=None, help="key file (lets the test know the peer id up front)")
     parsed = parser.parse_args()
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(relativeCreated)6d %(name)s %(levelname)s %(message)s")
     logging.getLogger("sangama_p2p").setLevel(logging.INFO)
     trio.run(main, parsed)

@@ -1,16 +1,17 @@
 """A small Internet in Linux network namespaces: one public segment, two home networks behind their own NATs.
 
 Why namespaces: NAT traversal can only be tested against a real NAT. Loopback has none, and a fake one would test our
-assumptions instead of Linux conntrack. Layout (documentation-range addresses only; nothing leaves the machine)::
+assumptions instead of Linux conntrack. Layout (benchmarking range 198.18.0.0/15 only, which belongs to no one; the
+namespaces have no link to the host's own network, so nothing leaves the machine)::
 
-                        <tag>-wan: bridge br0, 192.0.2.0/24 ("the Internet")
+                        <tag>-wan: bridge br0, 198.18.0.0/24 ("the Internet")
           +---------------+---------------+------------------+------------------+
      <tag>-relay      <tag>-pub       <tag>-nata           <tag>-natb
-     192.0.2.1        192.0.2.2       wan0 192.0.2.11      wan0 192.0.2.12
-     bootstrap/relay  public peer     lan0 198.18.1.1      lan0 198.18.2.1
+     198.18.0.1       198.18.0.2      wan0 198.18.0.11     wan0 198.18.0.12
+     bootstrap/relay  public peer     lan0 198.19.1.1      lan0 198.19.2.1
                                           |                     |
                                       <tag>-priva           <tag>-privb
-                                      198.18.1.2            198.18.2.2
+                                      198.19.1.2            198.19.2.2
 
 Each NAT box masquerades its LAN onto the WAN, forwards only ESTABLISHED,RELATED traffic back in, and DROPs any
 unsolicited packet on its WAN side, as home routers do (a bare Linux NAT answers an early SYN with RST, which kills a
@@ -42,11 +43,11 @@ __all__ = [
 
 AGENT_SCRIPT = Path(__file__).with_name("nat_agent.py")
 
-RELAY_IP = "192.0.2.1"
-PUBLIC_IP = "192.0.2.2"
-NAT_WAN_IPS = {"a": "192.0.2.11", "b": "192.0.2.12"}
-LAN_GATEWAYS = {"a": "198.18.1.1", "b": "198.18.2.1"}
-LAN_IPS = {"a": "198.18.1.2", "b": "198.18.2.2"}
+RELAY_IP = "198.18.0.1"
+PUBLIC_IP = "198.18.0.2"
+NAT_WAN_IPS = {"a": "198.18.0.11", "b": "198.18.0.12"}
+LAN_GATEWAYS = {"a": "198.19.1.1", "b": "198.19.2.1"}
+LAN_IPS = {"a": "198.19.1.2", "b": "198.19.2.2"}
 
 
 class AgentError(RuntimeError):
@@ -157,15 +158,20 @@ class Agent:
         return reply
 
     def close(self) -> None:
-        """Ask the agent to exit, then kill it if it does not."""
+        """Stop the agent (SIGTERM, then SIGKILL): its state dies with the lab, so no graceful shutdown is needed."""
         if self._proc.poll() is None:
+            self._proc.terminate()
             try:
-                assert self._proc.stdin is not None
-                self._proc.stdin.close()
-                self._proc.wait(timeout=3)
-            except (OSError, subprocess.TimeoutExpired):
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=5)
+        for pipe in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
 
 
 class NatLab:

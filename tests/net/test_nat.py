@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from libp2p.peer.id import ID
+
+from sangama_p2p.net.identity import generate_key_pair, save_key_pair
 
 from .netns import LAN_IPS, NAT_WAN_IPS, PUBLIC_IP, RELAY_IP, Agent, NatLab, netns_unavailable_reason
 
@@ -38,18 +41,21 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    key_file = tmp_path_factory.mktemp("relay") / "relay.key"
+    key = generate_key_pair()
+    save_key_pair(key, key_file)  # the relay's id is known before it starts, so all four peers start at once
+    boot = f"/ip4/{RELAY_IP}/tcp/{RELAY_PORT}/p2p/{ID.from_pubkey(key.public_key)}"
     with NatLab() as lab:
-        relay = lab.spawn("relay", "relay", "--port", str(RELAY_PORT), "--relay")
-        boot = f"/ip4/{RELAY_IP}/tcp/{RELAY_PORT}/p2p/{relay.endpoint.peer_id}"
+        relay = lab.spawn("relay", "relay", "--port", str(RELAY_PORT), "--relay", "--key", str(key_file))
         pub = lab.spawn("pub", "pub", "--port", str(PUBLIC_PORT), "--bootstrap", boot)
         a = lab.spawn("a", "priva", "--port", str(A_PORT), "--bootstrap", boot)
         b = lab.spawn(
             "b", "privb", "--port", str(B_PORT), "--bootstrap", boot,
             "--announce", f"/ip4/{NAT_WAN_IPS['b']}/tcp/{B_PORT}",
         )
-        for agent in (pub, a, b):
-            _ = agent.endpoint  # all four start in parallel; wait for each to be ready
+        for agent in (relay, pub, a, b):
+            _ = agent.endpoint  # wait for each to be ready
         yield Fleet(lab, relay, pub, a, b)
 
 
@@ -108,7 +114,7 @@ def test_relayed_link_keeps_carrying_frames_when_hole_punching_is_blocked(fleet:
     assert link["text"] == f"relayed via {relay_id}"
     first = c.call("echo", peer_id=dest, count=10, size=4096)
     assert first["link"]["text"] == f"relayed via {relay_id}"
-    assert c.call("wait_direct", peer_id=dest, limit=8.0)["link"] is None  # the punch cannot get through
+    assert c.call("wait_direct", peer_id=dest, limit=6.0)["link"] is None  # the punch cannot get through
     assert d.call("info")["punches"] == 1
     again = c.call("echo", peer_id=dest, count=10, size=4096)
     assert again["link"]["text"] == f"relayed via {relay_id}"
