@@ -275,3 +275,19 @@ def test_remaking_over_an_old_checkpoint_replaces_it(tmp_path: Path, made) -> No
     assert not (d / "model.safetensors.index.json").exists()
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (d / name).read_bytes() == (made["llama"] / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_safetensors_source_serves_every_planned_tensor(arch, made) -> None:
+    """The project's own loader finds every canonical name (experts one at a time, MTP included)."""
+    from sangama_p2p.model.weights import SafetensorsSource
+
+    src = SafetensorsSource(made[arch])
+    try:
+        plan = tensor_plan(get_preset(arch, "tiny"))
+        assert set(src.names()) == {name for name, _ in plan}
+        for name, shape in plan:
+            assert src.has(name)
+            assert tuple(src.get(name, torch.float32).shape) == shape, name
+    finally:
+        src.close()
