@@ -67,3 +67,22 @@ def top64_gap(logits: torch.Tensor, ref: dict[str, Any], rows: range) -> float:
         ids = torch.tensor(pos["top_ids"])
         gap = max(gap, float((logits[j, ids] - torch.tensor(pos["top_logits"])).abs().max()))
     return gap
+
+
+def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: list[int], steps: int = 1) -> torch.Tensor:
+    """Logits [T, vocab] of a chain of runtime stages over ``ids``: the first ``len(ids) - steps + 1`` tokens as one
+    prefill, then one token per step (the cache path)."""
+    from sangama_p2p.model.stage import StageModel, StepInput
+
+    models = [StageModel.load(spec, source, a, b) for a, b in stages]
+    states = [m.new_session(len(ids)) for m in models]
+    cut = len(ids) - steps + 1
+    chunks = [(0, ids[:cut])] + [(cut + i, ids[cut + i : cut + i + 1]) for i in range(steps - 1)]
+    out = []
+    for start, chunk in chunks:
+        x: Any = torch.tensor(chunk)
+        for k, (m, st) in enumerate(zip(models, states)):
+            step = StepInput(st, start, tokens=x) if k == 0 else StepInput(st, start, hidden=x)
+            x = m.forward([step])
+        out.append(models[-1].logits(x))
+    return torch.cat(out)
