@@ -11,7 +11,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from sangama_p2p.errors import NetworkError, WireError
@@ -125,6 +125,8 @@ def test_link_info_and_config_validation() -> None:
         TraversalConfig(reachability="maybe")
     with pytest.raises(NetworkError):
         TraversalConfig(max_reservations=0)
+    with pytest.raises(NetworkError):
+        TraversalConfig(relays=("/ip4/198.18.0.1/tcp/4001",))  # no /p2p/<id>: we could not check whom we reach
 
 
 # -- on loopback -----------------------------------------------------------------------------------------------------
@@ -148,6 +150,12 @@ def test_private_peer_is_reached_through_its_relay_and_both_sides_name_the_relay
             assert str(stream_link(stream)) == f"relayed via {relay.peer_id}"
             back = b_t.link(a.peer_id)
             assert back is not None and str(back) == f"relayed via {relay.peer_id}"  # stock labels it "via B"
+
+            # A dial-back request that arrives through a relay is refused: the server would see the relay's address.
+            await stack.enter_async_context(serve_dialback(a.host))
+            report = await check_reachability(b.host, [PeerInfo(a.peer_id, [])], timeout_s=5.0)
+            assert report.status is Reachability.UNKNOWN
+            assert any("relayed" in e for e in report.errors), report.errors
 
     trio.run(main)
 

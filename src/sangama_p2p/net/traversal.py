@@ -59,10 +59,19 @@ class TraversalConfig:
     relay_limits: RelayServiceConfig = RelayServiceConfig()
 
     def __post_init__(self) -> None:
+        for addr in self.relays:
+            _peer_info(addr)
         if self.reachability not in (None, "public", "private"):
             raise NetworkError(f"reachability must be 'public', 'private' or unset, not {self.reachability!r}")
         if self.max_reservations < 1 or self.recheck_s <= 0:
             raise NetworkError("max_reservations must be >= 1 and recheck_s > 0")
+
+
+def _peer_info(addr: str) -> PeerInfo:
+    try:
+        return info_from_p2p_addr(Multiaddr(addr))
+    except Exception as exc:
+        raise NetworkError(f"relay address {addr!r} must be a multiaddr ending in /p2p/<peer id>: {exc}") from exc
 
 
 class Traversal:
@@ -109,13 +118,8 @@ class Traversal:
                 await trio.sleep(self.config.recheck_s)
 
     def _relays(self, node: Node) -> list[PeerInfo]:
-        out = []
-        for addr in self.config.relays or node.config.bootstrap_addrs:
-            try:
-                out.append(info_from_p2p_addr(Multiaddr(addr)))
-            except Exception as exc:
-                raise NetworkError(f"relay address {addr!r} must end in /p2p/<peer id>: {exc}") from exc
-        return [r for r in out if r.peer_id != node.peer_id]
+        infos = [_peer_info(addr) for addr in self.config.relays or node.config.bootstrap_addrs]
+        return [r for r in infos if r.peer_id != node.peer_id]
 
     async def _check(self, node: Node, relays: list[PeerInfo], serving: bool) -> None:
         forced = self.config.reachability
