@@ -1,0 +1,82 @@
+"""Bad GGUF input raises typed errors with clear messages."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from helpers import LLAMA_Q4KM
+
+from sangama_p2p.errors import CheckpointError, UnsupportedModelError
+from sangama_p2p.model.gguf import open_gguf
+from sangama_p2p.model.gguf.reader import GGUFFile
+
+
+def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]], meta: dict | None = None) -> Path:
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in (meta or {}).items():
+        if isinstance(v, int):
+            w.add_uint32(k, v)
+        else:
+            w.add_string(k, v)
+    for name, (arr, raw) in tensors.items():
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unknown_architecture(tmp_path: Path) -> None:
+    p = _write(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    with pytest.raises(UnsupportedModelError, match="architecture 'gpt2'"):
+        open_gguf(p)
+
+
+def test_unsupported_quant_type(tmp_path: Path) -> None:
+    blocks = np.zeros((2, 66), np.uint8)  # two rows of one IQ2_XXS block each
+    p = _write(tmp_path / "iq.gguf", "llama", {"blk.0.ffn_up.weight": (blocks, gguf.GGMLQuantizationType.IQ2_XXS)})
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS|type 16"):
+        GGUFFile(p)
+
+
+def test_missing_metadata(tmp_path: Path) -> None:
+    p = _write(tmp_path / "bare.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    with pytest.raises(CheckpointError, match="embedding_length"):
+        open_gguf(p)
+
+
+def test_bad_magic_and_missing_file(tmp_path: Path) -> None:
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        GGUFFile(p)
+    with pytest.raises(CheckpointError, match="no GGUF file"):
+        GGUFFile(tmp_path / "absent.gguf")
+
+
+@pytest.mark.skipif(not LLAMA_Q4KM.is_file(), reason="GGUF fixtures not found")
+@pytest.mark.parametrize("keep", [1000, 5_000_000, 15_080_000])
+def test_truncated_file(tmp_path: Path, keep: int) -> None:
+    """Cut in the header, in the vocabulary, and in the last tensor."""
+    p = tmp_path / "cut.gguf"
+    with open(LLAMA_Q4KM, "rb") as src, open(p, "wb") as dst:
+        dst.write(src.read(keep))
+    with pytest.raises(CheckpointError, match="truncated"):
+        GGUFFile(p)
+
+
+@pytest.mark.skipif(not LLAMA_Q4KM.is_file(), reason="GGUF fixtures not found")
+def test_missing_split_part_and_missing_tensor(tmp_path: Path) -> None:
+    shutil.copy(LLAMA_Q4KM, tmp_path / "m-00001-of-00002.gguf")
+    with pytest.raises(CheckpointError, match="missing m-00002-of-00002.gguf"):
+        GGUFFile(tmp_path / "m-00001-of-00002.gguf")
+    spec, src, _ = open_gguf(LLAMA_Q4KM)
+    with pytest.raises(CheckpointError, match="lacks tensor model.layers.9"):
+        src.get("model.layers.9.mlp.up_proj.weight", torch.float32)
+    assert not src.has("model.layers.9.mlp.up_proj.weight")
