@@ -115,14 +115,16 @@ class IncrementalDecoder:
         text = self._tok.decode(self._ids[self._prefix :])
         if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        del self._ids[: self._read]  # keep only the emitted ids still needed as context
+        self._prefix, self._read = 0, len(self._ids)
         return text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever is still held back (a truncated character comes out as U+FFFD)."""
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
         text = self._tok.decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, len(self._ids)
         return text[len(prefix_text) :]
 
 
