@@ -1,0 +1,85 @@
+"""Reference quantizers for the writer: Q4_K and Q6_K here (gguf-py only quantizes Q8_0 and simpler types).
+
+These are simple, valid quantizers in the spirit of llama.cpp's ``make_qkx``/``make_qx`` without its iterative
+search: per 32-element sub-block (Q4_K) a min/max affine fit, per 16-element sub-block (Q6_K) a symmetric fit to the
+largest magnitude, then 6-bit (Q4_K) or 8-bit (Q6_K) super-block scales. Quality is a little below llama.cpp's;
+the block layout is exactly ggml's, so llama.cpp, gguf-py and our dequantizers all read these blocks alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import UnsupportedModelError
+from .quants import BLOCK_SIZES, QK_K, QType, type_name
+
+__all__ = ["quantize"]
+
+
+def _fp16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the fp16 bytes [n, 2], the value they hold as float32 [n, 1])."""
+    h = x.astype(np.float16)
+    return h.view(np.uint8).reshape(-1, 2), h.astype(np.float32).reshape(-1, 1)
+
+
+def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> Q6_K blocks uint8 [n, 210]."""
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    idx = np.abs(sub).argmax(axis=-1)[..., None]
+    peak = np.take_along_axis(sub, idx, axis=-1)[..., 0]  # signed value of largest magnitude
+    scale = (peak / -32.0).astype(np.float32)  # the peak maps to -32, the widest end of [-32, 31]
+    amax = np.abs(scale).max(axis=-1)
+    d_bytes, d = _fp16(amax / 127.0)
+    sc = np.clip(np.rint(_safe_div(scale, d)), -128, 127).astype(np.int8)  # [n, 16]
+    eff = (d * sc.astype(np.float32))[..., None]  # [n, 16, 1]
+    q = np.clip(np.rint(_safe_div(sub, eff)) + 32, 0, 63).astype(np.uint8).reshape(n, QK_K)
+    low, high = q & 0x0F, q >> 4
+    low = low.reshape(n, 2, 2, 64)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+    high = high.reshape(n, 2, 4, 32)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=1)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> Q4_K blocks uint8 [n, 144]."""
+    n = x.shape[0]
+    sub = x.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(axis=-1), 0.0)  # ggml keeps the offset non-positive: value = d*sc*q - dmin*m
+    hi = sub.max(axis=-1)
+    scale = ((hi - lo) / 15.0).astype(np.float32)
+    d_bytes, d = _fp16(scale.max(axis=-1) / 63.0)
+    dmin_bytes, dmin = _fp16((-lo).max(axis=-1) / 63.0)
+    sc = np.clip(np.rint(_safe_div(scale, d)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(_safe_div(-lo, dmin)), 0, 63).astype(np.uint8)
+    eff = (d * sc.astype(np.float32))[..., None]
+    off = (dmin * mn.astype(np.float32))[..., None]
+    q = np.clip(np.rint(_safe_div(sub + off, eff)), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    d_ = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    m_ = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    m_d = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return np.concatenate([d_bytes, dmin_bytes, d_, m_, m_d, qs], axis=1)
+
+
+def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
+    """Quantize a float array whose last dimension is a whole number of blocks; returns uint8 ``[..., row_bytes]``."""
+    if qtype not in (QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q5_0, QType.Q4_0):
+        raise UnsupportedModelError(f"cannot quantize to {type_name(qtype)} (supported: Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)")
+    bs, ts = BLOCK_SIZES[qtype]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[-1] % bs:
+        raise UnsupportedModelError(f"rows of {x.shape[-1]} are not a whole number of {type_name(qtype)} blocks")
+    if qtype in (QType.Q8_0, QType.Q5_0, QType.Q4_0):
+        import gguf
+
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType(qtype))
+    blocks = x.reshape(-1, bs)
+    out = quantize_q4_k(blocks) if qtype == QType.Q4_K else quantize_q6_k(blocks)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)
