@@ -13,7 +13,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgpack
 import trio
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError, RecordError
@@ -21,7 +23,9 @@ from .dht import providers_from_network, values_from_network
 from .host import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
-__all__ = ["Announcer", "Offer", "find_serving_peers", "publish"]
+__all__ = ["RECORDS_PROTOCOL", "Announcer", "Offer", "find_serving_peers", "publish"]
+
+RECORDS_PROTOCOL = "/sangama/records/1"  # request: nothing; response: msgpack list of signed record values
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,17 @@ class Announcer:
         self._seq = int(time.time() * 1000)
         self._wake = trio.Event()
         self.published: dict[str, SignedRecord] = {}
+        node.host.set_stream_handler(RECORDS_PROTOCOL, self._serve_records)
+
+    async def _serve_records(self, stream: INetStream) -> None:
+        """``/sangama/records/1``: answer with our current signed records (``sangama-peer status`` asks)."""
+        try:
+            values = [s.value for s in self.published.values() if s.record.expires_at > time.time()]
+            await stream.write(msgpack.packb(values, use_bin_type=True))
+        except Exception as exc:  # the asker went away; nothing to clean up beyond the stream
+            log.debug("records request failed: %s", exc)
+        finally:
+            await stream.close()
 
     async def update(self, offer: Offer) -> SignedRecord:
         self._offers[offer.model_id] = offer

@@ -38,13 +38,17 @@ def psk_from_secret(secret: bytes) -> str:
 
 
 def mismatch_error(peer: str, addr: str, timeout: float, *, have_secret: bool) -> NetworkError:
-    """The error for a handshake that did not finish within ``timeout`` seconds (the PSK layer hangs on mismatch)."""
+    """The error for a handshake that failed or did not finish within ``timeout`` seconds.
+
+    With different pre-shared keys both sides read garbage: usually the handshake hangs, sometimes the garbage
+    fails the security negotiation at once. Either way the cause is named the same.
+    """
     cause = (
         "this node and the peer use different fleet secrets, or the peer belongs to no private fleet"
         if have_secret
         else "the peer belongs to a private fleet and this node has no --fleet-secret-file"
     )
     return NetworkError(
-        f"handshake with {peer} at {addr} did not complete within {timeout:g} s: "
+        f"handshake with {peer} at {addr} failed or did not complete within {timeout:g} s: "
         f"fleet secret mismatch ({cause}), or the peer is not a Sangama node"
     )

@@ -42,6 +42,8 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from ..errors import NetworkError
@@ -170,6 +172,9 @@ class Node:
                 conn = await swarm.dial_addr(addr, peer_id)
                 await conn.event_started.wait()
             except Exception as exc:  # SwarmException and transport errors
+                if _security_failed(exc):  # TCP opened, Noise negotiation read garbage: a PSK mismatch
+                    have = self.config.fleet_secret is not None
+                    raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=have) from exc
                 cause = exc.__cause__ or exc
                 raise NetworkError(f"cannot connect to {peer_id} at {addr}: {cause}") from exc
             negative_cache = getattr(swarm, "_negative_peer_cache", None)
@@ -177,6 +182,25 @@ class Node:
                 negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
             return conn
         raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=self.config.fleet_secret is not None)
+
+
+def _security_failed(exc: BaseException | None) -> bool:
+    """True if a dial failed after its TCP connection opened, in the security upgrade (as a wrong fleet secret does).
+
+    With different pre-shared keys the first bytes each side reads are garbage, so the failure shows up in
+    several ways (a failed negotiation, an empty read, a MemoryError from a garbage length); what they share is that the TCP connect
+    itself succeeded and the peer's identity was never checked.
+    """
+    chain = []
+    while exc is not None and len(chain) < 16:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    if any(isinstance(e, OpenConnectionError) for e in chain):
+        return False  # TCP never connected: unreachable, not a secret mismatch
+    if any("Peer ID mismatch" in str(e) for e in chain):
+        return False  # Noise completed and proved another identity
+    garbage_signs = (SecurityUpgradeFailure, MultiselectClientError, ValueError, EOFError, MemoryError)
+    return any(isinstance(e, garbage_signs) for e in chain)
 
 
 def order_addrs(addrs: Any) -> list[multiaddr.Multiaddr]:
@@ -319,7 +343,7 @@ async def open_host(
         leaf = _single_leaf(group)
         if leaf is None:
             raise
-        raise leaf from None
+        raise leaf  # keeps its own __cause__ (``from None`` would erase it)
     except OSError as exc:
         raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc
 

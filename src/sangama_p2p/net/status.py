@@ -1,0 +1,147 @@
+"""A survey of the swarm for ``sangama-peer status``: peers, what they serve, and how we reach them.
+
+Peers are found from the DHT (our routing table after random-key lookups, plus the providers of any model asked
+for); each one is asked over ``/sangama/records/1`` for its signed records, which are validated like DHT records.
+The survey is a pure data structure (:class:`SwarmStatus`) so the CLI can print it as a table or as JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import msgpack
+import trio
+from libp2p.peer.id import ID
+
+from ..errors import NetworkError
+from .discovery import RECORDS_PROTOCOL, find_serving_peers
+from .holepunch import link_info
+from .host import Node
+from .records import ServingRecord, decode_record, record_key
+
+__all__ = ["PeerStatus", "SwarmStatus", "fetch_records", "survey"]
+
+log = logging.getLogger(__name__)
+MAX_RESPONSE = 1 << 20
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """One peer as seen from here; ``link`` is ``direct``, ``relayed via <id>`` or ``unreachable``."""
+
+    peer_id: str
+    link: str
+    rtt_ms: float | None
+    records: tuple[ServingRecord, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SwarmStatus:
+    """Every peer found, sorted: serving peers by (model, first layer), then the others by id."""
+
+    peers: tuple[PeerStatus, ...]
+    surveyed_at: float
+
+    def models(self) -> dict[str, list[tuple[str, int, int]]]:
+        """model id -> [(peer id, start, end)] sorted by start."""
+        out: dict[str, list[tuple[str, int, int]]] = {}
+        for peer in self.peers:
+            for rec in peer.records:
+                out.setdefault(rec.model_id, []).append((peer.peer_id, rec.start, rec.end))
+        return {m: sorted(v, key=lambda x: (x[1], x[2])) for m, v in sorted(out.items())}
+
+    def to_json(self) -> dict[str, object]:
+        return {"surveyed_at": self.surveyed_at, "peers": [asdict(p) for p in self.peers], "models": self.models()}
+
+
+async def fetch_records(
+    node: Node, peer_id: ID, *, timeout: float = 5.0
+) -> tuple[list[ServingRecord], float | None]:
+    """Ask ``peer_id`` for its signed records: the valid ones and the request's round trip in ms (None: serves none)."""
+    with trio.move_on_after(timeout):
+        await node.connect(peer_id)
+        start = time.perf_counter()
+        try:
+            stream = await node.host.new_stream(peer_id, [RECORDS_PROTOCOL])
+        except Exception as exc:  # no handler: the peer serves nothing (a bootstrap node, a client)
+            log.debug("%s does not answer %s: %s", peer_id, RECORDS_PROTOCOL, exc)
+            return [], None
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while chunk := await stream.read(65536):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_RESPONSE:
+                    raise NetworkError(f"{peer_id} sent more than {MAX_RESPONSE} bytes of records")
+        except NetworkError:
+            raise
+        except Exception as exc:  # stream reset/EOF errors differ between muxers
+            if not chunks:
+                raise NetworkError(f"reading records from {peer_id} failed: {exc}") from exc
+        finally:
+            await stream.close()
+        rtt_ms = (time.perf_counter() - start) * 1000
+        try:
+            values = msgpack.unpackb(b"".join(chunks), raw=False)
+        except Exception as exc:
+            raise NetworkError(f"{peer_id} sent undecodable records: {exc}") from exc
+        if not isinstance(values, list):
+            raise NetworkError(f"{peer_id} sent records that are not a list")
+        records = []
+        for value in values:
+            if not isinstance(value, bytes):
+                continue
+            try:
+                model = msgpack.unpackb(msgpack.unpackb(value)[0], raw=False)["model"]
+                records.append(decode_record(record_key(model, peer_id), value))
+            except Exception as exc:  # a bad record from a peer is skipped, never trusted
+                log.debug("skipping record from %s: %s", peer_id, exc)
+        return records, rtt_ms
+    raise NetworkError(f"{peer_id} did not answer within {timeout:g} s")
+
+
+async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0) -> SwarmStatus:
+    """Find the swarm's peers and ask each what it serves (concurrently, each bounded by ``timeout``)."""
+    dht = node.dht
+    if dht is None:
+        raise NetworkError("a survey needs a DHT")
+    peers: set[ID] = set(node.host.get_connected_peers())
+    with trio.move_on_after(timeout):
+        for _ in range(2):  # random walks fill the routing table beyond the bootstrap nodes' neighbours
+            peers.update(await dht.peer_routing.find_closest_peers_network(os.urandom(32)))
+    peers.update(dht.routing_table.get_peer_ids())
+    for model in models:
+        with trio.move_on_after(timeout):
+            peers.update(ID.from_base58(r.peer_id) for r in await find_serving_peers(node, model))
+    peers.discard(node.peer_id)
+    results: list[PeerStatus] = []
+
+    async def one(peer: ID) -> None:
+        records: list[ServingRecord] = []
+        rtt: float | None = None
+        error = None
+        try:
+            records, rtt = await fetch_records(node, peer, timeout=timeout)
+        except NetworkError as exc:
+            error = str(exc)
+        info = link_info(node.host, peer)
+        link = str(info) if info is not None else "unreachable"
+        results.append(PeerStatus(peer.to_base58(), link, rtt, tuple(records), error))
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            nursery.start_soon(one, peer)
+
+    def order(p: PeerStatus) -> tuple[int, str, int, str]:
+        if p.records:
+            first = min(p.records, key=lambda r: (r.model_id, r.start))
+            return (0, first.model_id, first.start, p.peer_id)
+        return (1, "", 0, p.peer_id)
+
+    return SwarmStatus(tuple(sorted(results, key=order)), time.time())
