@@ -32,7 +32,7 @@ from multiaddr import Multiaddr
 
 from ..errors import NetworkError, WireError
 from ..wire.framing import encode_frame, read_frame
-from .relay import relay_of
+from .relay import ConnectFn, relay_of
 
 __all__ = [
     "DIALBACK_PROTOCOL",
@@ -231,10 +231,12 @@ def _own_addrs(host: IHost) -> list[str]:
     return list(dict.fromkeys(out))[:MAX_ADDRS]
 
 
-async def _ask(host: IHost, server: PeerInfo, addrs: list[str], timeout_s: float) -> DialBackReply:
+async def _ask(
+    host: IHost, server: PeerInfo, addrs: list[str], timeout_s: float, connect: ConnectFn
+) -> DialBackReply:
     try:
         with trio.fail_after(timeout_s):
-            await host.connect(server)
+            await connect(server)
             stream = await host.new_stream(server.peer_id, [DIALBACK_PROTOCOL])
             try:
                 await stream.write(encode_frame(DialBackRequest(tuple(addrs)).encode(), max_frame=MAX_MESSAGE))
@@ -255,15 +257,19 @@ async def check_reachability(
     *,
     addrs: Sequence[str] | None = None,
     timeout_s: float = 10.0,
+    connect: ConnectFn | None = None,
 ) -> ReachabilityReport:
-    """Ask every server in parallel to dial us back; public if any reached us, private if all answered no."""
+    """Ask every server in parallel to dial us back; public if any reached us, private if all answered no.
+
+    ``addrs`` defaults to our own non-relay addresses; ``connect`` reaches a server (default ``host.connect``).
+    """
     wanted = list(addrs) if addrs is not None else _own_addrs(host)
     replies: dict[str, DialBackReply] = {}
     errors: list[str] = []
 
     async def ask(server: PeerInfo) -> None:
         try:
-            reply = await _ask(host, server, wanted, timeout_s)
+            reply = await _ask(host, server, wanted, timeout_s, connect or host.connect)
         except (NetworkError, WireError) as exc:
             errors.append(str(exc))
             return

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -44,6 +44,7 @@ from multiaddr import Multiaddr
 from ..errors import NetworkError
 
 __all__ = [
+    "ConnectFn",
     "RelayClient",
     "RelayError",
     "RelayServiceConfig",
@@ -59,6 +60,11 @@ logger = logging.getLogger(__name__)
 
 InboundCallback = Callable[[ID, ID], None]
 """Called as ``callback(peer_id, relay_id)`` when a relayed connection from ``peer_id`` was accepted."""
+
+ConnectFn = Callable[[PeerInfo], Awaitable[object]]
+"""How to reach a relay, e.g. ``lambda info: node.connect(info.peer_id, info.addrs)``; default ``host.connect``."""
+
+MAX_RETRY_S = 60.0
 
 
 class RelayError(NetworkError):
@@ -186,6 +192,7 @@ class RelayClient:
         refresh_fraction: float = 0.75,
         retry_s: float = 5.0,
         timeout_s: float = 10.0,
+        connect: ConnectFn | None = None,
     ) -> None:
         if not 0.0 < refresh_fraction < 1.0:
             raise ValueError(f"refresh_fraction must lie in (0, 1), got {refresh_fraction}")
@@ -195,6 +202,7 @@ class RelayClient:
         self._refresh_fraction = refresh_fraction
         self._retry_s = retry_s
         self._timeout_s = timeout_s
+        self._connect: ConnectFn = connect or host.connect
         self._reservations: dict[str, Reservation] = {}
         self._kept: set[str] = set()
         self.refreshes = 0
@@ -224,7 +232,7 @@ class RelayClient:
         """Connect to ``relay`` and reserve (or refresh) a slot on it; :class:`RelayError` if refused or unreachable."""
         try:
             with trio.fail_after(self._timeout_s):
-                await self.host.connect(relay)
+                await self._connect(relay)
                 stream = await self.host.new_stream(relay.peer_id, [HOP_PROTOCOL_ID])
                 try:
                     await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE))
@@ -267,14 +275,17 @@ class RelayClient:
 
     async def _keep(self, relay: PeerInfo) -> None:
         first = True
+        retry = self._retry_s
         while True:
             try:
                 reservation = await self.reserve(relay)
             except RelayError as exc:
-                logger.warning("%s; retrying in %.1f s", exc, self._retry_s)
+                logger.warning("%s; retrying in %.1f s", exc, retry)
                 self._changed()
-                await trio.sleep(self._retry_s)
+                await trio.sleep(retry)
+                retry = min(2 * retry, MAX_RETRY_S)  # a full or dead relay is not hammered
                 continue
+            retry = self._retry_s
             if not first:
                 self.refreshes += 1
             first = False
@@ -294,7 +305,7 @@ class RelayClient:
         try:
             with trio.fail_after(self._timeout_s):
                 if str(relay_addr) not in ("", "/"):
-                    await self.host.connect(PeerInfo(relay_id, [relay_addr]))
+                    await self._connect(PeerInfo(relay_id, [relay_addr]))
                 stream = await self.host.new_stream(relay_id, [HOP_PROTOCOL_ID])
                 await write_delimited_msg(
                     stream, HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer_id.to_bytes()))
@@ -326,6 +337,7 @@ async def open_relay_client(
     retry_s: float = 5.0,
     timeout_s: float = 10.0,
     relay_config: RelayServiceConfig | None = None,
+    connect: ConnectFn | None = None,
 ) -> AsyncIterator[RelayClient]:
     """Run a :class:`RelayClient` on ``host``; pass ``relay_config`` to also relay for others (a public node)."""
     kwargs: dict[str, object] = {}
@@ -334,7 +346,7 @@ async def open_relay_client(
     protocol = _CircuitProtocol(host, **kwargs)
     async with background_trio_service(protocol), trio.open_nursery() as nursery:
         await protocol.event_started.wait()
-        client = RelayClient(host, nursery, protocol, refresh_fraction, retry_s, timeout_s)
+        client = RelayClient(host, nursery, protocol, refresh_fraction, retry_s, timeout_s, connect)
         try:
             yield client
         finally:

@@ -101,7 +101,9 @@ class Traversal:
         serve = node.config.relay_hop if self.config.serve_relay is None else self.config.serve_relay
         async with AsyncExitStack() as stack:
             relay_client = await stack.enter_async_context(
-                open_relay_client(node.host, relay_config=self.config.relay_limits if serve else None)
+                open_relay_client(
+                    node.host, relay_config=self.config.relay_limits if serve else None, connect=self._connect_to
+                )
             )
             self.relay_client = relay_client
             relay_client.on_change = self._advertise
@@ -117,6 +119,11 @@ class Traversal:
                 self._ready.set()
                 await trio.sleep(self.config.recheck_s)
 
+    async def _connect_to(self, info: PeerInfo) -> None:
+        """Reach relays and dial-back servers through ``Node.connect`` (announced addresses first, no 60 s block)."""
+        assert self._node is not None
+        await self._node.connect(info.peer_id, list(info.addrs))
+
     def _relays(self, node: Node) -> list[PeerInfo]:
         infos = [_peer_info(addr) for addr in self.config.relays or node.config.bootstrap_addrs]
         return [r for r in infos if r.peer_id != node.peer_id]
@@ -127,7 +134,7 @@ class Traversal:
             status = Reachability(forced) if forced else (Reachability.PUBLIC if serving else Reachability.UNKNOWN)
             self.report = ReachabilityReport(status, (), ())
         else:
-            self.report = await check_reachability(node.host, relays)
+            self.report = await check_reachability(node.host, relays, connect=self._connect_to)
         logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
             await self._reserve(relays[: self.config.max_reservations])
