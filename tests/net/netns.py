@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,21 @@ def netns_unavailable_reason() -> str | None:
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+def remove_stale_labs() -> None:
+    """Delete namespaces of labs whose test process died without tearing down (e.g. killed by SIGKILL)."""
+    listing = _run(["ip", "netns", "list"], check=False).stdout
+    for name in {line.split()[0] for line in listing.splitlines() if line.strip()}:
+        match = re.fullmatch(r"sg(\d+)x[0-9a-f]{3}-\w+", name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            _run(["ip", "netns", "del", name], check=False)
+        except PermissionError:  # alive, owned by someone else
+            pass
 
 
 @dataclass(frozen=True)
@@ -178,13 +194,14 @@ class NatLab:
     """Creates the namespaces on ``__enter__`` and always removes them (and its agents) on ``__exit__``."""
 
     def __init__(self, tag: str | None = None) -> None:
-        self.tag = tag or f"sg{os.getpid()}{uuid.uuid4().hex[:3]}"
+        self.tag = tag or f"sg{os.getpid()}x{uuid.uuid4().hex[:3]}"
         self.ns = {role: f"{self.tag}-{role}" for role in ("wan", "relay", "pub", "nata", "natb", "priva", "privb")}
         self._made: list[str] = []
         self._agents: list[Agent] = []
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def __enter__(self) -> NatLab:
+        remove_stale_labs()
         try:
             self._build()
         except BaseException:
