@@ -160,7 +160,7 @@ def test_private_peer_is_reached_through_its_relay_and_both_sides_name_the_relay
     trio.run(main)
 
 
-def test_reservation_is_refreshed_before_it_expires() -> None:
+def test_reservation_is_refreshed_before_it_expires_and_after_the_relay_connection_drops() -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             relay, b, b_t = await _relay_and(stack, ttl=2)
@@ -174,6 +174,15 @@ def test_reservation_is_refreshed_before_it_expires() -> None:
             await _node(stack, a_t)
             link = await a_t.connect(b.peer_id, list(now.circuit_addrs))  # the relay still knows B
             assert link.relay_id == str(relay.peer_id)
+
+            # The relay connection drops: the keeper reconnects at its next refresh and B stays reachable.
+            for conn in b.connections(relay.peer_id):
+                await conn.close()
+            before = b_t.relay_client.refreshes
+            with trio.fail_after(5):
+                while b_t.relay_client.refreshes == before or not b.connections(relay.peer_id):
+                    await trio.sleep(0.05)
+            assert b_t.relay_client.reservations and b_t.relay_client.reservations[0].valid()
 
     trio.run(main)
 
