@@ -167,18 +167,24 @@ async def _probe(host: IHost, peer_id: ID, addr: str, timeout_s: float) -> bool:
     transport = network.transport_manager.transport_for_dialing(maddr)  # type: ignore[attr-defined]
     if transport is None:
         return False
-    with trio.move_on_after(timeout_s):
-        try:
+    raw = None
+    try:
+        with trio.move_on_after(timeout_s):
             raw = await transport.dial(maddr)
             psk = getattr(network, "psk", None)
             if psk:
                 raw = new_protected_conn(raw, psk)
-            secured = await network.upgrader.upgrade_security(raw, True, peer_id)  # type: ignore[attr-defined]
-        except Exception as exc:
-            logger.debug("dial-back to %s at %s failed: %s", peer_id, addr, exc)
-            return False
-        await secured.close()
-        return True
+            await network.upgrader.upgrade_security(raw, True, peer_id)  # type: ignore[attr-defined]
+            return True
+    except Exception as exc:
+        logger.debug("dial-back to %s at %s failed: %s", peer_id, addr, exc)
+    finally:
+        if raw is not None:  # success, failure or timeout: this connection only answered a question
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await raw.close()
+                except Exception:
+                    pass
     return False
 
 
