@@ -31,6 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--mtp-from", default=None, help="safetensors checkpoint to take mtp.* tensors from (GGUF)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--guesses", default="0", metavar="K|auto",
+                   help="MTP guesses checked per trip: a fixed number (0 = none) or 'auto' (adaptive)")
+    p.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="run N concurrent requests as batched steps (request i uses prompt i of the built-in set "
+                   "when N > 1, or the given prompt for all)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="make each request's numbers independent of its batch (slower on CPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is fastest for tiny models on busy CPUs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -70,15 +77,28 @@ def _generate(args: argparse.Namespace) -> int:
     ids = _prompt_ids(args, ckpt.tokenizer)
     if any(i < 0 or i >= spec.vocab_size for i in ids):
         raise ModelError(f"prompt token ids must be in 0..{spec.vocab_size - 1}")
-    chain = LocalChain.load(ckpt, ranges, dtype=args.dtype)
+    chain = LocalChain.load(ckpt, ranges, dtype=args.dtype, batch_invariant=args.batch_invariant)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    result = chain.generate(ids, args.max_new_tokens, sampling, stop_at_eos=not args.ignore_eos)
+    guesses = args.guesses if args.guesses == "auto" else int(args.guesses)
+    if args.batch < 1:
+        raise ModelError("--batch must be >= 1")
+    prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
+    results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=guesses,
+                                  stop_at_eos=not args.ignore_eos)
     if args.json:
-        print(json.dumps(result.as_dict()))
-    else:
-        print(result.text if result.text is not None else " ".join(map(str, result.tokens)))
-        print(f"[{len(result.tokens)} tokens, prefill {result.prefill_s * 1e3:.1f} ms, "
-              f"{result.decode_tokens_per_s:.1f} tokens/s decode, stages "
-              + ", ".join(f"{t.layers}: {t.seconds * 1e3 / max(t.calls, 1):.2f} ms/call" for t in result.stages)
+        out = results[0].as_dict() if args.batch == 1 else {"requests": [r.as_dict() for r in results]}
+        print(json.dumps(out))
+        return 0
+    for r in results:
+        print(r.text if r.text is not None else " ".join(map(str, r.tokens)))
+        print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
+              f"decode, {r.steps} steps, {r.tokens_per_step:.2f} tokens/step, accepted guesses per step "
+              f"{r.guesses_accepted / max(r.steps, 1):.2f}; stages "
+              + ", ".join(f"{t.layers}: {t.seconds * 1e3 / max(t.calls, 1):.2f} ms/call" for t in r.stages)
               + "]", file=sys.stderr)
     return 0
+
+
+def _variant(ids: list[int], i: int, vocab: int) -> list[int]:
+    """A different prompt for concurrent request ``i``: the prompt with a few ids rotated (deterministic)."""
+    return [(t + 7 * i) % vocab if j % 3 == 0 else t for j, t in enumerate(ids)] + [(11 * i) % vocab]

@@ -11,14 +11,19 @@ from typing import Sequence
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CapacityError, ModelError
 from .checkpoint import Checkpoint
-from .sampling import SamplingParams, next_token
+from .decode import Decoder, LastStep, finish_steps
+from .sampling import SamplingParams
+from .speculative import GuessPolicy
 from .spec import LayerRange
 from .stage import StageModel, StepInput
 from .state import SessionState
 
-__all__ = ["GenerationResult", "LocalChain", "StageTiming"]
+__all__ = ["AUTO_MAX_GUESSES", "GenerationResult", "LocalChain", "MAX_GUESSES", "StageTiming", "parse_guesses"]
+
+MAX_GUESSES = 8  # the most guesses one step may carry
+AUTO_MAX_GUESSES = 6  # the adaptive policy's ceiling
 
 
 @dataclasses.dataclass
@@ -40,11 +45,19 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     stages: list[StageTiming]
+    steps: int = 0  # trips after the prefill
+    guesses_proposed: int = 0
+    guesses_accepted: int = 0
+    accepted_at: list[float] = dataclasses.field(default_factory=list)  # acceptance rate of guess j+1
 
     @property
     def decode_tokens_per_s(self) -> float:
         n = max(len(self.tokens) - 1, 0)  # the first new token comes from the prefill
         return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
         return {
@@ -54,8 +67,30 @@ class GenerationResult:
             "prefill_ms": round(self.prefill_s * 1e3, 3),
             "decode_ms": round(self.decode_s * 1e3, 3),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "steps": self.steps,
+            "tokens_per_step": round(self.tokens_per_step, 3),
+            "guesses_proposed": self.guesses_proposed,
+            "guesses_accepted": self.guesses_accepted,
+            "accepted_per_step": round(self.guesses_accepted / self.steps, 3) if self.steps else 0.0,
+            "acceptance_by_position": [round(a, 3) for a in self.accepted_at],
             "stages": [s.as_dict() for s in self.stages],
         }
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: list[int]
+    max_new: int
+    sessions: list[SessionState]
+    decoder: Decoder
+    pending: list[int]  # token ids of the next step (last token + guesses)
+    eos: frozenset[int]
+    n_guesses: int = 0
+    start: int = 0
+    out: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+    t_first: float = 0.0
+    t_done: float = 0.0
 
 
 class LocalChain:
@@ -64,32 +99,18 @@ class LocalChain:
     def __init__(self, stages: Sequence[StageModel], tokenizer=None) -> None:
         self.stages = list(stages)
         self.tokenizer = tokenizer
-        spec = self.stages[0].spec
-        self.spec = spec
+        self.spec = self.stages[0].spec
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, ranges: Sequence[LayerRange], *, dtype="float32") -> "LocalChain":
-        stages = [StageModel.load(ckpt.spec, ckpt.source, r.start, r.end, dtype=dtype) for r in ranges]
+    def load(cls, ckpt: Checkpoint, ranges: Sequence[LayerRange], *, dtype="float32",
+             batch_invariant: bool = False) -> "LocalChain":
+        stages = [StageModel.load(ckpt.spec, ckpt.source, r.start, r.end, dtype=dtype,
+                                  batch_invariant=batch_invariant) for r in ranges]
         return cls(stages, ckpt.tokenizer)
 
-    def new_sessions(self, capacity: int, ring: int = 0) -> list[SessionState]:
-        return [s.new_session(capacity, ring=ring) for s in self.stages]
-
-    def step(self, sessions: Sequence[SessionState], start: int, tokens: torch.Tensor,
-             timings: list[StageTiming] | None = None) -> torch.Tensor:
-        """One trip through every stage for one session: logits ``[T, V]`` for the T new positions."""
-        x: torch.Tensor | None = None
-        for i, (stage, state) in enumerate(zip(self.stages, sessions)):
-            t0 = time.perf_counter()
-            inp = StepInput(state, start, tokens=tokens) if stage.is_first else StepInput(state, start, hidden=x)
-            x = stage.forward([inp])
-            if stage.is_last:
-                x = stage.logits(x)
-            if timings is not None:
-                timings[i].calls += 1
-                timings[i].seconds += time.perf_counter() - t0
-        assert x is not None
-        return x
+    @property
+    def can_guess(self) -> bool:
+        return self.stages[-1].mtp is not None
 
     def generate(
         self,
@@ -97,33 +118,105 @@ class LocalChain:
         max_new_tokens: int,
         sampling: SamplingParams = SamplingParams(),
         *,
+        guesses: int | str = 0,
         stop_at_eos: bool = True,
         capacity: int | None = None,
     ) -> GenerationResult:
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise CapacityError("the prompt is empty")
-        cap = capacity or len(prompt) + max_new_tokens
-        if len(prompt) + max_new_tokens > cap:
-            raise CapacityError(
-                f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds the session capacity {cap}"
-            )
-        sessions = self.new_sessions(cap)
-        gen = torch.Generator().manual_seed(sampling.seed)
+        """One request; ``guesses``: a fixed number of MTP guesses per step, or ``"auto"``."""
+        return self.generate_many([prompt_ids], max_new_tokens, sampling, guesses=guesses, stop_at_eos=stop_at_eos,
+                                  capacity=capacity)[0]
+
+    def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        *,
+        guesses: int | str = 0,
+        stop_at_eos: bool = True,
+        capacity: int | None = None,
+    ) -> list[GenerationResult]:
+        """Several requests at once: every trip runs all unfinished requests as one batched step per stage."""
+        max_guesses, adaptive = parse_guesses(guesses)
+        if max_guesses and not self.can_guess:
+            raise ModelError("guesses need the checkpoint's MTP layer on the last stage (this model has none)")
+        eos = frozenset(self.spec.eos_token_ids) if stop_at_eos else frozenset()
         timings = [StageTiming(f"{s.start}:{s.end}") for s in self.stages]
-        eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
-        out: list[int] = []
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            prompt = list(prompt)
+            if not prompt:
+                raise CapacityError("the prompt is empty")
+            cap = capacity or len(prompt) + max_new_tokens + max_guesses + 1
+            if len(prompt) + max_new_tokens > cap:
+                raise CapacityError(
+                    f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens exceeds the session capacity {cap}"
+                )
+            ring = max_guesses + 1 if max_guesses else 0
+            sessions = [s.new_session(cap, ring=ring) for s in self.stages]
+            params = dataclasses.replace(sampling, seed=sampling.seed + i)
+            dec = Decoder(sessions[-1], params, GuessPolicy(max_guesses, adaptive))
+            reqs.append(_Request(prompt, max_new_tokens, sessions, dec, pending=prompt, eos=eos))
         t0 = time.perf_counter()
-        logits = self.step(sessions, 0, torch.tensor(prompt), timings)
-        tok = next_token(logits[-1], sampling, gen)
-        t1 = time.perf_counter()
-        out.append(tok)
-        pos = len(prompt)
-        while len(out) < max_new_tokens and tok not in eos:
-            logits = self.step(sessions, pos, torch.tensor([tok]), timings)
-            tok = next_token(logits[-1], sampling, gen)
-            out.append(tok)
-            pos += 1
-        t2 = time.perf_counter()
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return GenerationResult(prompt, out, text, t1 - t0, t2 - t1, timings)
+        while True:
+            active = [r for r in reqs if not r.done]
+            if not active:
+                break
+            self._trip(active, timings)
+            now = time.perf_counter()
+            for r in active:
+                if not r.t_first:
+                    r.t_first = now
+                if r.done:
+                    r.t_done = now
+        results = []
+        for r in reqs:
+            d = r.decoder
+            text = self.tokenizer.decode(r.out) if self.tokenizer is not None else None
+            by_pos = [a / p for a, p in zip(d.accepted_at, d.proposed_at) if p]
+            results.append(GenerationResult(
+                r.prompt, r.out, text, r.t_first - t0, r.t_done - r.t_first, timings,
+                steps=d.steps - 1, guesses_proposed=d.proposed, guesses_accepted=d.accepted, accepted_at=by_pos))
+        return results
+
+    def _trip(self, reqs: list[_Request], timings: list[StageTiming]) -> None:
+        """One batched trip through every stage for ``reqs``; updates each request."""
+        x: torch.Tensor | None = None
+        for i, stage in enumerate(self.stages):
+            t0 = time.perf_counter()
+            if stage.is_first:
+                steps = [StepInput(r.sessions[i], r.start, tokens=torch.tensor(r.pending)) for r in reqs]
+            else:
+                assert x is not None
+                chunks = torch.split(x, [len(r.pending) for r in reqs])
+                steps = [StepInput(r.sessions[i], r.start, hidden=h) for r, h in zip(reqs, chunks)]
+            x = stage.forward(steps)
+            if stage.is_last:
+                outs = finish_steps(stage, [LastStep(r.decoder, r.start, r.pending, r.n_guesses) for r in reqs], x)
+            timings[i].calls += 1
+            timings[i].seconds += time.perf_counter() - t0
+        for r, o in zip(reqs, outs):
+            r.start += len(r.pending) - r.n_guesses + o.accepted
+            for tok in o.tokens:
+                if len(r.out) >= r.max_new:
+                    break
+                r.out.append(tok)
+                if tok in r.eos:
+                    break
+            if len(r.out) >= r.max_new or r.out[-1] in r.eos:
+                r.done = True
+            r.pending = [o.tokens[-1], *o.guesses]
+            r.n_guesses = len(o.guesses)
+
+
+def parse_guesses(value: int | str) -> tuple[int, bool]:
+    """``4`` -> fixed 4 guesses; ``"auto"`` -> adaptive, up to AUTO_MAX_GUESSES."""
+    if value == "auto":
+        return AUTO_MAX_GUESSES, True
+    try:
+        k = int(value)
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"guesses must be an integer >= 0 or 'auto', got {value!r}") from exc
+    if k < 0 or k > MAX_GUESSES:
+        raise ModelError(f"guesses must be in 0..{MAX_GUESSES} or 'auto', got {k}")
+    return k, False

@@ -7,6 +7,7 @@ recurrence run per segment on that session's own state.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Callable, Iterator
 
 import torch
@@ -27,7 +28,18 @@ Loader = Callable[[str], Weight]
 _STEPWISE_MAX = 1
 
 
+# Batch-invariant numerics: BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows,
+# so the same row can differ in its last bits depending on what it is batched with. With a minimum row count, every
+# dense product takes the many-row path, and a session's numbers no longer depend on its neighbours or on how many
+# guesses ride along. The stage sets this per step (see StageModel.batch_invariant).
+MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("sangama_min_rows", default=0)
+
+
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    n, m = x.shape[0], MIN_ROWS.get()
+    if n < m:
+        pad = torch.zeros(m - n, x.shape[1], dtype=x.dtype, device=x.device)
+        return F.linear(torch.cat((x, pad)), dense(w, x.dtype), bias)[:n]
     return F.linear(x, dense(w, x.dtype), bias)
 
 

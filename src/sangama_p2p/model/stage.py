@@ -11,8 +11,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import CheckpointError, ModelError, SessionStateError, UnsupportedModelError
-from .layers import DecoderLayer, linear
+from ..errors import CapacityError, CheckpointError, ModelError, SessionStateError, UnsupportedModelError
+from .layers import MIN_ROWS, DecoderLayer, linear
+from .mtp import MTPLayer
 from .ops import rms_norm, rope_inv_freq
 from .spec import ModelSpec
 from .state import Segment, SessionState
@@ -61,6 +62,9 @@ class StageModel:
         self.layers: dict[int, DecoderLayer] = {}
         self.final_norm: torch.Tensor | None = None
         self.head: Weight | None = None
+        self.mtp: MTPLayer | None = None
+        # pad dense products to this many rows so that results do not depend on batch composition (layers.MIN_ROWS)
+        self.min_rows = 0
         self.inv_freq = rope_inv_freq(spec).to(device)
         self.loaded_names: list[str] = []
 
@@ -75,10 +79,19 @@ class StageModel:
         *,
         dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        mtp: bool = True,
+        batch_invariant: bool = False,
     ) -> "StageModel":
-        """Read only the tensors of layers [start, end) (+ embedding if first, + norm/head if last)."""
+        """Read only the tensors of layers [start, end) (+ embedding if first, + norm/head/MTP if last).
+
+        ``mtp``: load the checkpoint's MTP layer on the last stage, when it has one (it drafts guesses).
+        ``batch_invariant``: make every session's numbers independent of what it is batched with (costs speed on
+        CPU for small batches, see ``layers.MIN_ROWS``).
+        """
         dt = resolve_dtype(dtype)
         stage = cls(spec, start, end, dt, torch.device(device))
+        stage.min_rows = 16 if batch_invariant else 0
+        want_mtp = stage.is_last and mtp and spec.mtp_num_layers > 0 and source.has("mtp.fc.weight")
 
         def get(name: str) -> Weight:
             if not source.has(name):
@@ -87,7 +100,7 @@ class StageModel:
             stage.loaded_names.append(name)
             return w.to(stage.device) if isinstance(w, torch.Tensor) else w
 
-        if stage.is_first or (stage.is_last and spec.tie_word_embeddings):
+        if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
             stage.embed = get("model.embed_tokens.weight")
         for i in range(start, end):
             prefix = f"model.layers.{i}."
@@ -95,6 +108,8 @@ class StageModel:
         if stage.is_last:
             stage.final_norm = rms_norm_weight(get("model.norm.weight"), spec)
             stage.head = stage.embed if spec.tie_word_embeddings else get("lm_head.weight")
+            if want_mtp:
+                stage.mtp = MTPLayer(spec, get)
         return stage
 
     def weights(self) -> Iterator[Weight]:
@@ -113,25 +128,45 @@ class StageModel:
             yield self.final_norm
         if self.head is not None:
             yield self.head
+        if self.mtp is not None:
+            yield from self.mtp.weights()
 
     @property
     def resident_bytes(self) -> int:
         return sum(weight_nbytes(w) for w in self.weights())
 
     # ---- sessions ------------------------------------------------------------------------------------------
-    def new_session(self, capacity: int, *, ring: int = 0) -> SessionState:
-        """Preallocate one session's caches for up to ``capacity`` positions; ``ring`` = rollback depth."""
-        return SessionState(self.spec, self.start, self.end, capacity, dtype=self.dtype, device=self.device, ring=ring)
+    def new_session(self, capacity: int, *, ring: int = 0, budget: int | None = None) -> SessionState:
+        """Preallocate one session's caches for up to ``capacity`` positions.
+
+        ``ring``: how many positions of a multi-token step can be rolled back (max guesses + 1). ``budget``: the
+        most bytes the session may take; a session that would need more is refused before anything is allocated.
+        """
+        need = self.session_bytes(capacity, ring)
+        if budget is not None and need > budget:
+            raise CapacityError(
+                f"a session of {capacity} positions with a rollback ring of {ring} needs {need} bytes on layers "
+                f"{self.start}:{self.end}, over its budget of {budget} bytes"
+            )
+        return SessionState(self.spec, self.start, self.end, capacity, dtype=self.dtype, device=self.device,
+                            ring=ring, extra_attention_layers=1 if self.mtp is not None else 0)
 
     def session_bytes(self, capacity: int, ring: int = 0) -> int:
         """Bytes a session of this capacity would take, without allocating it."""
         el = torch.tensor([], dtype=self.dtype).element_size()
         spec = self.spec
-        kv = spec.kv_bytes_per_token(self.start, self.end, el) * capacity
+        kv_layers = len(spec.attention_layers(self.start, self.end)) + (1 if self.mtp is not None else 0)
+        kv = kv_layers * 2 * spec.num_kv_heads * spec.head_dim * el * capacity
         n_lin = len(spec.linear_layers(self.start, self.end))
         conv = spec.linear_conv_dim * (spec.linear_conv_kernel - 1) * el
         rec = spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
         return kv + n_lin * (conv + rec) * (1 + ring)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[N, rotary_dim]`` for absolute positions ``[N]``."""
+        freqs = positions.to(self.device)[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     # ---- compute -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -164,12 +199,13 @@ class StageModel:
             if x.shape[-1] != self.spec.hidden_size:
                 raise SessionStateError(f"hidden size {x.shape[-1]} != model's {self.spec.hidden_size}")
         segments = [Segment(st.state, st.start, st.length) for st in steps]
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).to(self.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        for layer in self.layers.values():
-            x = layer.forward(x, segments, cos, sin)
+        cos, sin = self.rope(torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]))
+        token = MIN_ROWS.set(self.min_rows)
+        try:
+            for layer in self.layers.values():
+                x = layer.forward(x, segments, cos, sin)
+        finally:
+            MIN_ROWS.reset(token)
         for s in segments:
             st = s.state
             st.position = s.start + s.length
@@ -182,10 +218,33 @@ class StageModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + head (last stage only): ``[N, hidden]`` -> ``[N, vocab]`` fp32."""
+        return self.head_logits(self.final_normed(hidden))
+
+    def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.is_last:
-            raise ModelError("only the last stage computes logits")
-        h = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # type: ignore[arg-type]
-        return linear(h, self.head).float()  # type: ignore[arg-type]
+            raise ModelError("only the last stage holds the final norm and head")
+        return rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        token = MIN_ROWS.set(self.min_rows)
+        try:
+            return linear(normed, self.head).float()  # type: ignore[arg-type]
+        finally:
+            MIN_ROWS.reset(token)
+
+    @torch.inference_mode()
+    def mtp_forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Run the MTP layer over rows (see model/mtp.py); its KV is the session's layer ``MTP_KEY``."""
+        if self.mtp is None:
+            raise ModelError("this stage has no MTP layer (not the last stage, or the checkpoint has none)")
+        emb = torch.nn.functional.embedding(next_tokens.to(self.device), dense(self.embed, self.dtype))  # type: ignore[arg-type]
+        cos, sin = self.rope(torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]))
+        token = MIN_ROWS.set(self.min_rows)
+        try:
+            return self.mtp.forward(hidden, emb, segments, cos, sin)
+        finally:
+            MIN_ROWS.reset(token)
 
 
 def rms_norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
