@@ -99,6 +99,13 @@ class Agent:
     async def cmd_link(self, peer_id: str) -> dict[str, Any]:
         return {"link": _link(self.traversal.link(ID.from_base58(peer_id)))}
 
+    async def cmd_drop(self, peer_id: str) -> dict[str, Any]:
+        """Close every connection to the peer (as a NAT timeout or a network change would)."""
+        conns = self.node.connections(ID.from_base58(peer_id))
+        for conn in conns:
+            await conn.close()
+        return {"closed": len(conns)}
+
     async def cmd_wait_direct(self, peer_id: str, limit: float) -> dict[str, Any]:
         start = time.monotonic()
         info = await self.traversal.wait_direct(ID.from_base58(peer_id), limit)

@@ -103,6 +103,13 @@ def test_relayed_link_is_upgraded_to_direct_by_hole_punching(fleet: Fleet) -> No
     assert fleet.b.call("info")["punches"] == 1  # only B, which accepted the relayed link, drove DCUtR
     assert fleet.a.call("info")["punches"] == 0
 
+    # The direct link dies (NAT timeout, network change): the next connect falls back to the relay, and B punches again.
+    assert fleet.a.call("drop", peer_id=b)["closed"] >= 1
+    again = fleet.a.call("connect", peer_id=b, addrs=[f"/ip4/{NAT_WAN_IPS['b']}/tcp/{B_PORT}", *circuits])["link"]
+    assert again["text"] == f"relayed via {relay_id}"
+    fleet.a.call("echo", peer_id=b, count=5, size=4096)  # frames flow (the agent checks every echo)
+    assert fleet.a.call("wait_direct", peer_id=b, limit=20.0)["link"] is not None
+
 
 def test_relayed_link_keeps_carrying_frames_when_hole_punching_is_blocked(fleet: Fleet) -> None:
     fleet.lab.block_between_nats()
