@@ -86,3 +86,43 @@ def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: lis
             x = m.forward([step])
         out.append(models[-1].logits(x))
     return torch.cat(out)
+
+
+def greedy(spec: Any, source: Any, stages: list[tuple[int, int]], prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens from a chain of runtime stages (prefill, then one token per step)."""
+    from sangama_p2p.model.stage import StageModel, StepInput
+
+    models = [StageModel.load(spec, source, a, b) for a, b in stages]
+    states = [m.new_session(len(prompt) + n) for m in models]
+    out: list[int] = []
+    start, chunk = 0, list(prompt)
+    for _ in range(n):
+        x: Any = torch.tensor(chunk)
+        for k, (m, st) in enumerate(zip(models, states)):
+            step = StepInput(st, start, tokens=x) if k == 0 else StepInput(st, start, hidden=x)
+            x = m.forward([step])
+        tok = int(models[-1].logits(x[-1:]).argmax(-1))
+        out.append(tok)
+        start, chunk = start + len(chunk), [tok]
+    return out
+
+
+class RoundedSource:
+    """A safetensors source whose tensors are rounded to fp16 exactly where a GGUF file stores them as F16."""
+
+    def __init__(self, source: Any, gguf_source: Any) -> None:
+        self.source, self.gguf = source, gguf_source
+        self.reads: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = self.source.get(name, torch.float32)
+        mapping = self.gguf._index.get(name)
+        if mapping is not None and self.gguf.file.tensors[mapping.gguf].type_name == "F16":
+            t = t.to(torch.float16).to(torch.float32)
+        return t.to(dtype)
+
+    def close(self) -> None:
+        self.source.close()

@@ -6,6 +6,7 @@ instead of storing its regex; the regexes below are the ones the Hugging Face to
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...errors import CheckpointError, UnsupportedModelError
@@ -22,8 +23,9 @@ _LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> (split regex, NFC normalizer, ignore_merges)
+# tokenizer.ggml.pre -> (split regex, NFC normalizer, ignore_merges); "" = GPT-2's own ByteLevel regex
 PRE_TOKENIZERS: dict[str, tuple[str, bool, bool]] = {
+    "gpt-2": ("", False, False),
     "qwen35": (_QWEN35, True, False),
     "qwen2": (_QWEN2, True, False),
     "llama-bpe": (_LLAMA3, False, True),
@@ -57,10 +59,9 @@ def tokenizer_from_gguf(f: GGUFFile) -> Any:
     vocab: dict[str, int] = {}
     added: list[tuple[int, str, bool]] = []
     for i, (tok, typ) in enumerate(zip(tokens, types)):
+        vocab.setdefault(tok, i)  # every id in the model vocabulary, so added tokens keep theirs wherever they sit
         if typ in (_CONTROL, _USER_DEFINED):
             added.append((i, tok, typ == _CONTROL))
-        else:
-            vocab.setdefault(tok, i)
     try:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
@@ -69,12 +70,15 @@ def tokenizer_from_gguf(f: GGUFFile) -> Any:
     tok = Tokenizer(model)
     if nfc:
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
+    if regex:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    # added tokens must keep their ids: add them in id order, after the model vocabulary
+    # added tokens are matched whole before BPE; they are already in the vocabulary, so they keep their ids
     for i, content, special in sorted(added):
         if special:
             tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
@@ -93,6 +97,13 @@ def tokenizer_from_gguf(f: GGUFFile) -> Any:
     return tok
 
 
+def _looks_special(text: str) -> bool:
+    """llama.cpp's converter also marks these non-special added tokens CONTROL (``does_token_look_special``)."""
+    return text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>")) or (
+        text.startswith("<\uff5c") and text.endswith("\uff5c>")
+    )
+
+
 def gguf_tokenizer_fields(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
     """The ``tokenizer.ggml.*`` fields for an HF ``tokenizer.json`` (byte-level BPE), for the writer.
 
@@ -109,12 +120,14 @@ def gguf_tokenizer_fields(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
     for tok, i in vocab.items():
         tokens[i], types[i] = tok, _NORMAL
     for i, t in added.items():
-        tokens[i], types[i] = t["content"], _CONTROL if t.get("special") else _USER_DEFINED
+        tokens[i], types[i] = t["content"], _CONTROL if t.get("special") or _looks_special(t["content"]) else _USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    pre = "default"
-    text = str(tokenizer_json.get("pre_tokenizer"))
-    for name, (regex, _, _) in PRE_TOKENIZERS.items():
-        if regex.replace("\\", "") in text.replace("\\", ""):
-            pre = name
-            break
+    pre_tok = tokenizer_json.get("pre_tokenizer") or {}
+    if pre_tok.get("type") == "ByteLevel" and pre_tok.get("use_regex", True):
+        pre = "gpt-2"
+    else:
+        text = json.dumps(pre_tok)
+        pre = next((name for name, (rx, _, _) in PRE_TOKENIZERS.items() if rx and json.dumps(rx)[1:-1] in text), None)
+        if pre is None:
+            raise UnsupportedModelError("the tokenizer's pre-tokenizer matches none that GGUF names (gpt-2, qwen2, ...)")
     return {"tokens": tokens, "types": types, "merges": merges, "pre": pre}
