@@ -1,0 +1,46 @@
+"""``ClientConfig``: how a client finds, measures and drives chains of stages."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import RouteError
+from ..wire.framing import DEFAULT_MAX_FRAME
+
+__all__ = ["ClientConfig"]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A client's settings.
+
+    ``model_id``: the swarm-wide model name to search the DHT for. ``num_layers``: the model's layer count (None =
+    the largest ``end`` any serving peer announces). ``step_timeout``: a trip that takes longer counts as a failed
+    stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
+    giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/1`` round trip
+    (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
+    survey minus the failed peers, which is faster and enough when spares were already announced).
+    """
+
+    model_id: str
+    num_layers: int | None = None
+    step_timeout: float = 60.0
+    open_timeout: float = 20.0
+    probe_timeout: float = 3.0
+    max_failovers: int = 4
+    rediscover: bool = True
+    max_frame: int = DEFAULT_MAX_FRAME
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise RouteError("model_id must not be empty")
+        if self.num_layers is not None and self.num_layers <= 0:
+            raise RouteError("num_layers must be positive")
+        if min(self.step_timeout, self.open_timeout, self.probe_timeout) <= 0:
+            raise RouteError("timeouts must be positive")
+        if self.max_failovers < 0:
+            raise RouteError("max_failovers must be >= 0")
+
+    def replace(self, **changes: object) -> ClientConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

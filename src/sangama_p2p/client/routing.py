@@ -1,0 +1,143 @@
+"""Choosing a chain of peers: Dijkstra over (peer, layer) with costs from RTTs, throughput and queues. Pure.
+
+Why this shape (the approach Petals takes): the cost of a chain is what one trip takes, i.e. the sum over hops of
+the link latency into the hop plus the hop's compute and queueing time, plus the way back from the last stage to the
+client. A graph node is "peer p has just computed up to layer b" (``(p, b)``); an edge goes from ``(q, b)`` to
+``(p, end_p)`` for every peer ``p`` whose range starts at ``b``. Because the node remembers the previous peer,
+edge costs may depend on the pair (``link_cost(q, p)``). Stages serve exactly their announced range.
+
+Usage::
+
+    offers = [PeerOffer("A", 0, 4, throughput=80.0, rtt=0.002), PeerOffer("B", 4, 8, throughput=50.0, rtt=0.003)]
+    chain = plan_route(offers, num_layers=8)            # [offer A, offer B]; RouteError if nothing covers 0..8
+    chain = plan_route(offers, 8, exclude={"B"})        # re-route around a failed peer
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from ..errors import RouteError
+
+__all__ = ["CLIENT", "PeerOffer", "chain_cost", "link_cost_from_rtts", "plan_route", "step_cost"]
+
+CLIENT = ""
+"""The client's own name in link costs."""
+_UNKNOWN_RTT = 0.05  # seconds assumed for a peer whose RTT was not measured
+_NO_THROUGHPUT = 1.0  # steps/s assumed for a peer that announces none yet
+
+
+@dataclass(frozen=True)
+class PeerOffer:
+    """One peer's offer as the client sees it: layer range, announced speed and load, the RTT the client measured.
+
+    ``throughput``: single-request steps per second the stage announces (0 = unknown). ``queue``: steps waiting
+    at the stage. ``rtt``: the client's measured round trip to the peer in seconds (None = not measured).
+    ``addrs``: where to dial it.
+    """
+
+    peer_id: str
+    start: int
+    end: int
+    throughput: float = 0.0
+    queue: int = 0
+    free_sessions: int = 1
+    rtt: float | None = None
+    addrs: tuple[str, ...] = ()
+
+
+def step_cost(offer: PeerOffer) -> float:
+    """Seconds one step is expected to spend at ``offer``: its compute time, times the queue ahead plus one."""
+    tps = offer.throughput if offer.throughput > 0 else _NO_THROUGHPUT
+    return (1 + max(offer.queue, 0)) / tps
+
+
+def link_cost_from_rtts(offers: Sequence[PeerOffer]) -> Callable[[str, str], float]:
+    """One-way latency estimates from the client's RTTs: client<->p is rtt/2; p->q between two peers is estimated
+    as (rtt_p + rtt_q)/4 (no peer-to-peer measurement is available to the client); a peer to itself costs 0."""
+    rtts = {o.peer_id: (o.rtt if o.rtt is not None else _UNKNOWN_RTT) for o in offers}
+
+    def cost(a: str, b: str) -> float:
+        if a == b:
+            return 0.0
+        if a == CLIENT:
+            return rtts.get(b, _UNKNOWN_RTT) / 2
+        if b == CLIENT:
+            return rtts.get(a, _UNKNOWN_RTT) / 2
+        return (rtts.get(a, _UNKNOWN_RTT) + rtts.get(b, _UNKNOWN_RTT)) / 4
+
+    return cost
+
+
+def plan_route(
+    offers: Sequence[PeerOffer],
+    num_layers: int,
+    *,
+    exclude: Collection[str] = (),
+    link_cost: Callable[[str, str], float] | None = None,
+) -> list[PeerOffer]:
+    """The cheapest chain of offers covering layers ``[0, num_layers)`` in order (see the module docstring).
+
+    Peers in ``exclude`` and peers with no free session are skipped. Ties are broken by peer id, so the result is
+    deterministic. Raises :class:`RouteError` naming the first layer nobody covers when no chain exists.
+    """
+    if num_layers <= 0:
+        raise RouteError(f"num_layers must be positive, got {num_layers}")
+    usable = [o for o in offers if o.peer_id not in exclude and o.free_sessions > 0 and 0 <= o.start < o.end
+              and o.end <= num_layers and o.peer_id != CLIENT]
+    link = link_cost or link_cost_from_rtts(usable)
+    by_start: dict[int, list[PeerOffer]] = {}
+    for o in usable:
+        by_start.setdefault(o.start, []).append(o)
+    for group in by_start.values():
+        group.sort(key=lambda o: (o.peer_id, o.end))
+    # node: (layer reached, index of the offer that reached it; -1 = the client at layer 0)
+    start_node = (0, -1)
+    dist: dict[tuple[int, int], float] = {start_node: 0.0}
+    prev: dict[tuple[int, int], tuple[int, int]] = {}
+    index = {id(o): i for i, o in enumerate(usable)}
+    heap: list[tuple[float, str, tuple[int, int]]] = [(0.0, "", start_node)]
+    best_end: tuple[float, tuple[int, int]] | None = None
+    while heap:
+        d, _, node = heapq.heappop(heap)
+        if d > dist.get(node, math.inf):
+            continue
+        layer, i = node
+        here = usable[i].peer_id if i >= 0 else CLIENT
+        if layer == num_layers:
+            total = d + link(here, CLIENT)
+            if best_end is None or total < best_end[0]:
+                best_end = (total, node)
+            continue
+        for o in by_start.get(layer, ()):
+            nxt = (o.end, index[id(o)])
+            nd = d + link(here, o.peer_id) + step_cost(o)
+            if nd < dist.get(nxt, math.inf):
+                dist[nxt] = nd
+                prev[nxt] = node
+                heapq.heappush(heap, (nd, o.peer_id, nxt))
+    if best_end is None:
+        reach = max((layer for layer, _ in dist), default=0)
+        raise RouteError(
+            f"no chain of peers covers layers 0..{num_layers}: nobody usable serves a range starting at layer {reach}"
+            + (f" (excluded: {sorted(exclude)})" if exclude else "")
+        )
+    chain = []
+    node = best_end[1]
+    while node != start_node:
+        chain.append(usable[node[1]])
+        node = prev[node]
+    return chain[::-1]
+
+
+def chain_cost(chain: Sequence[PeerOffer], link_cost: Callable[[str, str], float] | None = None) -> float:
+    """Estimated seconds per trip of ``chain`` under the same cost model as :func:`plan_route`."""
+    link = link_cost or link_cost_from_rtts(chain)
+    total, here = 0.0, CLIENT
+    for o in chain:
+        total += link(here, o.peer_id) + step_cost(o)
+        here = o.peer_id
+    return total + link(here, CLIENT)

@@ -1,0 +1,65 @@
+"""``StageConfig``: what a stage serves and how much it may take on, in one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import StageError
+from ..wire.framing import DEFAULT_MAX_FRAME
+from ..wire.limits import MAX_GUESSES
+
+__all__ = ["StageConfig"]
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """A stage's settings.
+
+    ``model_id`` is the swarm-wide name of the model (what clients search the DHT for); ``start``/``end`` the layer
+    range ``[start, end)``. ``memory_budget`` bounds the bytes of every session's caches together: an
+    ``OpenSession`` that would exceed it (or ``max_sessions``) is refused with ``ErrorCode.CAPACITY`` while running
+    sessions continue. ``max_batch_sessions``/``max_batch_tokens`` bound one batched compute step.
+    ``wire_dtype`` is the dtype of hidden states sent to the next stage (fp32 keeps tokens identical to the local
+    chain; bf16 halves the bytes). ``announce`` publishes a DHT record (layer range, measured throughput, free
+    sessions) and refreshes it every ``announce_every`` seconds while the load changes.
+    """
+
+    model_id: str
+    start: int
+    end: int
+    dtype: str = "float32"
+    batch_invariant: bool = False
+    max_sessions: int = 64
+    memory_budget: int = 1 << 30
+    max_session_length: int = 8192
+    typical_session_length: int = 1024  # sizes the "free sessions" figure announced to clients
+    max_guesses: int = 8
+    max_batch_sessions: int = 32
+    max_batch_tokens: int = 8192
+    wire_dtype: str = "fp32"
+    max_frame: int = DEFAULT_MAX_FRAME
+    announce: bool = True
+    announce_every: float = 10.0
+    record_ttl: float = 180.0
+    measure_on_start: bool = True
+    next_hop_timeout: float = 10.0  # dialling the next stage
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise StageError("model_id must not be empty")
+        if not 0 <= self.start < self.end:
+            raise StageError(f"bad layer range [{self.start}, {self.end})")
+        for name in ("max_sessions", "memory_budget", "max_session_length", "typical_session_length",
+                     "max_batch_sessions", "max_batch_tokens"):
+            if getattr(self, name) <= 0:
+                raise StageError(f"{name} must be positive")
+        if not 0 <= self.max_guesses <= MAX_GUESSES:
+            raise StageError(f"max_guesses must be in 0..{MAX_GUESSES}")
+        if self.wire_dtype not in ("bf16", "fp16", "fp32"):
+            raise StageError(f"wire_dtype must be bf16, fp16 or fp32, got {self.wire_dtype!r}")
+        if self.announce_every <= 0 or self.record_ttl <= 0 or self.next_hop_timeout <= 0:
+            raise StageError("announce_every, record_ttl and next_hop_timeout must be positive")
+
+    def replace(self, **changes: object) -> StageConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
