@@ -274,3 +274,24 @@ def test_relayed_link_is_upgraded_by_the_side_that_accepted_it() -> None:
             assert a_t.puncher is not None and a_t.puncher.attempts == 0
 
     trio.run(main)
+
+
+def test_dcutr_step0_is_capped_when_a_known_address_is_a_black_hole() -> None:
+    """Trap 2: step 0 dials the peer's known addresses bounded only by ``dial_timeout``; ours gives up after 0.5 s."""
+
+    async def main() -> None:
+        hole = trio.socket.socket()
+        await hole.bind(("127.0.0.1", 0))
+        hole.listen(1)  # the kernel completes the TCP handshake, then nobody ever speaks: a dial hangs
+        port = hole.getsockname()[1]
+        try:
+            async with open_host(config(handshake_timeout=30.0)) as x:
+                puncher = HolePuncher(x.host, step0_timeout_s=0.5, dial_timeout_s=30)
+                peer = ID.from_pubkey(generate_key_pair().public_key)
+                x.host.get_peerstore().add_addrs(peer, [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")], 60)
+                with trio.fail_after(5):
+                    assert await puncher._try_unilateral_upgrade(peer) is False
+        finally:
+            hole.close()
+
+    trio.run(main)
