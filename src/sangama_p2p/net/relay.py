@@ -5,15 +5,16 @@ Why our own client pieces on top of py-libp2p 0.8.1's ``relay.circuit_v2``:
 * its reservation refresher gives up when the relay connection drops and never tells us the reservation's relay
   addresses, so we run the RESERVE exchange ourselves and keep each reservation alive in a task that re-connects,
   refreshes at ``refresh_fraction`` of the granted lifetime and retries on failure;
-* it advertises no ``/p2p-circuit`` address; :meth:`RelayClient.circuit_addrs` computes them for our records and for
-  identify (see :func:`circuit_addr`);
+* it advertises no ``/p2p-circuit`` address; :meth:`RelayClient.circuit_addrs` computes them (see :func:`circuit_addr`)
+  for ``Node.extra_addrs`` and our DHT records;
 * ``host.connect`` refuses ``/p2p-circuit`` addresses and its transport's ``dial`` makes a reservation first, so
   :meth:`RelayClient.dial` sends the HOP CONNECT itself and upgrades the circuit stream to a Noise + Yamux connection;
 * the destination labels an accepted relayed connection as relayed "via itself"; our STOP handler labels it with the
   real relay, so every connection can report ``relayed via <relay id>``, and it tells the hole puncher that a relayed
   connection was accepted (only the accepting side drives DCUtR).
 
-The relay side is stock ``CircuitV2Protocol(allow_hop=True)`` with limits sized for a bootstrap node.
+The relay side (``open_relay_client(host, relay_config=RelayServiceConfig())``) is stock ``CircuitV2Protocol`` with
+``allow_hop=True`` and limits sized for a bootstrap node.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ __all__ = [
     "open_relay_client",
     "parse_circuit_addr",
     "relay_of",
-    "serve_relay",
 ]
 
 logger = logging.getLogger(__name__)
@@ -351,10 +351,3 @@ async def open_relay_client(
             yield client
         finally:
             nursery.cancel_scope.cancel()
-
-
-@asynccontextmanager
-async def serve_relay(host: IHost, config: RelayServiceConfig | None = None) -> AsyncIterator[RelayClient]:
-    """Relay circuits for other peers (HOP) while the context is open; bootstrap nodes run this by default."""
-    async with open_relay_client(host, relay_config=config or RelayServiceConfig()) as client:
-        yield client
