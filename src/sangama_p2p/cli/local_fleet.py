@@ -1,0 +1,187 @@
+"""A whole fleet on loopback as separate processes: one bootstrap node and stage peers, cleaned up however we exit.
+
+``sangama-peer demo``, the multi-process tests and the private-fleet example start real ``sangama-peer`` processes
+(what a user runs), not in-process stand-ins. Cleanup is the point of this module:
+
+* every child runs in its own session, so a Ctrl-C in the terminal reaches only us, and we stop the children in
+  order (SIGINT, then SIGTERM, then SIGKILL of the whole process group, each after a grace period);
+* every child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``), so even a ``kill -9`` of the
+  demo leaves no orphan serving a model;
+* a child that exits early fails the start with its own stderr in the error, instead of a timeout.
+
+Readiness is read from the children's stdout: ``bootstrap`` prints ``--bootstrap <addr>`` lines, ``join`` prints
+``ready <peer id> <model id> <start>:<end>`` once its record is published.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Sequence
+
+from ..errors import NetworkError
+
+__all__ = ["Child", "LocalFleet", "READY_PREFIX"]
+
+READY_PREFIX = "ready "
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the parent's own cleanup still runs
+
+
+@dataclass
+class Child:
+    """One ``sangama-peer`` process and the lines it has printed so far."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
+    seen: list[str] = field(default_factory=list)
+
+    def wait_for(self, prefix: str, timeout: float) -> str:
+        """The first stdout line starting with ``prefix`` (after stripping), or NetworkError with the child's log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NetworkError(f"{self.name} did not print {prefix!r} within {timeout:.0f} s\n{self.tail()}")
+            try:
+                line = self.lines.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    raise NetworkError(f"{self.name} exited with code {self.proc.returncode}\n{self.tail()}")
+                continue
+            if line.strip().startswith(prefix):
+                return line.strip()
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        out = "\n".join(self.seen[-n:])
+        err = "\n".join(text.splitlines()[-n:])
+        return f"--- {self.name} stdout ---\n{out}\n--- {self.name} stderr ---\n{err}"
+
+
+class LocalFleet:
+    """Start a bootstrap node and one ``join`` process per layer range; stop them all on exit.
+
+    ``with LocalFleet(model_dir, ["0:3", "3:6", "6:8"], workdir) as fleet: fleet.bootstrap_addr`` - the context
+    manager returns once every stage has published its record.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        layers: Sequence[str],
+        workdir: Path | str,
+        *,
+        join_args: Sequence[str] = (),
+        start_timeout: float = 120.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.layers = list(layers)
+        self.workdir = Path(workdir)
+        self.join_args = list(join_args)
+        self.start_timeout = start_timeout
+        self.python = python
+        self.children: list[Child] = []
+        self.bootstrap_addr = ""
+        self.stage_ids: list[str] = []
+
+    def __enter__(self) -> "LocalFleet":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log_path = self.workdir / f"{name}.stderr"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        with open(log_path, "wb") as err:
+            proc = subprocess.Popen(
+                [self.python, "-m", "sangama_p2p.cli.main", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches the parent only; it stops the children in order
+                preexec_fn=_die_with_parent,
+                text=True,
+                bufsize=1,
+            )
+        child = Child(name, proc, log_path)
+        threading.Thread(target=_pump, args=(proc.stdout, child), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    def start(self) -> None:
+        boot = self._spawn("bootstrap", [
+            "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(self.workdir / "bootstrap.key"),
+        ])
+        self.bootstrap_addr = boot.wait_for("--bootstrap", self.start_timeout).split()[-1]
+        joins = []
+        for i, layers in enumerate(self.layers):
+            joins.append(self._spawn(f"stage{i}", [
+                "join", "--model", str(self.model_dir), "--layers", layers,
+                "--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
+                "--key", str(self.workdir / f"stage{i}.key"), *self.join_args,
+            ]))
+        self.stage_ids = [c.wait_for(READY_PREFIX, self.start_timeout).split()[1] for c in joins]
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGINT each child, then SIGTERM, then SIGKILL its process group; reap them all."""
+        for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            alive = [c for c in self.children if c.proc.poll() is None]
+            if not alive:
+                break
+            for c in alive:
+                try:
+                    os.killpg(c.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + wait
+            for c in alive:
+                try:
+                    c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for c in self.children:
+            if c.proc.stdout is not None:
+                c.proc.stdout.close()
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children]
+
+
+def _pump(stream: IO[str] | None, child: Child) -> None:
+    if stream is None:
+        return
+    try:
+        for line in stream:
+            child.seen.append(line.rstrip("\n"))
+            child.lines.put(line)
+    except (ValueError, OSError):
+        pass  # closed by stop()

@@ -1,0 +1,379 @@
+"""``Peer``: one object that serves a layer range, drives generations, or both; it owns every lifetime under it.
+
+Under trio::
+
+    async with Peer(PeerConfig(host=HostConfig(bootstrap_addrs=(addr,)))) as peer:
+        await peer.serve("/models/qwen", "0:20")            # or "auto": the range the swarm covers worst
+        result = await peer.generate("Hello", 32, guesses="auto")
+        async for token_id in peer.stream([1, 2, 3], 16):
+            ...
+
+A peer is a libp2p node (:func:`sangama_p2p.net.open_host`) plus any number of stage servers
+(:class:`sangama_p2p.stage.StageServer`) and one chain client per model (:class:`sangama_p2p.client.ChainClient`).
+Each server and client lives in a task of the peer's own nursery, whichever task asked for it, so the asyncio face
+(:mod:`sangama_p2p.aio`) can call ``serve`` from any job; ``aclose`` cancels them all, then closes the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .client.config import ClientConfig
+from .errors import LayerRangeError, ModelError, SangamaError
+from .net.config import HostConfig
+from .stage.config import StageConfig
+
+__all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_id"]
+
+
+def default_model_id(model_path: str | Path) -> str:
+    """The swarm-wide name of a checkpoint when none is given: its directory (or file stem) name."""
+    p = Path(model_path)
+    return p.stem if p.suffix == ".gguf" else p.resolve().name
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything a peer needs, grouped: how to join (``host``), what to serve (``stage``), how to generate.
+
+    ``model_path`` and ``layers`` (``"A:B"`` or ``"auto"``/``"auto:N"``) say what to serve when the peer starts
+    (``None``: serve nothing until :meth:`Peer.serve`). ``stage`` holds the stage settings (its ``model_id``,
+    ``start`` and ``end`` are replaced by each ``serve`` call's own); ``client`` those of generation (its
+    ``model_id`` is the default model that ``generate`` asks for). ``tokenizer_path`` (a checkpoint directory) lets a
+    client-only peer take text prompts and stop at the model's end-of-sequence tokens.
+    """
+
+    host: HostConfig = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/0",))
+    stage: StageConfig | None = None
+    client: ClientConfig | None = None
+    model_path: Path | None = None
+    layers: str = "auto"
+    tokenizer_path: Path | None = None
+
+    def replace(self, **changes: Any) -> PeerConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> PeerConfig:
+        """Read ``[host]`` (as :meth:`HostConfig.from_toml`), ``[stage]`` and ``[client]`` tables.
+
+        ``[stage]``: ``model`` (checkpoint path, relative to the file), ``layers`` (``"0:20"`` or ``"auto"``),
+        optional ``model_id`` (default: the checkpoint's directory name) and any :class:`StageConfig` field.
+        ``[client]``: any :class:`ClientConfig` field, plus ``tokenizer`` (a checkpoint directory).
+        """
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SangamaError(f"cannot read peer config {path}: {exc}") from exc
+        unknown = set(data) - {"host", "stage", "client"}
+        if unknown:
+            raise SangamaError(f"unknown tables in {path}: {sorted(unknown)} (expected host, stage, client)")
+        host = HostConfig.from_toml(path) if "host" in data else cls.host
+        stage, model_path, layers = None, None, "auto"
+        if "stage" in data:
+            table = dict(data["stage"])
+            model = table.pop("model", None)
+            if model is None:
+                raise SangamaError(f"[stage] of {path} needs `model` (a checkpoint path)")
+            model_path = (path.parent / Path(model).expanduser()).resolve()
+            layers = str(table.pop("layers", "auto"))
+            table.setdefault("model_id", default_model_id(model_path))
+            start, end = _template_range(layers)
+            stage = _build(StageConfig, {"start": start, "end": end, **table}, f"[stage] of {path}")
+        client, tokenizer = None, None
+        if "client" in data:
+            table = dict(data["client"])
+            tok = table.pop("tokenizer", None)
+            if tok is not None:
+                tokenizer = (path.parent / Path(tok).expanduser()).resolve()
+            if "model_id" not in table and stage is not None:
+                table["model_id"] = stage.model_id
+            client = _build(ClientConfig, table, f"[client] of {path}")
+        return cls(host, stage, client, model_path, layers, tokenizer)
+
+
+def _template_range(layers: str) -> tuple[int, int]:
+    if layers.startswith("auto"):
+        return 0, 1  # replaced when the peer has seen the swarm
+    from .model.spec import parse_layer_range
+
+    r = parse_layer_range(layers)
+    return r.start, r.end
+
+
+def _build(cls: Any, table: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(table) - known
+    if unknown:
+        raise SangamaError(f"unknown keys in {where}: {sorted(unknown)}")
+    try:
+        return cls(**table)
+    except TypeError as exc:
+        raise SangamaError(f"bad {where}: {exc}") from exc
+
+
+def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None) -> tuple[int, int]:
+    """The ``span`` contiguous layers the swarm covers worst, given the ``(start, end)`` ranges already served.
+
+    Worst = the window whose least-served layer has the fewest peers, then the fewest peers in total, then the
+    lowest start. ``span`` defaults to a third of the model (rounded up): three peers cover it. Pure, for tests.
+    """
+    if num_layers <= 0:
+        raise LayerRangeError("the model has no layers")
+    span = -(-num_layers // 3) if span is None else span
+    if not 0 < span <= num_layers:
+        raise LayerRangeError(f"span must be in 1..{num_layers}, got {span}")
+    count = [0] * num_layers
+    for start, end in covered:
+        for i in range(max(start, 0), min(end, num_layers)):
+            count[i] += 1
+    best = min(range(num_layers - span + 1), key=lambda s: (min(count[s:s + span]), sum(count[s:s + span]), s))
+    return best, best + span
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation's outcome: new token ids, their text (when a tokenizer is known), and the client's result
+    (trips with their timings, route, failovers, guess counts)."""
+
+    tokens: tuple[int, ...]
+    text: str | None
+    result: Any  # client.GenerationResult
+
+
+class Peer:
+    """A Sangama peer under trio: ``async with Peer(config) as peer`` (see the module docstring)."""
+
+    def __init__(self, config: PeerConfig | None = None) -> None:
+        self.config = config or PeerConfig()
+        self.node: Any = None
+        self.servers: list[Any] = []  # StageServer, in the order served
+        self._clients: dict[str, Any] = {}
+        self._client_lock = trio.Lock()
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._tokenizer: Any = None
+        self._eos: tuple[int, ...] = ()
+        self._spec_num_layers: int | None = None
+
+    # lifetime ---------------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Peer:
+        from .net.host import open_host
+
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            self.node = await stack.enter_async_context(open_host(self.config.host))
+            self._nursery = await stack.enter_async_context(trio.open_nursery())
+            self._stack = stack
+            if self.config.tokenizer_path is not None:
+                await trio.to_thread.run_sync(self._load_tokenizer, self.config.tokenizer_path)
+            if self.config.model_path is not None:
+                await self.serve(self.config.model_path, self.config.layers)
+        except BaseException:
+            self._stack = None
+            await self._close(stack)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop serving, close every client session, then the host. Idempotent."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await self._close(stack)
+
+    async def _close(self, stack: AsyncExitStack) -> None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        await stack.aclose()  # nursery first (servers and clients end), then the host
+        self._nursery = None
+
+    def _running(self) -> trio.Nursery:
+        if self._nursery is None or self._stack is None:
+            raise SangamaError("the peer is not running (use `async with Peer(...)`)")
+        return self._nursery
+
+    @property
+    def peer_id(self) -> str:
+        if self.node is None:
+            raise SangamaError("the peer is not running")
+        return self.node.peer_id.to_base58()
+
+    @property
+    def addrs(self) -> list[str]:
+        """Addresses other peers dial (ending in ``/p2p/<id>``); pass one as another peer's bootstrap address."""
+        if self.node is None:
+            raise SangamaError("the peer is not running")
+        return [str(a) for a in self.node.advertised_addrs()]
+
+    # serving ----------------------------------------------------------------------------------------------------
+
+    async def serve(
+        self,
+        model: str | Path,
+        layers: str | tuple[int, int] = "auto",
+        *,
+        model_id: str | None = None,
+        **stage_options: Any,
+    ) -> tuple[int, int]:
+        """Load and serve ``layers`` of the checkpoint at ``model``; returns the served ``(start, end)``.
+
+        ``layers``: ``(start, end)``, ``"A:B"``, ``"auto"`` (the third of the model the swarm covers worst) or
+        ``"auto:N"`` (N layers). Loading reads only this range's tensors, off the trio thread. The stage announces
+        itself in the DHT and serves until the peer closes.
+        """
+        from .model.checkpoint import open_checkpoint
+        from .stage.server import StageServer
+
+        nursery = self._running()
+        ckpt = await trio.to_thread.run_sync(open_checkpoint, model)
+        num_layers = ckpt.spec.num_layers
+        if self._tokenizer is None and ckpt.tokenizer is not None:
+            self._tokenizer, self._eos = ckpt.tokenizer, tuple(ckpt.spec.eos_token_ids)
+        self._spec_num_layers = num_layers
+        base = self.config.stage or StageConfig(model_id=model_id or default_model_id(model), start=0, end=1)
+        mid = model_id or (base.model_id if self.config.stage is not None else default_model_id(model))
+        start, end = await self._resolve_layers(layers, mid, num_layers)
+        ckpt.spec.check_range(start, end)
+        config = base.replace(model_id=mid, start=start, end=end, **stage_options)
+        server = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
+        await nursery.start(self._run_server, server)
+        self.servers.append(server)
+        return start, end
+
+    async def _resolve_layers(self, layers: str | tuple[int, int], model_id: str, num_layers: int) -> tuple[int, int]:
+        if isinstance(layers, tuple):
+            return int(layers[0]), int(layers[1])
+        text = str(layers)
+        if not text.startswith("auto"):
+            from .model.spec import parse_layer_range
+
+            r = parse_layer_range(text)
+            return r.start, r.end
+        span = None
+        if text != "auto":
+            try:
+                span = int(text.split(":", 1)[1])
+            except (IndexError, ValueError) as exc:
+                raise LayerRangeError(f"bad layers {text!r}: use A:B, auto or auto:N") from exc
+        from .net.discovery import find_serving_peers
+
+        records = await find_serving_peers(self.node, model_id, include_self=False)
+        return choose_layers([(r.start, r.end) for r in records], num_layers, span)
+
+    @staticmethod
+    async def _run_server(server: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with server:
+            task_status.started()
+            await trio.sleep_forever()
+
+    # generating -------------------------------------------------------------------------------------------------
+
+    def _load_tokenizer(self, path: Path) -> None:
+        from .model.spec import ModelSpec
+        from .model.tokenizer import Tokenizer
+
+        self._tokenizer = Tokenizer.from_dir(path)
+        try:
+            self._eos = tuple(ModelSpec.from_dir(path).eos_token_ids)
+        except SangamaError:
+            self._eos = ()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of the served model or of ``config.tokenizer_path`` (None when neither is known)."""
+        return self._tokenizer
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                raise ModelError("text prompts need a tokenizer: serve a model or set tokenizer_path; "
+                                 "or pass token ids")
+            return list(self._tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def _default_model_id(self) -> str:
+        if self.config.client is not None:
+            return self.config.client.model_id
+        if self.servers:
+            return self.servers[0].config.model_id
+        raise ModelError("which model? pass model_id=, or set PeerConfig.client, or serve one")
+
+    async def client(self, model_id: str | None = None) -> Any:
+        """The chain client for ``model_id`` (created on first use, closed with the peer)."""
+        model_id = model_id or self._default_model_id()
+        nursery = self._running()
+        async with self._client_lock:
+            if model_id not in self._clients:
+                from .client.generate import ChainClient
+
+                base = self.config.client or ClientConfig(model_id=model_id)
+                config = base.replace(model_id=model_id)
+                if config.num_layers is None and self._spec_num_layers is not None and self.servers:
+                    config = config.replace(num_layers=self._spec_num_layers)
+                self._clients[model_id] = await nursery.start(self._run_client, ChainClient(self.node, config))
+        return self._clients[model_id]
+
+    @staticmethod
+    async def _run_client(client: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with client:
+            task_status.started(client)
+            await trio.sleep_forever()
+
+    def _gen_kwargs(self, kwargs: dict[str, Any], stop_at_eos: bool) -> dict[str, Any]:
+        if stop_at_eos and "stop_tokens" not in kwargs:
+            kwargs["stop_tokens"] = self._eos
+        return kwargs
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        model_id: str | None = None,
+        guesses: int | str = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+    ) -> Generation:
+        """Generate through the swarm; greedy at ``temperature`` 0 gives the same tokens as ``generate --local``.
+
+        ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. Errors: :class:`RouteError` when no chain covers
+        the model, :class:`StageError` when every stage refuses.
+        """
+        ids = self._prompt_ids(prompt)
+        client = await self.client(model_id)
+        kwargs = self._gen_kwargs({}, stop_at_eos)
+        result = await client.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                       guesses=guesses, **kwargs)
+        text = self._tokenizer.decode(result.tokens) if self._tokenizer is not None else None
+        return Generation(tuple(result.tokens), text, result)
+
+    async def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        model_id: str | None = None,
+        stop_at_eos: bool = True,
+        **kwargs: Any,
+    ) -> AsyncIterator[int]:
+        """Yield each new token id as soon as its trip returns (same settings as :meth:`generate`)."""
+        ids = self._prompt_ids(prompt)
+        client = await self.client(model_id)
+        async for tok in client.stream(ids, max_new_tokens, **self._gen_kwargs(kwargs, stop_at_eos)):
+            yield tok
