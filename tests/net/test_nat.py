@@ -111,7 +111,7 @@ def test_relayed_link_is_upgraded_to_direct_by_hole_punching(fleet: Fleet) -> No
     assert fleet.a.call("wait_direct", peer_id=b, limit=20.0)["link"] is not None
 
 
-def test_relayed_link_keeps_carrying_frames_when_hole_punching_is_blocked(fleet: Fleet) -> None:
+def test_relayed_link_carries_frames_and_keeps_them_flowing_when_hole_punching_is_blocked(fleet: Fleet) -> None:
     fleet.lab.block_between_nats()
     relay_id = fleet.relay.endpoint.peer_id
     c = fleet.lab.spawn("c", "priva", "--port", "4201", "--bootstrap", fleet.bootstrap)
