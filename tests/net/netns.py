@@ -103,9 +103,6 @@ class Endpoint:
     peer_id: str
     addrs: tuple[str, ...]
 
-    def as_json(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "addrs": list(self.addrs)}
-
 
 class Agent:
     """One peer process in a namespace, driven by JSON-line commands on stdin, answering on stdout."""
@@ -146,13 +143,17 @@ class Agent:
             self._stderr.append(line)
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AgentError(f"{self.name}: no answer within {timeout} s; stderr tail:\n{self.stderr_tail()}") from None
-        if line is None:
-            raise AgentError(f"{self.name}: process exited; stderr tail:\n{self.stderr_tail()}")
-        return json.loads(line)
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AgentError(f"{self.name}: no answer within {timeout} s; stderr:\n{self.stderr_tail()}") from None
+            if line is None:
+                raise AgentError(f"{self.name}: process exited; stderr tail:\n{self.stderr_tail()}")
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:  # a library printed to stdout: keep it for the error report, read on
+                self._stderr.append(f"[stdout] {line}")
 
     def stderr_tail(self, lines: int = 30) -> str:
         return "".join(self._stderr[-lines:])
