@@ -153,8 +153,10 @@ class Generation:
 class Peer:
     """A Sangama peer under trio: ``async with Peer(config) as peer`` (see the module docstring)."""
 
-    def __init__(self, config: PeerConfig | None = None) -> None:
+    def __init__(self, config: PeerConfig | None = None, *, key_pair: Any = None) -> None:
+        """``key_pair``: a libp2p key pair to use instead of ``config.host.key_path`` (e.g. a throwaway identity)."""
         self.config = config or PeerConfig()
+        self._key_pair = key_pair
         self.node: Any = None
         self.servers: list[Any] = []  # StageServer, in the order served
         self._clients: dict[str, Any] = {}
@@ -173,7 +175,7 @@ class Peer:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            self.node = await stack.enter_async_context(open_host(self.config.host))
+            self.node = await stack.enter_async_context(open_host(self.config.host, key_pair=self._key_pair))
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             self._stack = stack
             if self.config.tokenizer_path is not None:

@@ -14,7 +14,7 @@ import sys
 
 from ..errors import SangamaError
 
-_COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds")
+_COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds", "peer_cmds")
 
 
 def build_parser() -> argparse.ArgumentParser:

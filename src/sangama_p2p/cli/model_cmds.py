@@ -1,10 +1,11 @@
-"""``sangama-peer generate --local``: run a chain of stages in this process."""
+"""``sangama-peer generate``: through the swarm, or with ``--local`` through a chain of stages in this process."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..errors import ModelError
 
@@ -13,12 +14,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text through a chain of stages",
-        description="Generate text. With --local MODEL the stages run in this process, chained through the same "
-        "per-stage API that peers use over the network.",
+        description="Generate text through the swarm (--model ID [--bootstrap ADDR]), or with --local MODEL in this "
+        "process, chained through the same per-stage API that peers use over the network.",
     )
     p.add_argument("text", nargs="?", help="the prompt (same as --prompt)")
-    p.add_argument("--local", metavar="MODEL", required=True,
+    p.add_argument("--local", metavar="MODEL", default=None,
                    help="checkpoint directory (config.json + safetensors) or .gguf file to run in this process")
+    p.add_argument("--model", default=None, metavar="ID|DIR",
+                   help="network mode: the model id to ask the swarm for, or a checkpoint directory (its name is "
+                   "the id; its tokenizer encodes the prompt)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="network mode: checkpoint dir with tokenizer.json")
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
+                   help="network mode: bootstrap address (repeatable; default: bootstrap/public.txt)")
+    p.add_argument("--fleet-secret-file", type=Path, default=None, help="network mode: the private fleet's secret")
+    p.add_argument("--timings", action="store_true",
+                   help="network mode: print where the time goes per trip (each stage's queue/compute/send, network)")
     p.add_argument("--stages", default=None, metavar="A:B,B:C",
                    help="contiguous layer ranges covering the model, e.g. 0:3,3:8 (default: one stage)")
     src = p.add_mutually_exclusive_group()
@@ -59,6 +69,11 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.local is None:
+        from .peer_cmds import generate_network
+
+        ids = _prompt_ids(args, None) if args.prompt_ids is not None else None
+        return generate_network(args, [ids] if ids is not None else None)
     import torch  # heavy imports only when the command runs
 
     from ..model.chain import LocalChain

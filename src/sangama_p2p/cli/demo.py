@@ -1,0 +1,160 @@
+"""``sangama-peer demo``: a whole fleet on loopback, measured, then stopped.
+
+It makes the tiny Qwen3.5-MoE model, starts a bootstrap node and three stage peers (layers 0:3, 3:6, 6:8) as
+separate ``sangama-peer`` processes (:class:`.local_fleet.LocalFleet`), then drives generations from this process
+through a client :class:`~sangama_p2p.peer.Peer`: one request at each guess count, many requests at once, and the
+per-trip breakdown. Every network result is checked against the same model run in this one process
+(``LocalChain``): greedy tokens must be identical. The fleet stops on every exit path (normal, error, Ctrl-C,
+SIGTERM), and its children die with us even on ``kill -9`` (see ``local_fleet``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEMO_SPLIT", "measure_network", "run_demo"]
+
+DEMO_SPLIT = ("0:3", "3:6", "6:8")
+DEMO_PROMPT = "def fibonacci(n):"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        from ..errors import SangamaError
+
+        raise SangamaError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: the fleet's __exit__ stops the children
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..model.make import make_model
+    from .local_fleet import LocalFleet
+    from .tables import guesses_table, print_tables, requests_table, where_time_goes_table
+
+    torch.set_grad_enabled(False)
+    guesses, requests = _int_list(args.guesses), _int_list(args.requests)
+    own_dir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="sangama-demo-")) if own_dir else Path(args.workdir)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        print(f"making the tiny qwen3_5_moe model in {workdir} ...", flush=True)
+        model_dir = make_model(workdir / "sangama-tiny", "qwen3_5_moe", "tiny")
+        t0 = time.monotonic()
+        with LocalFleet(model_dir, DEMO_SPLIT, workdir / "fleet") as fleet:
+            print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(DEMO_SPLIT)} "
+                  f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
+            results = measure_network(model_dir, fleet.bootstrap_addr, guesses=guesses, requests=requests,
+                                      new_tokens=args.tokens)
+        print_tables(
+            guesses_table(results["guesses"]),
+            requests_table(results["requests"]),
+            where_time_goes_table(results["where_the_time_goes"]),
+        )
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2))
+        ok = all(r["same_tokens"] for r in results["guesses"] + results["requests"])
+        print("tokens over the network equal the one-process run: " + ("yes" if ok else "NO"), flush=True)
+        print("fleet stopped; demo done", flush=True)
+        return 0 if ok else 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _variants(base: list[int], n: int, vocab: int) -> list[list[int]]:
+    from .model_cmds import _variant
+
+    return [base] + [_variant(base, i, vocab) for i in range(1, n)]
+
+
+def measure_network(
+    model_dir: Path,
+    bootstrap_addr: str,
+    *,
+    guesses: list[int],
+    requests: list[int],
+    new_tokens: int,
+    local_guesses: bool = True,
+) -> dict[str, Any]:
+    """Run the demo's measurements against a running fleet; every result carries its check against LocalChain."""
+    import trio
+
+    from ..client.config import ClientConfig
+    from ..client.timing import summarize_trips
+    from ..model.chain import LocalChain
+    from ..model.checkpoint import open_checkpoint
+    from ..model.spec import LayerRange
+    from ..net.config import HostConfig
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer, PeerConfig, default_model_id
+
+    ckpt = open_checkpoint(model_dir)
+    local = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])
+    prompt = ckpt.tokenizer.encode(DEMO_PROMPT)
+    config = PeerConfig(
+        host=HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(bootstrap_addr,), dht_server=False),
+        client=ClientConfig(model_id=default_model_id(model_dir)),
+        tokenizer_path=Path(model_dir),
+    )
+    out: dict[str, Any] = {"model": "qwen3_5_moe/tiny", "split": list(DEMO_SPLIT), "new_tokens": new_tokens,
+                           "guesses": [], "requests": []}
+
+    async def main() -> None:
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            await peer.generate(prompt, 4)  # warm up: route, sessions, streams, first-call costs
+            for g in guesses:
+                net = await peer.generate(prompt, new_tokens, guesses=g, stop_at_eos=False)
+                ref = local.generate(prompt, new_tokens, guesses=g if local_guesses else 0, stop_at_eos=False)
+                r = net.result
+                out["guesses"].append({
+                    "guesses": g,
+                    "tokens_per_s": round(r.decode_tokens_per_s, 2),
+                    "tokens_per_trip": round((len(r.tokens) - 1) / max(r.steps, 1), 3),
+                    "accepted_per_trip": round(r.guesses_accepted / max(r.steps, 1), 3),
+                    "local_tokens_per_s": round(ref.decode_tokens_per_s, 2),
+                    "same_tokens": list(net.tokens) == ref.tokens,
+                    "ttft_ms": round(r.prefill_s * 1e3, 2),
+                })
+                if g == 0:
+                    out["where_the_time_goes"] = summarize_trips(r.trips)
+            for n in requests:
+                prompts = _variants(prompt, n, ckpt.spec.vocab_size)
+                gens: list[Any] = [None] * n
+
+                async def one(i: int) -> None:
+                    gens[i] = await peer.generate(prompts[i], new_tokens, stop_at_eos=False)
+
+                t = time.perf_counter()
+                async with trio.open_nursery() as nursery:
+                    for i in range(n):
+                        nursery.start_soon(one, i)
+                wall = time.perf_counter() - t
+                solo = [local.generate(p, new_tokens, stop_at_eos=False).tokens for p in prompts]
+                batches = [s.batch_size for g in gens for trip in g.result.trips[1:] for s in trip.stages]
+                out["requests"].append({
+                    "requests": n,
+                    "aggregate_tokens_per_s": round(sum(len(g.tokens) for g in gens) / wall, 2),
+                    "per_request_tokens_per_s": round(sum(g.result.decode_tokens_per_s for g in gens) / n, 2),
+                    "mean_batch": round(sum(batches) / max(len(batches), 1), 2),
+                    "same_tokens": all(list(g.tokens) == s for g, s in zip(gens, solo)),
+                })
+
+    trio.run(main)
+    if "where_the_time_goes" not in out:
+        out["where_the_time_goes"] = {"trips": 0, "trip_ms": 0.0, "network_ms": 0.0, "stages": []}
+    return out

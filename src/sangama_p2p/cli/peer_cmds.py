@@ -1,0 +1,308 @@
+"""``sangama-peer join | chat | demo`` and the network mode of ``generate``.
+
+``join`` serves a layer range until interrupted (a live panel on a terminal; a ``ready ...`` line for scripts).
+``generate`` without ``--local`` and ``chat`` drive generations through the swarm from a throwaway identity.
+``demo`` starts a whole fleet on loopback (see :mod:`.demo`). Heavy modules load inside the handlers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .local_fleet import READY_PREFIX
+
+
+def add_host_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
+    """The flags every networked command shares."""
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
+                   help="bootstrap node address ending in /p2p/<id> (repeatable; default: bootstrap/public.txt)")
+    if listen:
+        p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                       help="listen address (repeatable; default /ip4/0.0.0.0/tcp/0)")
+        p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                       help="public address to advertise instead of the listen addresses (repeatable)")
+    p.add_argument("--fleet-secret-file", type=Path, default=None, help="file holding the private fleet's secret")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "join",
+        help="serve a range of a model's layers in the swarm",
+        description="Serve layers A:B of a checkpoint (or 'auto': the range the swarm covers worst) until "
+        "interrupted, announcing them in the DHT.",
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory or .gguf file")
+    p.add_argument("--layers", default=None, metavar="A:B|auto[:N]",
+                   help="layer range to serve; auto = the third of the model the swarm covers worst")
+    p.add_argument("--model-id", default=None, help="swarm-wide model name (default: the checkpoint's name)")
+    p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [stage], [client])")
+    add_host_args(p)
+    p.add_argument("--key", type=Path, default=None, help="key file (default ~/.sangama/peer.key)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="make each request's numbers independent of its batch (slower on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--run-for", type=float, default=None, help=argparse.SUPPRESS)  # tests: stop after N seconds
+    p.set_defaults(handler=_join)
+
+    p = sub.add_parser("chat", help="chat with a model served by the swarm",
+                       description="Read prompts from stdin and stream each answer as the swarm generates it.")
+    p.add_argument("--model", required=True, help="model id, or a checkpoint directory (its name + tokenizer)")
+    p.add_argument("--tokenizer", type=Path, default=None, help="checkpoint directory with tokenizer.json")
+    add_host_args(p, listen=False)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--guesses", default="auto", metavar="K|auto")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(handler=_chat)
+
+    p = sub.add_parser("demo", help="start a local fleet on a tiny model and print its tables",
+                       description="Make a tiny model, start a bootstrap node and three stage peers on loopback as "
+                       "separate processes, generate with and without guesses, print the tables, stop everything.")
+    p.add_argument("--tokens", type=int, default=48, help="new tokens per request (default 48)")
+    p.add_argument("--requests", default="1,4,16", help="concurrent request counts (default 1,4,16)")
+    p.add_argument("--guesses", default="0,2,4,6", help="guess counts to compare (default 0,2,4,6)")
+    p.add_argument("--workdir", type=Path, default=None, help="keep the model and logs here (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
+    p.set_defaults(handler=_demo)
+
+
+def host_config(args: argparse.Namespace, *, serving: bool) -> Any:
+    """A HostConfig from ``--config``/flags (flags win); clients get a DHT-client host."""
+    from ..net.config import HostConfig
+    from ..net.fleet import read_fleet_secret
+    from .net_cmds import default_bootstrap_addrs
+
+    overrides = {
+        "listen_addrs": tuple(args.listen) if getattr(args, "listen", None) else None,
+        "announce_addrs": tuple(args.announce) if getattr(args, "announce", None) else None,
+        "bootstrap_addrs": tuple(args.bootstrap) if args.bootstrap else None,
+        "key_path": getattr(args, "key", None),
+        "fleet_secret": read_fleet_secret(args.fleet_secret_file) if args.fleet_secret_file else None,
+    }
+    if getattr(args, "config", None) is not None:
+        config = HostConfig.from_toml(args.config, **overrides)
+    else:
+        config = HostConfig().replace(**{k: v for k, v in overrides.items() if v is not None})
+    if not config.bootstrap_addrs:
+        config = config.replace(bootstrap_addrs=default_bootstrap_addrs())
+    return config if serving else config.replace(dht_server=False)
+
+
+def _quiet() -> None:
+    from .net_cmds import _quiet_libp2p
+
+    _quiet_libp2p()
+
+
+async def _until_signal(seconds: float | None) -> None:
+    """Return on SIGINT/SIGTERM (or after ``seconds``), so that every ``async with`` unwinds cleanly."""
+    import signal
+
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.move_on_after(seconds if seconds is not None else float("inf")):
+            async for _ in signals:
+                return
+
+
+def _join(args: argparse.Namespace) -> int:
+    import torch
+    import trio
+
+    from ..errors import SangamaError
+    from ..peer import Peer, PeerConfig
+
+    _quiet()
+    torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
+    config = config.replace(host=host_config(args, serving=True))
+    model = args.model or config.model_path
+    if model is None:
+        raise SangamaError("give the checkpoint to serve: --model DIR (or [stage] model in --config)")
+    layers = args.layers or (config.layers if config.model_path is not None else "auto")
+    options: dict[str, Any] = {}
+    if args.dtype:
+        options["dtype"] = args.dtype
+    if args.batch_invariant:
+        options["batch_invariant"] = True
+
+    async def main() -> None:
+        async with Peer(config.replace(model_path=None)) as peer:
+            start, end = await peer.serve(model, layers, model_id=args.model_id, **options)
+            server = peer.servers[-1]
+            print(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}", flush=True)
+            for addr in peer.addrs:
+                print(f"  listening {addr}", flush=True)
+            if sys.stdout.isatty():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_live_panel, peer)
+                    await _until_signal(args.run_for)
+                    nursery.cancel_scope.cancel()
+            else:
+                await _until_signal(args.run_for)
+            print("stopping", flush=True)
+
+    trio.run(main)
+    return 0
+
+
+def _panel(peer: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"sangama peer {peer.peer_id[:12]}…", title_justify="left")
+    for col in ("model", "layers", "sessions", "free", "queue", "tokens/s"):
+        table.add_column(col)
+    for server in peer.servers:
+        try:
+            info = server.info()
+        except Exception as exc:  # a panel must never take the peer down
+            table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?",
+                          f"error: {exc}")
+            continue
+        sessions = getattr(server, "active_sessions", None)
+        table.add_row(info.model_id, f"{info.start}:{info.end}", "-" if sessions is None else str(sessions),
+                      str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}")
+    return table
+
+
+async def _live_panel(peer: Any) -> None:
+    import trio
+    from rich.live import Live
+
+    with Live(_panel(peer), refresh_per_second=2, transient=False) as live:
+        while True:
+            await trio.sleep(0.5)
+            live.update(_panel(peer))
+
+
+def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
+    """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory (name + tokenizer)."""
+    from ..client.config import ClientConfig
+    from ..peer import PeerConfig, default_model_id
+
+    tokenizer = getattr(args, "tokenizer", None)
+    model_id = model
+    if Path(model).is_dir():
+        model_id = default_model_id(model)
+        tokenizer = tokenizer or Path(model)
+    config = PeerConfig(host=host_config(args, serving=False), client=ClientConfig(model_id=model_id),
+                        tokenizer_path=tokenizer)
+    return config, model_id
+
+
+def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:
+    """``generate`` over the swarm: ``prompts`` as ids, or None to take the text prompt through the tokenizer."""
+    import trio
+
+    from ..errors import SangamaError
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer
+
+    _quiet()
+    if not args.model:
+        raise SangamaError("give the model: --model ID (or a checkpoint directory), or run in-process with --local")
+    config, model_id = client_peer_config(args, args.model)
+    text = args.prompt if args.prompt is not None else args.text
+
+    async def main() -> list[Any]:
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            todo = prompts
+            if todo is None:
+                if text is None:
+                    raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
+                todo = [peer._prompt_ids(text)]
+            from .model_cmds import _variant
+
+            if args.batch > 1:  # the same prompt set as `generate --local --batch N`, so the two compare
+                base = todo[0]
+                todo = [base] + [_variant(base, i, _vocab_size(args.model, peer)) for i in range(1, args.batch)]
+            results: list[Any] = [None] * len(todo)
+
+            async def one(i: int, ids: list[int]) -> None:
+                results[i] = await peer.generate(ids, args.max_new_tokens, guesses=args.guesses,
+                                                 temperature=args.temperature, top_p=args.top_p,
+                                                 seed=args.seed + i, stop_at_eos=not args.ignore_eos)
+
+            async with trio.open_nursery() as nursery:
+                for i, ids in enumerate(todo):
+                    nursery.start_soon(one, i, ids)
+            return results
+
+    results = trio.run(main)
+    if args.json:
+        dicts = [dict(g.result.as_dict(), text=g.text) for g in results]
+        print(json.dumps(dicts[0] if len(dicts) == 1 else {"requests": dicts}))
+        return 0
+    for g in results:
+        r = g.result
+        print(g.text if g.text is not None else " ".join(map(str, g.tokens)))
+        print(f"[{len(g.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
+              f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
+              f"route {' -> '.join(p[:8] for p in r.route)}]", file=sys.stderr)
+    if args.timings:
+        from .tables import print_where_time_goes
+
+        print_where_time_goes(results[0].result.trips)
+    return 0
+
+
+def _vocab_size(model: str, peer: Any) -> int:
+    from ..errors import SangamaError
+
+    if Path(model).is_dir():
+        from ..model.spec import ModelSpec
+
+        return ModelSpec.from_dir(model).vocab_size
+    if peer.tokenizer is not None:
+        return int(peer.tokenizer.vocab_size)
+    raise SangamaError("--batch over the network needs the model's vocabulary: pass --model as a checkpoint dir")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import trio
+
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer
+
+    _quiet()
+    config, model_id = client_peer_config(args, args.model)
+
+    async def main() -> None:
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            from ..model.tokenizer import IncrementalDecoder
+
+            interactive = sys.stdin.isatty()
+            history: list[int] = []
+            while True:
+                if interactive:
+                    print("> ", end="", flush=True)
+                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                ids = peer._prompt_ids(line.rstrip("\n") + "\n")
+                history.extend(ids)
+                decoder = IncrementalDecoder(peer.tokenizer) if peer.tokenizer is not None else None
+                async for tok in peer.stream(history, args.max_new_tokens, guesses=args.guesses,
+                                             temperature=args.temperature):
+                    history.append(tok)
+                    piece = decoder.push([tok]) if decoder is not None else f"{tok} "
+                    print(piece, end="", flush=True)
+                print(flush=True)
+
+    trio.run(main)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)

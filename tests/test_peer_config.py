@@ -1,0 +1,97 @@
+"""PeerConfig from TOML (the shipped peers/ configs included) and the pure ``--layers auto`` choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sangama_p2p.errors import LayerRangeError, SangamaError
+from sangama_p2p.peer import PeerConfig, choose_layers, default_model_id
+
+PEERS = Path(__file__).resolve().parents[1] / "peers"
+
+
+def test_every_shipped_config_loads() -> None:
+    files = sorted(PEERS.rglob("*.toml"))
+    assert len(files) >= 7
+    for f in files:
+        config = PeerConfig.from_toml(f)
+        assert config.host.listen_addrs, f
+
+
+def test_datacenter_layout_is_three_contiguous_stages_of_twenty() -> None:
+    configs = [PeerConfig.from_toml(PEERS / "datacenter" / f"stage{i}.toml") for i in (1, 2, 3)]
+    ranges = [(c.stage.start, c.stage.end) for c in configs]
+    assert ranges == [(0, 20), (20, 40), (40, 60)]
+    assert {c.layers for c in configs} == {"0:20", "20:40", "40:60"}
+    for c in configs:
+        assert c.stage.dtype == "bfloat16" and c.stage.wire_dtype == "bf16"
+        assert c.client is not None and c.client.model_id == c.stage.model_id == "qwen3.5-moe"
+        assert c.model_path == Path("/srv/models/qwen3.5-moe")
+        assert c.host.announce_addrs and c.host.announce_addrs[0].startswith("/ip4/203.0.113.")
+    assert len({c.host.announce_addrs for c in configs}) == 3
+
+
+def test_local_fleet_covers_the_tiny_model() -> None:
+    configs = [PeerConfig.from_toml(PEERS / "local" / f"stage{i}.toml") for i in (1, 2, 3)]
+    assert [c.layers for c in configs] == ["0:3", "3:6", "6:8"]
+    assert len({c.host.listen_addrs for c in configs}) == 3  # one port each on one machine
+
+
+def test_relative_model_path_and_auto_layers(tmp_path: Path) -> None:
+    f = tmp_path / "p.toml"
+    f.write_text('[host]\nlisten_addrs = ["/ip4/127.0.0.1/tcp/0"]\n[stage]\nmodel = "models/m1"\nlayers = "auto"\n'
+                 'max_sessions = 3\n[client]\ntokenizer = "models/m1"\n')
+    c = PeerConfig.from_toml(f)
+    assert c.model_path == (tmp_path / "models" / "m1").resolve()
+    assert c.tokenizer_path == c.model_path
+    assert c.layers == "auto" and c.stage.max_sessions == 3 and c.stage.model_id == "m1"
+    assert c.client.model_id == "m1"
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[stage]\nlayers = "0:2"\n', "needs `model`"),
+    ('[stage]\nmodel = "m"\nlayers = "0:2"\nbogus = 1\n', "unknown keys"),
+    ('[client]\nmodel_id = "m"\nbogus = 1\n', "unknown keys"),
+    ('[nope]\n', "unknown tables"),
+    ('[stage\n', "cannot read"),
+    ('[stage]\nmodel = "m"\nlayers = "5:2"\n', "bad layer range"),
+])
+def test_bad_configs_raise_typed_errors(tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(SangamaError, match=match):
+        PeerConfig.from_toml(f)
+
+
+def test_default_model_id() -> None:
+    assert default_model_id("/a/b/qwen-tiny") == "qwen-tiny"
+    assert default_model_id("/a/b/model-q4.gguf") == "model-q4"
+
+
+def test_choose_layers_empty_swarm_takes_the_first_third() -> None:
+    assert choose_layers([], 8) == (0, 3)
+    assert choose_layers([], 60) == (0, 20)
+    assert choose_layers([], 8, span=8) == (0, 8)
+
+
+def test_choose_layers_fills_the_gap() -> None:
+    assert choose_layers([(0, 20)], 60) == (20, 40)
+    assert choose_layers([(0, 20), (20, 40)], 60) == (40, 60)
+    assert choose_layers([(0, 20), (40, 60)], 60) == (20, 40)
+    # a partly covered window loses to an uncovered one, then the least total coverage wins
+    assert choose_layers([(0, 3), (3, 6)], 8, span=2) == (6, 8)
+    assert choose_layers([(0, 8), (0, 4)], 8, span=4) == (4, 8)
+
+
+def test_choose_layers_adds_redundancy_where_thinnest() -> None:
+    full = [(0, 20), (20, 40), (40, 60)]
+    assert choose_layers(full + [(0, 20)], 60) == (20, 40)
+    assert choose_layers(full + [(0, 20), (20, 40)], 60) == (40, 60)
+
+
+@pytest.mark.parametrize("span", [0, 9, -1])
+def test_choose_layers_rejects_bad_span(span: int) -> None:
+    with pytest.raises(LayerRangeError):
+        choose_layers([], 8, span=span)
