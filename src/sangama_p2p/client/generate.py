@@ -28,17 +28,24 @@ the stages batch their steps.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from ..errors import ModelError
+from ..errors import ModelError, NetworkError, RouteError, SangamaError
 from .config import ClientConfig
-from .timing import TripTiming
+from .links import LinkPool
+from .routing import PeerOffer, plan_route
+from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
+from .timing import TripTiming, trip_timing
 
 __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult", "parse_guesses"]
+
+log = logging.getLogger(__name__)
 
 MAX_GUESSES = 8  # the most guesses one step may carry (as model.chain.MAX_GUESSES)
 AUTO_MAX_GUESSES = 6  # the adaptive policy's ceiling (as model.chain.AUTO_MAX_GUESSES)
@@ -105,17 +112,120 @@ class ChainClient:
     def __init__(self, node: Any, config: ClientConfig) -> None:
         self.node = node
         self.config = config
+        self.peer_id: str = node.peer_id.to_base58()
+        self.pool: LinkPool | None = None
+        self._nursery_cm: Any = None
+        self.offers: list[PeerOffer] = []  # the last survey
 
     async def __aenter__(self) -> ChainClient:
-        raise NotImplementedError
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        self.pool = LinkPool(self.node, nursery, max_frame=self.config.max_frame,
+                             connect_timeout=self.config.open_timeout)
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
-        raise NotImplementedError
+        pool, cm = self.pool, self._nursery_cm
+        if pool is None:
+            return
+        self.pool = None
+        await pool.aclose()
+        pool.nursery.cancel_scope.cancel()
+        await cm.__aexit__(*exc)
 
     async def aclose(self) -> None:
-        """Close every session and stream this client opened."""
-        raise NotImplementedError
+        """Close every stream this client opened (its sessions are freed by the stages)."""
+        await self.__aexit__(None, None, None)
 
+    def _pool(self) -> LinkPool:
+        if self.pool is None:
+            raise NetworkError("use the ChainClient inside `async with`")
+        return self.pool
+
+    # ---- discovery and routing -----------------------------------------------------------------------------
+    async def survey(self, exclude: frozenset[str] = frozenset()) -> list[PeerOffer]:
+        """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.PeerOffer` (DHT records refreshed
+        with each peer's own ``/sangama/info/1`` figures, and the RTT measured over the stage stream)."""
+        from ..net.discovery import find_serving_peers
+
+        pool = self._pool()
+        records = await find_serving_peers(self.node, self.config.model_id, include_self=False)
+        offers: list[PeerOffer] = []
+
+        async def probe(rec: Any) -> None:
+            with trio.move_on_after(self.config.probe_timeout):
+                try:
+                    link = await pool.get(rec.peer_id, tuple(rec.addrs))
+                    info, rtt = await link.probe()
+                except SangamaError as exc:
+                    log.info("peer %s does not answer: %s", rec.peer_id, exc)
+                    return
+                if info.model_id != self.config.model_id or info.peer != rec.peer_id:
+                    return
+                offers.append(PeerOffer(rec.peer_id, info.start, info.end, info.throughput_tps, info.queue,
+                                        info.free_sessions, rtt, tuple(rec.addrs)))
+
+        async with trio.open_nursery() as nursery:
+            for rec in records:
+                if rec.peer_id not in exclude:
+                    nursery.start_soon(probe, rec)
+        self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
+        return self.offers
+
+    def _num_layers(self, offers: Sequence[PeerOffer]) -> int:
+        if self.config.num_layers is not None:
+            return self.config.num_layers
+        if not offers:
+            raise RouteError(f"no live peer serves {self.config.model_id!r}")
+        return max(o.end for o in offers)
+
+    async def _open_chain(self, params: SessionParams, exclude: set[str], rediscover: bool) -> ChainSession:
+        """Route (DHT survey when asked), open the session on every stage; re-route around peers that fail."""
+        tries = 0
+        while True:
+            offers = await self.survey(frozenset(exclude)) if rediscover or not self.offers else [
+                o for o in self.offers if o.peer_id not in exclude]
+            route = plan_route(offers, self._num_layers(offers), exclude=exclude)
+            session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
+                                   step_timeout=self.config.step_timeout)
+            try:
+                await session.open()
+                return session
+            except ChainBroken as exc:
+                bad = set(exc.suspects) or await self._dead_peers(session)
+                await session.close()
+                if not bad or tries >= self.config.max_failovers:
+                    raise RouteError(f"cannot open a chain: {exc}") from exc
+                exclude |= bad
+            except StageRefused as exc:
+                await session.close()
+                if exc.code not in RETRYABLE or tries >= self.config.max_failovers:
+                    raise
+                exclude.add(exc.peer)
+            tries += 1
+            rediscover = True
+
+    async def _dead_peers(self, session: ChainSession) -> set[str]:
+        """Probe every stage of ``session``'s route; those that do not answer in time are dead."""
+        pool, dead = self._pool(), set()
+
+        async def probe(offer: PeerOffer) -> None:
+            with trio.move_on_after(self.config.probe_timeout) as scope:
+                try:
+                    link = await pool.get(offer.peer_id, offer.addrs)
+                    await link.probe()
+                    return
+                except SangamaError:
+                    pass
+            dead.add(offer.peer_id)
+            _ = scope
+
+        async with trio.open_nursery() as nursery:
+            for offer in session.route:
+                nursery.start_soon(probe, offer)
+        return dead
+
+    # ---- generation ----------------------------------------------------------------------------------------
     async def generate(
         self,
         prompt_ids: Sequence[int],
@@ -135,17 +245,83 @@ class ChainClient:
         re-routes), :class:`~sangama_p2p.errors.StageError` (with its ``code``) when a stage refuses the request
         for a reason a re-route cannot fix (e.g. ``CAPACITY`` on every candidate, ``BAD_POSITION``).
         """
-        raise NotImplementedError
+        result = GenerationResult(list(prompt_ids), [])
+        async for new in self._run(result, max_new_tokens, temperature, top_p, seed, guesses, stop_tokens):
+            if on_tokens is not None:
+                on_tokens(new)
+        return result
 
     async def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> AsyncIterator[int]:
         """Like :meth:`generate`, yielding each new token id as soon as its trip returns."""
-        raise NotImplementedError
-        yield 0  # pragma: no cover
+        result = GenerationResult(list(prompt_ids), [])
+        opts = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "guesses": 0, "stop_tokens": ()}
+        unknown = set(kwargs) - set(opts)
+        if unknown:
+            raise TypeError(f"unknown arguments {sorted(unknown)}")
+        opts.update(kwargs)
+        async for new in self._run(result, max_new_tokens, **opts):  # type: ignore[arg-type]
+            for tok in new:
+                yield tok
 
-    async def survey(self) -> list[Any]:
-        """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.PeerOffer` (DHT records refreshed
-        with each peer's own ``/sangama/info/1`` answer and the measured RTT)."""
-        raise NotImplementedError
-
-
-_ = trio  # used by the implementation
+    async def _run(self, result: GenerationResult, max_new: int, temperature: float, top_p: float, seed: int,
+                   guesses: int | str, stop_tokens: Sequence[int]) -> AsyncIterator[list[int]]:
+        """The generation loop (as ``LocalChain._trip`` per request), yielding each trip's new tokens."""
+        prompt = result.prompt_ids
+        if not prompt:
+            raise ModelError("the prompt is empty")
+        if max_new <= 0:
+            return
+        max_guesses, adaptive = parse_guesses(guesses)
+        stop = frozenset(stop_tokens)
+        params = SessionParams(self.config.model_id, self.peer_id, len(prompt) + max_new + max_guesses + 1,
+                               temperature, top_p, seed, max_guesses, adaptive)
+        exclude: set[str] = set()
+        session = await self._open_chain(params, exclude, self.config.rediscover or not self.offers)
+        out = result.tokens
+        pending, start, n_guesses, step = list(prompt), 0, 0, 0
+        t0 = time.perf_counter()
+        t_first = 0.0
+        try:
+            while True:
+                try:
+                    res, trip_s = await session.step(step, start, pending, n_guesses)
+                except ChainBroken as exc:
+                    log.info("chain %s broke at trip %d: %s", session.peers, step, exc)
+                    result.failovers += 1
+                    bad = set(exc.suspects) or await self._dead_peers(session)
+                    await session.close()
+                    if result.failovers > self.config.max_failovers:
+                        raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
+                    exclude |= bad
+                    session = await self._open_chain(params, exclude, self.config.rediscover)
+                    # replay: everything the model has seen, from position 0, no guesses
+                    pending, start, n_guesses = [*prompt, *out], 0, 0
+                    step += 1
+                    continue
+                result.route = session.peers
+                result.trips.append(trip_timing(step, len(pending), len(res.tokens), trip_s, res.trace))
+                result.guesses_proposed += n_guesses
+                result.guesses_accepted += len(res.tokens) - 1
+                start += len(pending) - n_guesses + len(res.tokens) - 1
+                new: list[int] = []
+                done = False
+                for tok in res.tokens:
+                    if len(out) >= max_new:
+                        break
+                    out.append(tok)
+                    new.append(tok)
+                    if tok in stop:
+                        break
+                if not t_first:
+                    t_first = time.perf_counter()
+                    result.prefill_s = t_first - t0
+                result.decode_s = time.perf_counter() - t_first
+                done = len(out) >= max_new or out[-1] in stop
+                yield new
+                if done:
+                    return
+                pending = [res.tokens[-1], *res.guesses]
+                n_guesses = len(res.guesses)
+                step += 1
+        finally:
+            await session.close()

@@ -20,17 +20,43 @@ long-lived stream per neighbour; the last stage checks guesses, samples, drafts 
 with ``StepResult`` on the client's own stream. Every frame's ``start_pos`` rolls the session back locally. Each
 stage appends its ``TraceStamp`` (receive, compute start, compute end, send; own monotonic clock).
 Refusals are ``ErrorMessage`` frames with an :class:`~sangama_p2p.errors.ErrorCode` (``NOT_OWNER`` for a peer
-that neither opened the session nor feeds it, ``UNKNOWN_SESSION``, ``WRONG_MODEL``, ``BAD_POSITION``, ...).
+that neither opened the session nor feeds it, ``UNKNOWN_SESSION``, ``WRONG_MODEL``, ``BAD_POSITION``, ...); an
+error about an accepted session goes to the client that owns it, wherever in the chain it happened.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from functools import partial
 from typing import Any
 
-from ..wire.messages import InfoResponse
+import trio
+
+from .. import __version__
+from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
+from ..streams import FramedStream, StreamClosed
+from ..wire.messages import (
+    CloseSession,
+    ErrorMessage,
+    InfoRequest,
+    InfoResponse,
+    Message,
+    OpenSession,
+    SessionOpened,
+    Step,
+    StepResult,
+    TraceStamp,
+)
+from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .config import StageConfig
+from .links import Item, Outbox
+from .scheduler import Job, Outcome, Scheduler
+from .sessions import SessionTable, StageSession
 
 __all__ = ["StageServer"]
+
+log = logging.getLogger(__name__)
 
 
 class StageServer:
@@ -38,38 +64,339 @@ class StageServer:
 
     def __init__(self, node: Any, model: Any, config: StageConfig) -> None:
         """``model``: a loaded :class:`~sangama_p2p.model.stage.StageModel` for ``config.start``..``config.end``."""
+        if (model.start, model.end) != (config.start, config.end):
+            raise StageError(f"model holds layers {model.start}:{model.end}, config says {config.start}:{config.end}")
         self.node = node
         self.model = model
         self.config = config
+        self.peer_id: str = node.peer_id.to_base58()
+        self.table = SessionTable(model, config)
+        self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
+                                   max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype)
+        self._nursery: trio.Nursery | None = None
+        self._nursery_cm: Any = None
+        self._inbound: dict[FramedStream, Outbox] = {}
+        self._next: dict[str, Outbox] = {}
+        self._measured_step_s = 0.0
+        self._load_changed = trio.Event()
+        self.announcer: Any = None
 
     @classmethod
     def load(cls, node: Any, checkpoint: Any, config: StageConfig) -> StageServer:
         """Load only this stage's tensors from ``checkpoint`` (a ``model.checkpoint.Checkpoint``); blocking."""
-        raise NotImplementedError
+        from ..model.stage import StageModel
 
+        model = StageModel.load(checkpoint.spec, checkpoint.source, config.start, config.end, dtype=config.dtype,
+                                batch_invariant=config.batch_invariant)
+        return cls(node, model, config)
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
     async def __aenter__(self) -> StageServer:
-        raise NotImplementedError
+        self._nursery_cm = trio.open_nursery()
+        self._nursery = await self._nursery_cm.__aenter__()
+        try:
+            if self.config.measure_on_start:
+                self._measured_step_s = await trio.to_thread.run_sync(self._measure_step)
+            self.node.host.set_stream_handler(STAGE_PROTOCOL, self._on_stage_stream)
+            self.node.host.set_stream_handler(INFO_PROTOCOL, self._on_info_stream)
+            self._nursery.start_soon(self.scheduler.run)
+            if self.config.announce and getattr(self.node, "dht", None) is not None:
+                from .announce import StageAnnouncer
+
+                self.announcer = StageAnnouncer(self)
+                await self.announcer.publish()
+                self._nursery.start_soon(self.announcer.run)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
-        raise NotImplementedError
-
-    async def run(self) -> None:
-        """Serve until cancelled."""
-        raise NotImplementedError
+        nursery, cm = self._nursery, self._nursery_cm
+        if nursery is None:
+            return
+        self._nursery = None
+        with trio.CancelScope(shield=True):
+            await self._shutdown()
+        nursery.cancel_scope.cancel()
+        await cm.__aexit__(*exc)
 
     async def aclose(self) -> None:
         """Stop serving: unregister the handlers, reset the streams, free every session."""
-        raise NotImplementedError
+        await self.__aexit__(None, None, None)
 
-    def info(self) -> InfoResponse:
-        """What ``/sangama/info/1`` answers: range, measured throughput, free sessions, queue length, version."""
-        raise NotImplementedError
+    async def run(self) -> None:
+        """Serve until cancelled."""
+        async with self:
+            await trio.sleep_forever()
 
+    async def _shutdown(self) -> None:
+        for proto in (STAGE_PROTOCOL, INFO_PROTOCOL):
+            try:
+                self.node.host.remove_stream_handler(proto)
+            except Exception:  # the host may already be gone
+                pass
+        if self.announcer is not None:
+            self.announcer.withdraw()
+        streams = [*self._inbound, *(o.stream for o in self._next.values() if o.stream is not None)]
+        self._inbound.clear()
+        with trio.move_on_after(2):
+            async with trio.open_nursery() as nursery:
+                for fs in streams:
+                    nursery.start_soon(partial(fs.aclose, reset=True))
+        self._next.clear()
+        self.table.drop_all()
+
+    def _measure_step(self) -> float:
+        """Seconds of a one-token step of one fresh session (best of three): the throughput announced at start."""
+        import torch
+
+        model = self.model
+        from ..model.stage import StepInput
+
+        state = model.new_session(4)
+        best = float("inf")
+        for i in range(3):
+            if model.is_first:
+                step = StepInput(state, i, tokens=torch.zeros(1, dtype=torch.long))
+            else:
+                step = StepInput(state, i, hidden=torch.zeros(1, model.spec.hidden_size, dtype=model.dtype))
+            t0 = time.perf_counter()
+            x = model.forward([step])
+            if model.is_last:
+                model.logits(x)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    # ---- figures -------------------------------------------------------------------------------------------
     @property
     def free_sessions(self) -> int:
-        raise NotImplementedError
+        return self.table.free_sessions
+
+    @property
+    def queue_length(self) -> int:
+        return self.scheduler.queue_length
 
     @property
     def throughput(self) -> float:
         """Measured single-request steps per second (what the DHT record announces)."""
-        raise NotImplementedError
+        step_s = self.scheduler.stats.ewma_step_s or self._measured_step_s
+        return 1.0 / step_s if step_s > 0 else 0.0
+
+    def info(self) -> InfoResponse:
+        """What ``/sangama/info/1`` answers: range, measured throughput, free sessions, queue length, version."""
+        return InfoResponse(self.peer_id, self.config.model_id, self.model.start, self.model.end,
+                            float(self.throughput), self.free_sessions, self.queue_length, __version__)
+
+    # ---- streams -------------------------------------------------------------------------------------------
+    async def _on_info_stream(self, stream: Any) -> None:
+        fs = FramedStream(stream, max_frame=4096)
+        try:
+            with trio.move_on_after(10):
+                msg = await fs.recv()
+                reply: Message = self.info() if isinstance(msg, InfoRequest) else ErrorMessage(
+                    None, None, ErrorCode.BAD_FRAME, "expected an InfoRequest")
+                await fs.send(reply)
+        except (SangamaError, trio.BrokenResourceError) as exc:
+            log.debug("info request from %s failed: %s", fs.peer, exc)
+        finally:
+            await fs.aclose()
+
+    async def _on_stage_stream(self, stream: Any) -> None:
+        if self._nursery is None:
+            await FramedStream(stream).aclose(reset=True)
+            return
+        fs = FramedStream(stream, max_frame=self.config.max_frame)
+        outbox = Outbox(fs)
+        self._inbound[fs] = outbox
+        self._nursery.start_soon(outbox.run)
+        self._nursery.start_soon(self._serve_inbound, fs, outbox)
+
+    async def _serve_inbound(self, fs: FramedStream, outbox: Outbox) -> None:
+        """Read frames from one peer (a client or the previous stage) until the stream ends."""
+        try:
+            while True:
+                try:
+                    msg = await fs.recv()
+                except InvalidMessageError as exc:
+                    if exc.session_id is None:
+                        raise
+                    outbox.put(ErrorMessage(exc.session_id, exc.step, ErrorCode.BAD_FRAME, str(exc)))
+                    continue
+                if msg is None:
+                    break
+                self._dispatch(fs.peer, outbox, msg, time.monotonic_ns())
+        except StreamClosed:
+            pass
+        except WireError as exc:
+            log.info("closing the stream from %s: %s", fs.peer, exc)
+            outbox.put(ErrorMessage(None, None, exc.code, str(exc)))
+        finally:
+            self._inbound.pop(fs, None)
+            dropped = self.table.drop_reply_stream(outbox)
+            if dropped:
+                self._load_changed.set()
+            outbox.close()
+            with trio.move_on_after(1):
+                await outbox.done.wait()  # the writer flushes what is queued before the close
+            await fs.aclose()
+
+    def _dispatch(self, peer: str, outbox: Outbox, msg: Message, recv_ns: int) -> None:
+        if isinstance(msg, Step):
+            self._on_step(peer, outbox, msg, recv_ns)
+        elif isinstance(msg, OpenSession):
+            try:
+                self.table.open(msg, peer, outbox)
+            except StageError as exc:
+                outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)))
+                return
+            outbox.put(SessionOpened(msg.session_id, self.free_sessions))
+            self._load_changed.set()
+        elif isinstance(msg, CloseSession):
+            try:
+                self.table.close(msg.session_id, peer)
+                self._load_changed.set()
+            except StageError as exc:
+                outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)))
+        elif isinstance(msg, InfoRequest):
+            outbox.put(self.info())
+        elif isinstance(msg, ErrorMessage):
+            log.debug("error from %s: %s %s", peer, msg.code.name, msg.message)
+        else:
+            sid = getattr(msg, "session_id", None)
+            outbox.put(ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.BAD_FRAME,
+                                    f"a stage does not accept {type(msg).__name__}"))
+
+    def _on_step(self, peer: str, outbox: Outbox, msg: Step, recv_ns: int) -> None:
+        try:
+            session = self.table.authorize_step(msg.session_id, peer)
+        except StageError as exc:
+            outbox.put(ErrorMessage(msg.session_id, msg.step, exc.code, str(exc)))
+            return
+        try:
+            self._check_step(session, msg)
+        except StageError as exc:
+            self._to_owner(session, ErrorMessage(msg.session_id, msg.step, exc.code, str(exc)))
+            return
+        self.scheduler.submit(Job(session, msg, recv_ns))
+
+    def _check_step(self, session: StageSession, msg: Step) -> None:
+        """Everything about a step that does not depend on the session's position (checked in the worker)."""
+        model, n = self.model, len(msg.token_ids)
+        if n == 0:
+            raise StageError("a step needs at least one token id", ErrorCode.BAD_FRAME)
+        k = len(msg.guesses)
+        if k > session.max_guesses:
+            raise StageError(f"{k} guesses, the session allows {session.max_guesses}", ErrorCode.TOO_MANY_GUESSES)
+        if k and (k >= n or tuple(msg.token_ids[n - k:]) != msg.guesses):
+            raise StageError("the step's token ids must end with its guesses", ErrorCode.BAD_FRAME)
+        if model.is_first:
+            if msg.hidden is not None:
+                raise StageError("the first stage takes token ids, not hidden states", ErrorCode.BAD_FRAME)
+            if max(msg.token_ids) >= model.spec.vocab_size:
+                raise StageError(f"token id out of range 0..{model.spec.vocab_size - 1}", ErrorCode.BAD_FRAME)
+        else:
+            h = msg.hidden
+            if h is None or h.shape != (n, model.spec.hidden_size):
+                shape = None if h is None else list(h.shape)
+                raise StageError(f"hidden states must be [{n}, {model.spec.hidden_size}], got {shape}",
+                                 ErrorCode.BAD_FRAME)
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def _deliver(self, job: Job, out: Outcome) -> None:
+        """A job left the worker: forward its hidden states, answer the client, or report its error."""
+        session, m = job.session, job.msg
+        if session.closed:
+            return
+        if out.error is not None:
+            self._to_owner(session, ErrorMessage(m.session_id, m.step, out.error[0], out.error[1]))
+            return
+        me, recv, cs, ce, bs = self.peer_id, job.recv_ns, out.compute_start_ns, out.compute_end_ns, out.batch_size
+
+        def stamp() -> TraceStamp:
+            return TraceStamp(me, recv, cs, ce, time.monotonic_ns(), bs)
+
+        if out.last is not None:
+            res = out.last
+            self._to_owner(session, lambda: StepResult(m.session_id, m.step, res.tokens, res.guesses,
+                                                        (*m.trace, stamp())))
+            return
+        hidden = out.hidden
+        item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731
+                            (*m.trace, stamp()))
+        link = self._next_link(session.next_hop or "")
+        if not link.put(item):
+            self._to_owner(session, ErrorMessage(m.session_id, m.step, ErrorCode.INTERNAL,
+                                                 f"next hop {session.next_hop} is unreachable"))
+
+    def _to_owner(self, session: StageSession, item: Item) -> None:
+        session.reply.put(item)
+
+    def _next_link(self, peer: str) -> Outbox:
+        link = self._next.get(peer)
+        if link is not None and link.failed is None:
+            return link
+        link = Outbox(peer=peer, opener=lambda: self._open_next(peer), on_failed=self._next_failed)
+        self._next[peer] = link
+        if self._nursery is not None:
+            self._nursery.start_soon(link.run)
+        return link
+
+    async def _open_next(self, peer: str) -> FramedStream:
+        """Dial the next stage (DHT lookup when its addresses are unknown) and open the long-lived stream."""
+        from libp2p.peer.id import ID
+
+        from ..errors import NetworkError
+
+        try:
+            pid = ID.from_base58(peer)
+        except Exception as exc:
+            raise StageError(f"bad next hop peer id {peer!r}", ErrorCode.BAD_FRAME) from exc
+        with trio.fail_after(self.config.next_hop_timeout):
+            try:
+                await self.node.connect(pid)
+            except NetworkError:
+                dht = getattr(self.node, "dht", None)
+                info = await dht.find_peer(pid) if dht is not None else None
+                if info is None:
+                    raise
+                await self.node.connect(pid, info.addrs)
+            try:
+                stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
+            except Exception as exc:
+                raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
+        fs = FramedStream(stream, max_frame=self.config.max_frame)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._read_next, fs)
+        return fs
+
+    async def _read_next(self, fs: FramedStream) -> None:
+        """The next stage only sends errors back upstream: relay them to the sessions' owners."""
+        try:
+            while True:
+                msg = await fs.recv()
+                if msg is None:
+                    break
+                if isinstance(msg, ErrorMessage) and msg.session_id is not None:
+                    session = self.table.sessions.get(msg.session_id)
+                    if session is not None:
+                        self._to_owner(session, msg)
+        except (SangamaError, trio.BrokenResourceError) as exc:
+            log.debug("stream to next hop %s ended: %s", fs.peer, exc)
+        finally:
+            link = self._next.get(fs.peer)
+            if link is not None and link.stream is fs:
+                self._next.pop(fs.peer, None)
+                link.close()
+
+    def _next_failed(self, link: Outbox, lost: list[Item], exc: BaseException) -> None:
+        if self._next.get(link.peer) is link:
+            self._next.pop(link.peer, None)
+        for item in lost:
+            msg = item() if callable(item) else item
+            sid = getattr(msg, "session_id", None)
+            session = self.table.sessions.get(sid) if sid is not None else None
+            if session is not None:
+                self._to_owner(session, ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.INTERNAL,
+                                                     f"next hop {link.peer} failed: {exc}"))
+

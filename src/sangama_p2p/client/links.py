@@ -1,0 +1,157 @@
+"""The client's streams: one long-lived ``/sangama/stage/1`` stream per stage peer, shared by every session.
+
+A :class:`Link`'s reader task hands each frame to the session it names (``session_id``); ``InfoResponse`` frames
+answer :meth:`Link.probe` in order. When the stream ends, every subscribed session gets a :class:`LinkLost`, which is
+how a chain notices a dead peer without waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..errors import NetworkError, SangamaError
+from ..streams import FramedStream
+from ..wire.messages import InfoRequest, InfoResponse, Message
+from ..wire.protocols import STAGE_PROTOCOL
+
+__all__ = ["Link", "LinkLost", "LinkPool"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkLost:
+    """Delivered to a session's channel when the stream to ``peer`` ended."""
+
+    peer: str
+    reason: str
+
+
+Delivery = tuple[str, Message | LinkLost]
+
+
+class Link:
+    """One stream to one stage peer."""
+
+    def __init__(self, fs: FramedStream) -> None:
+        self.fs = fs
+        self.peer = fs.peer
+        self.subscribers: dict[bytes, trio.MemorySendChannel[Delivery]] = {}
+        self._probes: deque[trio.MemorySendChannel[InfoResponse]] = deque()
+        self.lost: str | None = None
+
+    def subscribe(self, session_id: bytes, channel: trio.MemorySendChannel[Delivery]) -> None:
+        self.subscribers[session_id] = channel
+        if self.lost is not None:
+            channel.send_nowait((self.peer, LinkLost(self.peer, self.lost)))
+
+    def unsubscribe(self, session_id: bytes) -> None:
+        self.subscribers.pop(session_id, None)
+
+    async def send(self, msg: Message) -> None:
+        await self.fs.send(msg)
+
+    async def probe(self) -> tuple[InfoResponse, float]:
+        """``InfoRequest`` on this stream: the peer's fresh figures and the round-trip time in seconds."""
+        send, recv = trio.open_memory_channel[InfoResponse](1)
+        self._probes.append(send)
+        t0 = time.perf_counter()
+        await self.fs.send(InfoRequest())
+        try:
+            info = await recv.receive()
+        except trio.EndOfChannel as exc:
+            raise NetworkError(f"link to {self.peer} closed during a probe") from exc
+        return info, time.perf_counter() - t0
+
+    async def read_loop(self) -> None:
+        reason = "stream closed"
+        try:
+            while True:
+                msg = await self.fs.recv()
+                if msg is None:
+                    break
+                if isinstance(msg, InfoResponse):
+                    if self._probes:
+                        self._probes.popleft().send_nowait(msg)
+                    continue
+                sid = getattr(msg, "session_id", None)
+                channel = self.subscribers.get(sid) if sid is not None else None
+                if channel is not None:
+                    try:
+                        channel.send_nowait((self.peer, msg))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self.subscribers.pop(sid, None)
+                else:
+                    log.debug("frame from %s for no session here: %s", self.peer, type(msg).__name__)
+        except (SangamaError, trio.BrokenResourceError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.lost = reason
+            for channel in list(self.subscribers.values()):
+                try:
+                    channel.send_nowait((self.peer, LinkLost(self.peer, reason)))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            while self._probes:
+                self._probes.popleft().close()
+            with trio.CancelScope(shield=True):
+                await self.fs.aclose(reset=True)
+
+
+class LinkPool:
+    """Links by peer id, opened on first use; a lost link is replaced by a fresh one on the next ``get``."""
+
+    def __init__(self, node: Any, nursery: trio.Nursery, *, max_frame: int, connect_timeout: float) -> None:
+        self.node = node
+        self.nursery = nursery
+        self.max_frame = max_frame
+        self.connect_timeout = connect_timeout
+        self.links: dict[str, Link] = {}
+        self._opening: dict[str, trio.Event] = {}
+
+    async def get(self, peer: str, addrs: tuple[str, ...] = ()) -> Link:
+        while peer in self._opening:
+            await self._opening[peer].wait()
+        link = self.links.get(peer)
+        if link is not None and link.lost is None:
+            return link
+        self._opening[peer] = trio.Event()
+        try:
+            link = Link(await self._open(peer, addrs))
+            self.links[peer] = link
+            self.nursery.start_soon(link.read_loop)
+            return link
+        finally:
+            self._opening.pop(peer).set()
+
+    async def _open(self, peer: str, addrs: tuple[str, ...]) -> FramedStream:
+        import multiaddr
+        from libp2p.peer.id import ID
+
+        try:
+            pid = ID.from_base58(peer)
+            maddrs = [multiaddr.Multiaddr(a) for a in addrs]
+        except Exception as exc:
+            raise NetworkError(f"bad peer id or address for {peer!r}: {exc}") from exc
+        with trio.move_on_after(self.connect_timeout) as scope:
+            await self.node.connect(pid, maddrs)
+            try:
+                stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
+            except Exception as exc:
+                raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
+        if scope.cancelled_caught:
+            raise NetworkError(f"connecting to {peer} took over {self.connect_timeout} s")
+        return FramedStream(stream, max_frame=self.max_frame)
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(2):
+            for link in list(self.links.values()):
+                await link.fs.aclose(reset=True)
+        self.links.clear()
+

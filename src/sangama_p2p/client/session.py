@@ -1,0 +1,181 @@
+"""A chain session: the same session id opened on every stage of a route, stepped trip by trip.
+
+The client sends ``OpenSession`` to every stage itself (each stage learns its next hop; the last one answers the
+client), then each trip is one ``Step`` to the first stage and one ``StepResult`` back from the last. Anything else
+ends the trip with a typed failure:
+
+* :class:`ChainBroken` - a stream to a stage ended, a stage reported that its next hop failed, or the trip timed
+  out; ``suspects`` names the peers known dead (empty when unknown: the caller probes). The caller re-routes and
+  replays (see ``generate.py``).
+* :class:`~sangama_p2p.errors.StageError` (with ``code`` and ``peer``) - a stage refused the request (capacity,
+  wrong model, bad position...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from ..errors import ErrorCode, NetworkError, SangamaError, StageError
+from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
+from .links import Delivery, Link, LinkLost, LinkPool
+from .routing import PeerOffer
+
+__all__ = ["ChainBroken", "ChainSession", "SessionParams", "StageRefused"]
+
+
+class ChainBroken(NetworkError):
+    """The chain cannot finish this trip; ``suspects`` are the peers known to have failed."""
+
+    def __init__(self, message: str, suspects: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
+
+
+class StageRefused(StageError):
+    """A stage answered a request with an ``ErrorMessage``; ``peer`` says which one."""
+
+    def __init__(self, message: str, code: ErrorCode, peer: str) -> None:
+        super().__init__(message, code)
+        self.peer = peer
+
+
+# codes meaning "this peer cannot serve the session right now" (another peer might)
+RETRYABLE = frozenset({ErrorCode.CAPACITY, ErrorCode.OVERLOADED, ErrorCode.WRONG_MODEL, ErrorCode.INTERNAL})
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """What every stage of a chain is told when the session opens."""
+
+    model_id: str
+    client_id: str
+    max_length: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_guesses: int = 0
+    adaptive_guesses: bool = False
+
+
+class ChainSession:
+    """One session on one route. ``await open()``, then ``await step(...)`` per trip, then ``await close()``."""
+
+    def __init__(self, pool: LinkPool, route: Sequence[PeerOffer], params: SessionParams, *,
+                 open_timeout: float, step_timeout: float) -> None:
+        self.pool = pool
+        self.route = list(route)
+        self.params = params
+        self.session_id = os.urandom(16)
+        self.open_timeout = open_timeout
+        self.step_timeout = step_timeout
+        self.links: list[Link] = []
+        self._send, self._recv = trio.open_memory_channel[Delivery](math.inf)
+
+    @property
+    def peers(self) -> list[str]:
+        return [o.peer_id for o in self.route]
+
+    async def open(self) -> None:
+        """Open the session on every stage (concurrently); raise ChainBroken or StageRefused on failure."""
+        p = self.params
+        links: list[Link | None] = [None] * len(self.route)
+
+        async def connect(i: int, offer: PeerOffer) -> None:
+            try:
+                links[i] = await self.pool.get(offer.peer_id, offer.addrs)
+            except SangamaError as exc:
+                raise ChainBroken(f"cannot reach {offer.peer_id}: {exc}", frozenset({offer.peer_id})) from exc
+
+        with trio.move_on_after(self.open_timeout) as scope:
+            await _gather([lambda i=i, o=o: connect(i, o) for i, o in enumerate(self.route)])
+        if scope.cancelled_caught:
+            slow = frozenset(o.peer_id for o, l in zip(self.route, links) if l is None)
+            raise ChainBroken(f"connecting took over {self.open_timeout} s", slow)
+        self.links = [l for l in links if l is not None]
+        for link in self.links:
+            link.subscribe(self.session_id, self._send)
+        for i, (offer, link) in enumerate(zip(self.route, self.links)):
+            nxt = self.route[i + 1].peer_id if i + 1 < len(self.route) else None
+            msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, p.client_id, p.max_length,
+                              float(p.temperature), float(p.top_p), p.seed, p.max_guesses, p.adaptive_guesses)
+            await self._send_to(link, msg)
+        waiting = set(self.peers)
+        with trio.move_on_after(self.open_timeout):
+            while waiting:
+                peer, msg = await self._recv.receive()
+                if isinstance(msg, SessionOpened):
+                    waiting.discard(peer)
+                else:
+                    self._fail(peer, msg)
+        if waiting:
+            raise ChainBroken(f"no answer to OpenSession from {sorted(waiting)}")
+
+    async def step(self, step: int, start: int, token_ids: Sequence[int], n_guesses: int) -> tuple[StepResult, float]:
+        """One trip; returns the last stage's result and the trip time in seconds on this clock."""
+        guesses = tuple(token_ids[len(token_ids) - n_guesses:]) if n_guesses else ()
+        msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, ())
+        t0 = time.perf_counter()
+        await self._send_to(self.links[0], msg)
+        with trio.move_on_after(self.step_timeout):
+            while True:
+                peer, got = await self._recv.receive()
+                if isinstance(got, StepResult):
+                    if got.step == step:
+                        return got, time.perf_counter() - t0
+                    continue  # a late answer to an earlier trip
+                if isinstance(got, ErrorMessage) and got.step not in (None, step):
+                    continue
+                self._fail(peer, got)
+        raise ChainBroken(f"trip {step} took over {self.step_timeout} s")
+
+    def _fail(self, peer: str, msg: object) -> None:
+        if isinstance(msg, LinkLost):
+            raise ChainBroken(f"stream to {peer} ended: {msg.reason}", frozenset({peer}))
+        if isinstance(msg, ErrorMessage):
+            if msg.code == ErrorCode.INTERNAL:
+                raise ChainBroken(f"{peer}: {msg.message}")
+            raise StageRefused(f"{peer} refused: {msg.code.name}: {msg.message}", msg.code, peer)
+        raise StageRefused(f"{peer} sent an unexpected {type(msg).__name__}", ErrorCode.BAD_FRAME, peer)
+
+    async def _send_to(self, link: Link, msg: object) -> None:
+        try:
+            await link.send(msg)  # type: ignore[arg-type]
+        except SangamaError as exc:
+            raise ChainBroken(f"cannot send to {link.peer}: {exc}", frozenset({link.peer})) from exc
+
+    async def close(self) -> None:
+        """Free the session on every stage still reachable; never raises."""
+        links, self.links = self.links, []
+        with trio.CancelScope(shield=True), trio.move_on_after(2):
+            for link in links:
+                link.unsubscribe(self.session_id)
+                if link.lost is None:
+                    try:
+                        await link.send(CloseSession(self.session_id))
+                    except SangamaError:
+                        pass
+        self._send.close()
+
+
+async def _gather(thunks: list) -> None:
+    """Run the coroutine factories concurrently; the first failure cancels the rest and propagates unwrapped."""
+    errors: list[BaseException] = []
+
+    async def run(thunk) -> None:  # noqa: ANN001
+        try:
+            await thunk()
+        except SangamaError as exc:
+            errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for t in thunks:
+            nursery.start_soon(run, t)
+    if errors:
+        raise errors[0]

@@ -1,0 +1,64 @@
+"""Keeps a stage's DHT record current: layer range, measured throughput and free sessions.
+
+The record is published when the server starts, re-published by :class:`~sangama_p2p.net.discovery.Announcer`
+before it expires, and refreshed every ``StageConfig.announce_every`` seconds when the figures moved (throughput by
+more than 10 %, or free sessions changed), so routing clients see a stage's real load without flooding the DHT.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from ..errors import NetworkError
+from ..net.discovery import Announcer, Offer
+
+__all__ = ["StageAnnouncer"]
+
+log = logging.getLogger(__name__)
+
+
+class StageAnnouncer:
+    """Publishes the server's offer and refreshes it as its measured figures change."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.announcer = Announcer(server.node)
+        self.offer: Offer | None = None
+
+    def current(self) -> Offer:
+        s = self.server
+        return Offer(s.config.model_id, s.model.start, s.model.end, throughput=round(float(s.throughput), 3),
+                     free_cache=int(s.free_sessions), ttl=s.config.record_ttl)
+
+    def changed(self, offer: Offer) -> bool:
+        old = self.offer
+        if old is None:
+            return True
+        if old.free_cache != offer.free_cache:
+            return True
+        base = max(old.throughput, 1e-9)
+        return abs(offer.throughput - old.throughput) / base > 0.1
+
+    async def publish(self) -> None:
+        offer = self.current()
+        try:
+            await self.announcer.update(offer)
+            self.offer = offer
+        except NetworkError as exc:
+            log.warning("publishing the stage record failed: %s", exc)
+
+    def withdraw(self) -> None:
+        self.announcer.withdraw(self.server.config.model_id)
+
+    async def run(self) -> None:
+        """Re-publish before expiry (in the background) and whenever the figures moved."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.announcer.run)
+            while True:
+                await trio.sleep(self.server.config.announce_every)
+                offer = self.current()
+                if self.changed(offer):
+                    await self.publish()

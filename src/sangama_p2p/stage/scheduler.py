@@ -1,0 +1,198 @@
+"""The batching scheduler: one compute worker per stage, off the trio thread, several sessions per step.
+
+Frames wait in a FIFO queue. When the worker is free it takes every waiting job it can batch (at most one per
+session, so a session's steps run in order; at most ``max_batch_sessions`` jobs and ``max_batch_tokens`` tokens) and
+runs them as ONE batched ``StageModel.forward`` in a worker thread (``trio.to_thread.run_sync``), followed on the
+last stage by ``decode.finish_steps``. Positions are checked per job first, so one session's bad ``start_pos``
+fails only that job; if the batched step still fails, each job is retried alone to find the culprit.
+
+The worker hands each finished job to ``deliver(job, outcome)`` on the trio thread; delivery must not block (it
+queues frames on the right stream).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from ..errors import ErrorCode, SangamaError, StageError
+from ..model.decode import LastStep, StepOutcome, finish_steps
+from ..model.stage import StageModel, StepInput
+from ..tensors import from_wire, to_wire
+from ..wire.messages import Step
+from ..wire.tensor import Tensor
+from .sessions import StageSession
+
+__all__ = ["Job", "Outcome", "Scheduler"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One received step of one session, stamped when its frame arrived."""
+
+    session: StageSession
+    msg: Step
+    recv_ns: int
+
+
+@dataclass
+class Outcome:
+    """A job's result: ``hidden`` (middle stages, ready for the wire) or ``last`` (last stage), or an error."""
+
+    compute_start_ns: int = 0
+    compute_end_ns: int = 0
+    batch_size: int = 0
+    hidden: Tensor | None = None
+    last: StepOutcome | None = None
+    error: tuple[ErrorCode, str] | None = None
+
+
+@dataclass
+class _Stats:
+    steps: int = 0  # batched steps run
+    jobs: int = 0
+    tokens: int = 0
+    ewma_step_s: float = 0.0  # smoothed duration of a batched step
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Queue + one compute worker. ``await run()`` in a nursery; ``submit(job)`` from the trio thread."""
+
+    def __init__(
+        self,
+        model: StageModel,
+        deliver: Callable[[Job, Outcome], None],
+        *,
+        max_batch_sessions: int = 32,
+        max_batch_tokens: int = 8192,
+        wire_dtype: str = "fp32",
+    ) -> None:
+        self.model = model
+        self.deliver = deliver
+        self.max_batch_sessions = max_batch_sessions
+        self.max_batch_tokens = max_batch_tokens
+        self.wire_dtype = wire_dtype
+        self._queue: deque[Job] = deque()
+        self._wake = trio.Event()
+        self.stats = _Stats()
+        self.busy = False
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue) + (1 if self.busy else 0)
+
+    def submit(self, job: Job) -> None:
+        self._queue.append(job)
+        self._wake.set()
+
+    def take_batch(self) -> list[Job]:
+        """The next batch: FIFO, one job per session, within the session and token limits (never empty if queued)."""
+        batch: list[Job] = []
+        seen: set[int] = set()
+        tokens = 0
+        keep: deque[Job] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if job.session.closed:
+                continue
+            n = len(job.msg.token_ids)
+            fits = len(batch) < self.max_batch_sessions and (not batch or tokens + n <= self.max_batch_tokens)
+            if id(job.session) in seen or not fits:
+                keep.append(job)
+                continue
+            seen.add(id(job.session))
+            batch.append(job)
+            tokens += n
+        self._queue = keep
+        return batch
+
+    async def run(self) -> None:
+        """The compute worker: forever take a batch, compute it in a thread, deliver the outcomes."""
+        while True:
+            if not self._queue:
+                self._wake = trio.Event()
+                await self._wake.wait()
+            batch = self.take_batch()
+            if not batch:
+                continue
+            self.busy = True
+            try:
+                outcomes = await trio.to_thread.run_sync(self.compute, batch)
+            finally:
+                self.busy = False
+            for job, out in zip(batch, outcomes):
+                self.deliver(job, out)
+
+    # ---- compute (worker thread) -----------------------------------------------------------------------------
+    def compute(self, batch: list[Job]) -> list[Outcome]:
+        """Run ``batch`` as one step; runs in the worker thread (the only thread touching session states)."""
+        outcomes = [Outcome() for _ in batch]
+        ready: list[int] = []
+        for i, job in enumerate(batch):
+            try:
+                job.session.state.check_step(job.msg.start_pos, len(job.msg.token_ids))
+                dec = job.session.decoder
+                if dec is not None and job.msg.guesses and not dec.sampling.greedy and job.msg.guesses != dec.guesses:
+                    raise StageError("sampled guesses must be the ones this stage drafted", ErrorCode.BAD_POSITION)
+                ready.append(i)
+            except SangamaError as exc:
+                outcomes[i].error = (exc.code, str(exc))
+        if not ready:
+            return outcomes
+        t0 = time.monotonic_ns()
+        try:
+            results = self._run([batch[i] for i in ready])
+        except SangamaError:
+            results = []
+            for i in ready:  # find the culprit: each job alone
+                try:
+                    results.extend(self._run([batch[i]]))
+                except SangamaError as exc:
+                    results.append(exc)
+        t1 = time.monotonic_ns()
+        s = self.stats
+        s.steps += 1
+        s.jobs += len(ready)
+        s.tokens += sum(len(batch[i].msg.token_ids) for i in ready)
+        dt = (t1 - t0) / 1e9
+        s.ewma_step_s = dt if not s.ewma_step_s else 0.8 * s.ewma_step_s + 0.2 * dt
+        for i, res in zip(ready, results):
+            out = outcomes[i]
+            out.compute_start_ns, out.compute_end_ns, out.batch_size = t0, t1, len(ready)
+            if isinstance(res, SangamaError):
+                out.error = (res.code, str(res))
+            elif isinstance(res, StepOutcome):
+                out.last = res
+            else:
+                out.hidden = res
+        return outcomes
+
+    def _run(self, jobs: list[Job]) -> list[Tensor | StepOutcome]:
+        model = self.model
+        steps = []
+        for job in jobs:
+            m = job.msg
+            if model.is_first:
+                steps.append(StepInput(job.session.state, m.start_pos, tokens=torch.tensor(m.token_ids)))
+            elif m.hidden is None:  # checked on receipt; kept so a gap there fails typed, not with a TypeError
+                raise StageError("a later stage needs hidden states", ErrorCode.BAD_FRAME)
+            else:
+                steps.append(StepInput(job.session.state, m.start_pos, hidden=from_wire(m.hidden)))
+        hidden = model.forward(steps)
+        if model.is_last:
+            items = []
+            for job in jobs:
+                m, dec = job.msg, job.session.decoder
+                if dec is None:
+                    raise StageError("the last stage's session has no decoder", ErrorCode.INTERNAL)
+                items.append(LastStep(dec, m.start_pos, m.token_ids, len(m.guesses)))
+            return list(finish_steps(model, items, hidden))
+        chunks = torch.split(hidden, [len(j.msg.token_ids) for j in jobs])
+        return [to_wire(c, self.wire_dtype) for c in chunks]
+

@@ -1,0 +1,150 @@
+"""The stage's session table: who owns each session, what it may send, and the memory all sessions hold. No I/O.
+
+Ownership: a session belongs to the peer that opened it (its authenticated libp2p peer id, which must equal the
+``client_id`` it claims). Steps are accepted from the owner, and, on a stage that is not the first of its chain
+(its range starts above layer 0), from one upstream stage: the first non-owner peer that sends a step for the
+session becomes its upstream, and any other peer is refused with ``NOT_OWNER``. Session ids are 16 random bytes that
+only the client and the chain's stages know. (A ``prev_hop`` field in ``OpenSession`` would let the client name the
+upstream; that needs wire version 2.)
+
+Memory: every session's caches are preallocated at open and counted against ``StageConfig.memory_budget``; a
+session that does not fit, or one over ``max_sessions``, is refused with ``CAPACITY`` before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CapacityError, ErrorCode, StageError
+from ..model.decode import Decoder
+from ..model.sampling import SamplingParams
+from ..model.speculative import GuessPolicy
+from ..model.stage import StageModel
+from ..model.state import SessionState
+from ..wire.messages import OpenSession
+from .config import StageConfig
+
+__all__ = ["SessionTable", "StageSession"]
+
+
+@dataclass(eq=False)
+class StageSession:
+    """One open session on this stage. ``reply`` is the owner's stream (results and errors go there)."""
+
+    session_id: bytes
+    owner: str
+    reply: Any
+    next_hop: str | None
+    state: SessionState
+    decoder: Decoder | None  # the last stage's sampling / guess state
+    max_guesses: int
+    nbytes: int
+    upstream: str | None = None
+    closed: bool = False
+
+
+class SessionTable:
+    """Open sessions of one stage, with ownership checks and memory accounting."""
+
+    def __init__(self, model: StageModel, config: StageConfig) -> None:
+        self.model = model
+        self.config = config
+        self.sessions: dict[bytes, StageSession] = {}
+        self.used_bytes = 0
+
+    @property
+    def free_sessions(self) -> int:
+        """Sessions of ``typical_session_length`` positions (no guesses) the stage could still open."""
+        per = max(self.model.session_bytes(min(self.config.typical_session_length, self._max_len()), 0), 1)
+        by_memory = (self.config.memory_budget - self.used_bytes) // per
+        return max(0, min(self.config.max_sessions - len(self.sessions), by_memory))
+
+    def _max_len(self) -> int:
+        return min(self.config.max_session_length, self.model.spec.max_position_embeddings)
+
+    def open(self, msg: OpenSession, peer: str, reply: Any) -> StageSession:
+        """Validate ``msg`` from ``peer`` and allocate the session; raises :class:`StageError` with a code."""
+        cfg, model = self.config, self.model
+        if msg.client_id != peer:
+            raise StageError(f"client_id {msg.client_id} is not the sending peer {peer}", ErrorCode.NOT_OWNER)
+        old = self.sessions.get(msg.session_id)
+        if old is not None:
+            code = ErrorCode.BAD_FRAME if old.owner == peer else ErrorCode.NOT_OWNER
+            raise StageError("a session with this id is already open", code)
+        if msg.model_id != cfg.model_id:
+            raise StageError(f"this stage serves {cfg.model_id!r}, not {msg.model_id!r}", ErrorCode.WRONG_MODEL)
+        if (msg.start, msg.end) != (model.start, model.end):
+            raise StageError(
+                f"this stage serves layers {model.start}:{model.end}, not {msg.start}:{msg.end}", ErrorCode.WRONG_MODEL
+            )
+        if model.is_last != (msg.next_hop is None):
+            what = "the last stage answers the client (next_hop must be empty)" if model.is_last else (
+                "a stage before the last needs a next_hop")
+            raise StageError(what, ErrorCode.BAD_FRAME)
+        if msg.max_guesses > cfg.max_guesses:
+            raise StageError(f"at most {cfg.max_guesses} guesses per step here", ErrorCode.TOO_MANY_GUESSES)
+        if msg.max_guesses and model.is_last and model.mtp is None:
+            raise StageError("this model has no MTP layer to draft guesses", ErrorCode.TOO_MANY_GUESSES)
+        if not 0 < msg.max_length <= self._max_len():
+            raise StageError(f"max_length must be in 1..{self._max_len()}, got {msg.max_length}", ErrorCode.CAPACITY)
+        if len(self.sessions) >= cfg.max_sessions:
+            raise StageError(f"stage is full: {len(self.sessions)} sessions open", ErrorCode.CAPACITY)
+        ring = msg.max_guesses + 1 if msg.max_guesses else 0
+        need = model.session_bytes(msg.max_length, ring)
+        left = cfg.memory_budget - self.used_bytes
+        try:
+            state = model.new_session(msg.max_length, ring=ring, budget=left)
+        except CapacityError as exc:
+            raise StageError(f"stage memory is full: {exc}", ErrorCode.CAPACITY) from exc
+        decoder = None
+        if model.is_last:
+            sampling = SamplingParams(msg.temperature, msg.top_p, msg.seed)
+            decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses))
+        session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need)
+        self.sessions[msg.session_id] = session
+        self.used_bytes += need
+        return session
+
+    def lookup(self, session_id: bytes) -> StageSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise StageError("no such session on this stage", ErrorCode.UNKNOWN_SESSION)
+        return session
+
+    def authorize_step(self, session_id: bytes, peer: str) -> StageSession:
+        """The session if ``peer`` may step it (owner, or its upstream stage); raises NOT_OWNER/UNKNOWN_SESSION."""
+        session = self.lookup(session_id)
+        if peer == session.owner:
+            return session
+        if self.model.is_first:
+            raise StageError("only the client that opened the session may step it", ErrorCode.NOT_OWNER)
+        if session.upstream is None:
+            session.upstream = peer
+        elif session.upstream != peer:
+            raise StageError("the session is fed by another peer", ErrorCode.NOT_OWNER)
+        return session
+
+    def close(self, session_id: bytes, peer: str) -> StageSession:
+        """Free a session; only its owner (or its upstream stage) may."""
+        session = self.lookup(session_id)
+        if peer not in (session.owner, session.upstream):
+            raise StageError("only the client that opened the session may close it", ErrorCode.NOT_OWNER)
+        self._drop(session)
+        return session
+
+    def drop_reply_stream(self, reply: Any) -> list[StageSession]:
+        """The owner's stream ended: free every session that answered on it."""
+        gone = [s for s in self.sessions.values() if s.reply is reply]
+        for s in gone:
+            self._drop(s)
+        return gone
+
+    def drop_all(self) -> None:
+        for s in list(self.sessions.values()):
+            self._drop(s)
+
+    def _drop(self, session: StageSession) -> None:
+        if self.sessions.pop(session.session_id, None) is not None:
+            session.closed = True
+            self.used_bytes -= session.nbytes
