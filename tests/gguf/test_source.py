@@ -178,6 +178,7 @@ _RSS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_process_rss_delta_within_bound() -> None:
     """A whole-model stage of the Q4_K_M file: RSS grows by about its tensors' bytes, not by dequantized copies."""
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -37,7 +37,10 @@ def _hf_dir_from_gguf(gguf_path: Path, out: Path, extra: tuple[str, ...]) -> Pat
 @fixtures
 @pytest.mark.parametrize(
     "gguf_path,qtype,extra",
-    [(QWEN_F32, "F32", ("tokenizer.json", "tokenizer_config.json")), (LLAMA_F16, "F16", ())],
+    [
+        pytest.param(QWEN_F32, "F32", ("tokenizer.json", "tokenizer_config.json"), marks=pytest.mark.slow),
+        (LLAMA_F16, "F16", ()),
+    ],
     ids=["qwen-F32", "llama-F16"],
 )
 def test_writer_reproduces_llama_cpp_converter(tmp_path: Path, gguf_path: Path, qtype: str, extra) -> None:
@@ -78,7 +81,7 @@ def test_f16_chain_equals_safetensors_chain(tmp_path: Path, tiny, arch: str) -> 
     ref_src = RoundedSource(ck.source, src)
     n = spec.num_layers
     ref = chain_logits(ck.spec, ref_src, [(0, n)], ids, steps=4)
-    for stages in ([(0, n)], [(0, 3), (3, n)], [(0, 1), (1, 5), (5, n)]):
+    for stages in ([(0, 3), (3, n)], [(0, 1), (1, 5), (5, n)]):
         got = chain_logits(spec, src, stages, ids, steps=4)
         assert (got - ref).abs().max() < 1e-3, stages
     assert greedy(spec, src, [(0, 3), (3, n)], ids[:8], 32) == greedy(ck.spec, ref_src, [(0, n)], ids[:8], 32)
