@@ -76,28 +76,32 @@ def _shifts(values: list[int], like: torch.Tensor, shape: tuple[int, ...]) -> to
     return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
 
 
+# The kernels below avoid float32 temporaries: a fresh [n, 256] float32 buffer costs more in page faults than the
+# arithmetic, so integer codes are built in uint8/int8, multiplied by the float32 scales in one mixed-dtype op (which
+# promotes exactly like numpy's ``astype(float32) * d``), and offsets are subtracted in place.
+
+
 def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = fp16_at(b, 0)
     qs = b[:, 2:].reshape(n, -1, 1, 16) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    q = (qs & 0x0F).reshape(n, -1).to(torch.int8) - 8
-    return d * q.to(torch.float32)
+    q = qs.bitwise_and_(0x0F).reshape(n, -1).view(torch.int8).sub_(8)
+    return q * d
 
 
 def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = fp16_at(b, 0)
     qh = b[:, 2:6]  # 32 high bits, little-endian: element j is bit j % 8 of byte j // 8
-    qh = (qh.reshape(n, 4, 1) >> _shifts(list(range(8)), b, (1, 1, 8))) & 1  # [n, 4, 8] -> element 8*byte + bit
+    qh = (qh.reshape(n, 4, 1) >> _shifts(list(range(8)), b, (1, 1, 8))).bitwise_and_(1)  # [n, 4, 8]
     ql = b[:, 6:].reshape(n, 1, 16) >> _shifts([0, 4], b, (1, 2, 1))
-    ql = (ql & 0x0F).reshape(n, 32)
-    q = (ql | (qh.reshape(n, 32) << 4)).to(torch.int8) - 16
-    return d * q.to(torch.float32)
+    q = ql.bitwise_and_(0x0F).reshape(n, 32).bitwise_or_(qh.reshape(n, 32).bitwise_left_shift_(4))
+    return q.view(torch.int8).sub_(16) * d
 
 
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     d = fp16_at(b, 0)
-    return b[:, 2:].view(torch.int8).to(torch.float32) * d
+    return b[:, 2:].view(torch.int8) * d
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,11 +119,11 @@ def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     d = fp16_at(b, 0)
     dmin = fp16_at(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    dd = (sc * d).reshape(n, 8, 1)
+    dm = (mn * dmin).reshape(n, 8, 1)
     qs = b[:, 16:].reshape(n, 4, 1, 32) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    q = (qs & 0x0F).reshape(n, 8, 32).to(torch.float32)
-    return (dd * q - dm).reshape(n, QK_K)
+    q = qs.bitwise_and_(0x0F).reshape(n, 8, 32)
+    return (q * dd).sub_(dm).reshape(n, QK_K)
 
 
 def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -127,28 +131,25 @@ def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
     d = fp16_at(b, 0)
     dmin = fp16_at(b, 2)
     sc, mn = _k_scale_min(b[:, 4:16])
-    dd = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    dm = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    dd = (sc * d).reshape(n, 8, 1)
+    dm = (mn * dmin).reshape(n, 8, 1)
     qh = b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))
     ql = b[:, 48:].reshape(n, 4, 1, 32) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    ql = (ql & 0x0F).reshape(n, 8, 32)
-    qh = (qh & 0x01).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).to(torch.float32)
-    return (dd * q - dm).reshape(n, QK_K)
+    q = ql.bitwise_and_(0x0F).reshape(n, 8, 32).bitwise_or_(qh.bitwise_and_(1).reshape(n, 8, 32).bitwise_left_shift_(4))
+    return (q * dd).sub_(dm).reshape(n, QK_K)
 
 
 def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    scales = b[:, 192:208].view(torch.int8).to(torch.float32)
+    scales = b[:, 192:208].view(torch.int8)
     d = fp16_at(b, 208)
-    d = (d * scales).reshape(n, QK_K // 16, 1)
+    d = (scales * d).reshape(n, QK_K // 16, 1)
     ql = b[:, :128].reshape(n, 2, 1, 64) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    ql = (ql & 0x0F).reshape(n, 8, 32)
+    ql = ql.bitwise_and_(0x0F).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))
-    qh = (qh & 0x03).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).to(torch.int8) - 32
-    q = q.reshape(n, QK_K // 16, 16).to(torch.float32)
-    return (d * q).reshape(n, QK_K)
+    q = ql.bitwise_or_(qh.bitwise_and_(0x03).reshape(n, 8, 32).bitwise_left_shift_(4))
+    q = q.view(torch.int8).sub_(32).reshape(n, QK_K // 16, 16)
+    return (q * d).reshape(n, QK_K)
 
 
 _DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
