@@ -21,6 +21,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="tiny", choices=_PRESETS, help="size (default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weight dtype (default: float32)")
+    p.add_argument(
+        "--gguf",
+        metavar="TYPE",
+        choices=("F32", "F16", "Q8_0", "Q4_K", "Q6_K"),
+        help="also write OUT/model-TYPE.gguf the way llama.cpp's converter would (F32, F16, Q8_0, Q4_K, Q6_K)",
+    )
     p.set_defaults(handler=_make_model)
 
 
@@ -30,4 +36,9 @@ def _make_model(args: argparse.Namespace) -> int:
     out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
     n = checkpoint_num_params(out)
     print(f"{out}  {args.arch}/{args.preset}  {n:,} parameters ({args.dtype}, seed {args.seed})")
+    if getattr(args, "gguf", None):
+        from ..model.gguf import write_gguf
+
+        for path in write_gguf(out, out / f"model-{args.gguf}.gguf", args.gguf):
+            print(f"{path}  GGUF {args.gguf}")
     return 0
