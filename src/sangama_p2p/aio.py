@@ -42,13 +42,15 @@ class Peer:
     ``async with aio.Peer(config) as peer: text = (await peer.generate("hello", 16)).text``
     """
 
-    def __init__(self, config: PeerConfig | None = None) -> None:
+    def __init__(self, config: PeerConfig | None = None, *, key_pair: Any = None) -> None:
         self.config = config or PeerConfig()
+        self._key_pair = key_pair
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._jobs: trio.MemorySendChannel | None = None
         self._done: asyncio.Future | None = None
         self._peer: TrioPeer | None = None
+        self._closing = False
 
     # lifetime ---------------------------------------------------------------------------------------------------
 
@@ -102,7 +104,7 @@ class Peer:
 
     async def _trio_main(self, ready: asyncio.Future) -> None:
         send, receive = trio.open_memory_channel[Callable[[TrioPeer], Awaitable[None]]](math.inf)
-        async with TrioPeer(self.config) as peer, trio.open_nursery() as nursery:
+        async with TrioPeer(self.config, key_pair=self._key_pair) as peer, trio.open_nursery() as nursery:
             self._peer = peer
             self._jobs = send
             self._token = trio.lowlevel.current_trio_token()
@@ -116,14 +118,13 @@ class Peer:
         """Stop the peer and the trio run; calls still running are cancelled. Idempotent."""
         if self._done is None:
             return
+        self._closing = True
         if self._token is not None and self._jobs is not None:
             try:
                 self._token.run_sync_soon(self._jobs.close)
             except trio.RunFinishedError:
                 pass
-        if not self._done.done() and self._token is None:
-            await asyncio.wait([self._done], timeout=None)  # failed start: the run is already ending
-        await asyncio.shield(self._done)
+        await asyncio.shield(self._done)  # the trio run ends: jobs cancelled, peer closed
 
     # helpers ----------------------------------------------------------------------------------------------------
 
@@ -131,9 +132,14 @@ class Peer:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(fn, *args)
 
-    def _submit(self, job: Callable[[TrioPeer], Awaitable[None]]) -> None:
-        if self._token is None or self._jobs is None or (self._done is not None and self._done.done()):
+    def _check_running(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or self._token is None or self._jobs is None or self._closing:
             raise SangamaError("the peer is not running (use `async with aio.Peer(...)`)")
+        return self._loop
+
+    def _submit(self, job: Callable[[TrioPeer], Awaitable[None]]) -> None:
+        self._check_running()
+        assert self._token is not None and self._jobs is not None  # checked above
         jobs = self._jobs
 
         def put() -> None:
@@ -149,8 +155,7 @@ class Peer:
 
     async def _call(self, fn: Callable[[TrioPeer], Awaitable[T]]) -> T:
         """Run ``await fn(trio_peer)`` on the trio side and return its result here."""
-        assert self._loop is not None
-        fut: asyncio.Future = self._loop.create_future()
+        fut: asyncio.Future = self._check_running().create_future()
         scope_box: list[trio.CancelScope] = []
 
         def settle(setter: Callable[[Any], None], value: Any) -> None:
@@ -204,6 +209,11 @@ class Peer:
             raise SangamaError("the peer is not running")
         return self._peer.addrs
 
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of the served model or of ``config.tokenizer_path`` (None when neither is known)."""
+        return None if self._peer is None else self._peer.tokenizer
+
     async def serve(self, model: str, layers: str | tuple[int, int], **kwargs: Any) -> tuple[int, int]:
         """Serve ``layers`` of ``model`` (see :meth:`sangama_p2p.Peer.serve`)."""
         return await self._call(lambda p: p.serve(model, layers, **kwargs))
@@ -214,9 +224,7 @@ class Peer:
 
     async def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, **kwargs: Any) -> AsyncIterator[int]:
         """Yield token ids as the last stage accepts them (see :meth:`sangama_p2p.Peer.stream`)."""
-        assert self._loop is not None or self._token is None
-        if self._loop is None:
-            raise SangamaError("the peer is not running (use `async with aio.Peer(...)`)")
+        self._check_running()
         items: asyncio.Queue = asyncio.Queue()
         scope_box: list[trio.CancelScope] = []
 

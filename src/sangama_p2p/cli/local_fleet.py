@@ -25,11 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Any, Sequence
 
 from ..errors import NetworkError
 
-__all__ = ["Child", "LocalFleet", "READY_PREFIX"]
+__all__ = ["Child", "LocalFleet", "READY_PREFIX", "ThreadFleet"]
 
 READY_PREFIX = "ready "
 _PR_SET_PDEATHSIG = 1
@@ -92,6 +92,7 @@ class LocalFleet:
         workdir: Path | str,
         *,
         join_args: Sequence[str] = (),
+        bootstrap_args: Sequence[str] = (),
         start_timeout: float = 120.0,
         python: str = sys.executable,
     ) -> None:
@@ -99,6 +100,7 @@ class LocalFleet:
         self.layers = list(layers)
         self.workdir = Path(workdir)
         self.join_args = list(join_args)
+        self.bootstrap_args = list(bootstrap_args)
         self.start_timeout = start_timeout
         self.python = python
         self.children: list[Child] = []
@@ -140,6 +142,7 @@ class LocalFleet:
     def start(self) -> None:
         boot = self._spawn("bootstrap", [
             "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(self.workdir / "bootstrap.key"),
+            *self.bootstrap_args,
         ])
         self.bootstrap_addr = boot.wait_for("--bootstrap", self.start_timeout).split()[-1]
         joins = []
@@ -185,3 +188,85 @@ def _pump(stream: IO[str] | None, child: Child) -> None:
             child.lines.put(line)
     except (ValueError, OSError):
         pass  # closed by stop()
+
+
+class ThreadFleet:
+    """Stage peers in this process, on a trio run in a background thread: a fleet for tests and embedding demos.
+
+    Starting it costs no process launches (weights load in this process), so asyncio programs and example apps
+    can be tested against a real fleet in seconds. ``with ThreadFleet(model_dir, [(0, 4), (4, 8)]) as fleet:
+    fleet.bootstrap_addr`` - the first stage is everyone's bootstrap node. Leaving the block closes every peer and
+    joins the thread; an error while starting is raised here.
+    """
+
+    def __init__(self, model_dir: Path | str, ranges: Sequence[tuple[int, int]], workdir: Path | str,
+                 *, start_timeout: float = 60.0) -> None:
+        self.model_dir = Path(model_dir)
+        self.ranges = list(ranges)
+        self.workdir = Path(workdir)
+        self.start_timeout = start_timeout
+        self.bootstrap_addr = ""
+        self.stage_ids: list[str] = []
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: Any = None  # trio.Event, set through the trio token
+        self._token: Any = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "ThreadFleet":
+        self._thread = threading.Thread(target=self._run, name="sangama-thread-fleet", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.start_timeout):
+            self.stop()
+            raise NetworkError(f"the thread fleet did not start within {self.start_timeout:.0f} s")
+        if self._error is not None:
+            self.stop()
+            raise self._error
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        import trio
+
+        try:
+            trio.run(self._main)
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        from contextlib import AsyncExitStack
+
+        import trio
+
+        from ..net.config import HostConfig
+        from ..peer import Peer, PeerConfig
+
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        async with AsyncExitStack() as stack:
+            boot: tuple[str, ...] = ()
+            for i, (start, end) in enumerate(self.ranges):
+                host = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=boot,
+                                  key_path=self.workdir / f"thread-stage{i}.key")
+                peer = await stack.enter_async_context(Peer(PeerConfig(host=host)))
+                await peer.serve(self.model_dir, (start, end))
+                self.stage_ids.append(peer.peer_id)
+                if not boot:
+                    boot = (peer.addrs[0],)
+            self.bootstrap_addr = boot[0]
+            self._ready.set()
+            await self._stop.wait()
+
+    def stop(self) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                self._token.run_sync_soon(self._stop.set)
+            except Exception:  # trio.RunFinishedError: already stopped
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=30)

@@ -1,0 +1,114 @@
+"""The trio ``Peer``: serving (fixed and auto ranges), generating and streaming through real stage peers on
+loopback in this process, with tokens equal to the one-process chain; lifetimes and typed errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from sangama_p2p import Peer, PeerConfig
+from sangama_p2p.client.config import ClientConfig
+from sangama_p2p.errors import ModelError, SangamaError
+from sangama_p2p.model.chain import LocalChain
+from sangama_p2p.model.checkpoint import open_checkpoint
+from sangama_p2p.model.make import make_model
+from sangama_p2p.model.spec import LayerRange
+from sangama_p2p.net.config import HostConfig
+
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("peer") / "peer-tiny", "qwen3_5_moe", "tiny")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Several stages in one process each run torch off the trio thread: one intra-op thread avoids contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def local_tokens(model: Path, prompt: list[int], n: int, guesses: int | str = 0) -> list[int]:
+    ckpt = open_checkpoint(model)
+    chain = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])
+    return chain.generate(prompt, n, guesses=guesses, stop_at_eos=False).tokens
+
+
+def host(tmp: Path, name: str, boot: tuple[str, ...] = (), **kw) -> HostConfig:
+    return HostConfig(listen_addrs=LOOPBACK, bootstrap_addrs=boot, key_path=tmp / f"{name}.key", **kw)
+
+
+def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) -> None:
+    prompt = [5, 17, 300, 42, 7]
+    expected = local_tokens(tiny, prompt, 12)
+    expected_guess = local_tokens(tiny, prompt, 12, guesses=2)
+    seen: dict = {}
+
+    async def main() -> None:
+        async with Peer(PeerConfig(host=host(tmp_path, "a"))) as a:
+            assert await a.serve(tiny, "0:3") == (0, 3)
+            boot = (a.addrs[0],)
+            async with Peer(PeerConfig(host=host(tmp_path, "b", boot))) as b:
+                seen["b"] = await b.serve(tiny, "auto")  # a third of 8 layers, where nobody serves: 3:6
+                async with Peer(PeerConfig(host=host(tmp_path, "c", boot))) as c:
+                    seen["c"] = await c.serve(tiny, "auto:2")  # the rest
+                    config = PeerConfig(host=host(tmp_path, "d", boot, dht_server=False),
+                                        client=ClientConfig(model_id="peer-tiny"), tokenizer_path=tiny)
+                    async with Peer(config) as d:
+                        g = await d.generate(prompt, 12, stop_at_eos=False)
+                        seen["generate"] = list(g.tokens)
+                        seen["text"] = g.text
+                        seen["route"] = g.result.route
+                        seen["guess"] = list((await d.generate(prompt, 12, guesses=2, stop_at_eos=False)).tokens)
+                        seen["stream"] = [t async for t in d.stream(prompt, 12, stop_at_eos=False)]
+                        seen["text_prompt"] = len((await d.generate("def f(", 3, stop_at_eos=False)).tokens)
+            assert a.servers[0].config.model_id == "peer-tiny"
+
+    trio.run(main)
+    assert seen["b"] == (3, 6) and seen["c"] == (6, 8)
+    assert seen["generate"] == expected
+    assert seen["guess"] == expected_guess
+    assert seen["stream"] == expected
+    assert seen["text"] == open_checkpoint(tiny).tokenizer.decode(expected)
+    assert len(seen["route"]) == 3
+    assert seen["text_prompt"] == 3
+
+
+def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:
+    async def main() -> tuple[int, int, str]:
+        config = PeerConfig(host=host(tmp_path, "s"), model_path=tiny, layers="2:5")
+        async with Peer(config) as p:
+            s = p.servers[0].config
+            assert p.tokenizer is not None  # the served checkpoint's tokenizer takes text prompts
+            return s.start, s.end, s.model_id
+
+    assert trio.run(main) == (2, 5, "peer-tiny")
+
+
+def test_errors_are_typed(tiny: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        p = Peer(PeerConfig(host=host(tmp_path, "e")))
+        with pytest.raises(SangamaError, match="not running"):
+            await p.generate([1, 2], 2, model_id="x")
+        with pytest.raises(SangamaError, match="not running"):
+            _ = p.peer_id
+        async with p:
+            with pytest.raises(ModelError, match="tokenizer"):
+                await p.generate("text needs a tokenizer", 2, model_id="x")
+            with pytest.raises(ModelError, match="which model"):
+                await p.generate([1, 2], 2)
+            with pytest.raises(SangamaError):
+                await p.serve(tiny, "6:99")  # outside the model
+            assert p.servers == []
+        await p.aclose()  # idempotent
+        with pytest.raises(SangamaError, match="not running"):
+            await p.serve(tiny, "0:2")
+
+    trio.run(main)
