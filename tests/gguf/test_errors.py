@@ -80,3 +80,35 @@ def test_missing_split_part_and_missing_tensor(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="lacks tensor model.layers.9"):
         src.get("model.layers.9.mlp.up_proj.weight", torch.float32)
     assert not src.has("model.layers.9.mlp.up_proj.weight")
+
+
+def test_metadata_disagreeing_with_tensors(tmp_path: Path) -> None:
+    meta = {"llama.embedding_length": 16, "llama.attention.head_count": 2, "llama.block_count": 1,
+            "llama.feed_forward_length": 32}
+    w = gguf.GGUFWriter(tmp_path / "bad.gguf", "llama")
+    for k, v in meta.items():
+        w.add_uint32(k, v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))  # hidden 8, metadata says 16
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(16, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="token_embd.weight has shape"):
+        open_gguf(tmp_path / "bad.gguf")
+
+
+def test_tokenizer_optional_and_unsupported_kinds(tmp_path: Path) -> None:
+    from sangama_p2p.model.gguf.tokenizer import tokenizer_from_gguf
+
+    p = _write(tmp_path / "t.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)})
+    assert tokenizer_from_gguf(GGUFFile(p)) is None
+    p = _write(tmp_path / "spm.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)},
+               {"tokenizer.ggml.model": "llama"})
+    with pytest.raises(UnsupportedModelError, match="tokenizer model 'llama'"):
+        tokenizer_from_gguf(GGUFFile(p))
+    p = _write(tmp_path / "pre.gguf", "llama", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)},
+               {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-v3"})
+    with pytest.raises(UnsupportedModelError, match="pre-tokenizer 'deepseek-v3'"):
+        tokenizer_from_gguf(GGUFFile(p))

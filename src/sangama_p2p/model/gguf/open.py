@@ -20,9 +20,11 @@ _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[ModelSpec, GGUFSource, Any]:
+    """(spec, source, tokenizer or None); see :func:`sangama_p2p.model.gguf.open_gguf`."""
     f = GGUFFile(path)
     try:
         spec = spec_from_gguf(f)
+        _check_shapes(f, spec)
         source = GGUFSource(f, spec, mtp_from)
         spec = dataclasses.replace(spec, mtp_num_layers=_mtp_layers(source, spec))
         source.spec = spec
@@ -30,10 +32,24 @@ def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[Mod
     except BaseException:
         f.close()
         raise
-    if tokenizer.get_vocab_size() > spec.vocab_size:
+    if tokenizer is not None and tokenizer.get_vocab_size() > spec.vocab_size:
         f.close()
         raise CheckpointError(f"{path}: tokenizer has {tokenizer.get_vocab_size()} tokens, model {spec.vocab_size}")
     return spec, source, tokenizer
+
+
+def _check_shapes(f: GGUFFile, spec: ModelSpec) -> None:
+    """The metadata and the tensors must agree on the basic sizes (else the first matmul would fail obscurely)."""
+    for name in ("token_embd.weight", "output.weight"):
+        info = f.tensors.get(name)
+        if info is not None and info.shape != (spec.vocab_size, spec.hidden_size):
+            raise CheckpointError(
+                f"{f.path}: {name} has shape {list(info.shape)} but the metadata says vocab {spec.vocab_size}, "
+                f"hidden {spec.hidden_size}"
+            )
+    for i in range(spec.num_layers):
+        if not any(n.startswith(f"blk.{i}.") for n in f.tensors):
+            raise CheckpointError(f"{f.path}: block {i} of {spec.num_layers} has no tensors")
 
 
 def _mtp_layers(source: GGUFSource, spec: ModelSpec) -> int:

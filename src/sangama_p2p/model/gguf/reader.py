@@ -65,6 +65,7 @@ def split_paths(path: Path) -> list[Path]:
 
 
 _HEAD = struct.Struct("<4sIQQ")
+_U64 = struct.Struct("<Q")
 # GGUF value type -> (struct format, size) for scalars
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
@@ -96,6 +97,28 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             raise CheckpointError(f"bad UTF-8 string in GGUF header of {self.path}") from exc
 
+    def strings(self, count: int) -> list[str]:
+        """A string array; a tight loop, since vocabularies hold hundreds of thousands of entries."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = _U64.unpack_from
+        out: list[str] = []
+        try:
+            for _ in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8
+                if pos + n > end:
+                    break
+                out.append(str(buf[pos : pos + n], "utf-8"))
+                pos += n
+        except struct.error:
+            pass
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"bad UTF-8 string in GGUF header of {self.path}") from exc
+        if len(out) != count:
+            raise CheckpointError(f"truncated GGUF header in {self.path} (inside a string array at byte {pos})")
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.scalar(vtype)
@@ -107,7 +130,7 @@ class _Cursor:
                 size = np.dtype(_NP[etype]).itemsize
                 return np.frombuffer(self.take(size * count), dtype=_NP[etype]).tolist()
             if etype == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if etype == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(count)]
         raise CheckpointError(f"unknown GGUF value type {vtype} in {self.path}")

@@ -34,12 +34,13 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 def tokenizer_from_gguf(f: GGUFFile) -> Any:
-    """Build the tokenizer; raises :class:`UnsupportedModelError` for vocabularies other than gpt2-style BPE."""
+    """Build the tokenizer (None when the file carries none); raises :class:`UnsupportedModelError` for
+    vocabularies other than gpt2-style BPE."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     kind = f.get("tokenizer.ggml.model")
     if kind is None:
-        raise CheckpointError(f"{f.path} carries no tokenizer (tokenizer.ggml.model missing)")
+        return None  # a GGUF may carry no tokenizer; the caller decides whether it needs one
     if kind != "gpt2":
         raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
     pre = str(f.get("tokenizer.ggml.pre", "default"))
