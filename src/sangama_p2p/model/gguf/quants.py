@@ -72,36 +72,41 @@ def fp16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[:, offset : offset + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
-def _shifts(values: list[int], like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=like.device).reshape(shape)
+# Speed notes (measured on CPU): a shift by a broadcast tensor of shift amounts is ~10x slower than shifts by a
+# scalar, and a mixed uint8 x float32 multiply ~2x slower than converting then multiplying in place. So the codes are
+# unpacked with scalar shifts and stacked, converted to float32 once, and scaled/offset in place. Each step rounds
+# exactly like gguf-py's float32 numpy code, which keeps the results bit-identical.
 
 
-# The kernels below avoid float32 temporaries: a fresh [n, 256] float32 buffer costs more in page faults than the
-# arithmetic, so integer codes are built in uint8/int8, multiplied by the float32 scales in one mixed-dtype op (which
-# promotes exactly like numpy's ``astype(float32) * d``), and offsets are subtracted in place.
+def _nibbles(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Low and high nibbles of ``x``, stacked along a new ``dim``."""
+    return torch.stack((x & 0x0F, x >> 4), dim=dim)
+
+
+def _bits(x: torch.Tensor, count: int, width: int, dim: int) -> torch.Tensor:
+    """The ``count`` fields of ``width`` bits of each byte of ``x``, lowest first, stacked along a new ``dim``."""
+    mask = (1 << width) - 1
+    return torch.stack([(x >> (k * width)) & mask for k in range(count)], dim=dim)
 
 
 def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = fp16_at(b, 0)
-    qs = b[:, 2:].reshape(n, -1, 1, 16) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    q = qs.bitwise_and_(0x0F).reshape(n, -1).view(torch.int8).sub_(8)
-    return q * d
+    q = _nibbles(b[:, 2:], 1).reshape(n, 32).view(torch.int8).sub_(8)
+    return q.to(torch.float32).mul_(d)
 
 
 def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = fp16_at(b, 0)
-    qh = b[:, 2:6]  # 32 high bits, little-endian: element j is bit j % 8 of byte j // 8
-    qh = (qh.reshape(n, 4, 1) >> _shifts(list(range(8)), b, (1, 1, 8))).bitwise_and_(1)  # [n, 4, 8]
-    ql = b[:, 6:].reshape(n, 1, 16) >> _shifts([0, 4], b, (1, 2, 1))
-    q = ql.bitwise_and_(0x0F).reshape(n, 32).bitwise_or_(qh.reshape(n, 32).bitwise_left_shift_(4))
-    return q.view(torch.int8).sub_(16) * d
+    qh = _bits(b[:, 2:6], 8, 1, 2).reshape(n, 32)  # element j is bit j % 8 of byte j // 8 (little-endian uint32)
+    q = _nibbles(b[:, 6:], 1).reshape(n, 32).bitwise_or_(qh.bitwise_left_shift_(4))
+    return q.view(torch.int8).sub_(16).to(torch.float32).mul_(d)
 
 
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     d = fp16_at(b, 0)
-    return b[:, 2:].view(torch.int8) * d
+    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(d)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,42 +119,36 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dd = (fp16_at(b, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
+    dm = (fp16_at(b, 2) * mn.to(torch.float32)).reshape(n, 8, 1)
+    return dd, dm
+
+
 def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d = fp16_at(b, 0)
-    dmin = fp16_at(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dd = (sc * d).reshape(n, 8, 1)
-    dm = (mn * dmin).reshape(n, 8, 1)
-    qs = b[:, 16:].reshape(n, 4, 1, 32) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    q = qs.bitwise_and_(0x0F).reshape(n, 8, 32)
-    return (q * dd).sub_(dm).reshape(n, QK_K)
+    dd, dm = _k_scales(b)
+    q = _nibbles(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
+    return q.to(torch.float32).mul_(dd).sub_(dm).reshape(n, QK_K)
 
 
 def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d = fp16_at(b, 0)
-    dmin = fp16_at(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dd = (sc * d).reshape(n, 8, 1)
-    dm = (mn * dmin).reshape(n, 8, 1)
-    qh = b[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(list(range(8)), b, (1, 1, 8, 1))
-    ql = b[:, 48:].reshape(n, 4, 1, 32) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    q = ql.bitwise_and_(0x0F).reshape(n, 8, 32).bitwise_or_(qh.bitwise_and_(1).reshape(n, 8, 32).bitwise_left_shift_(4))
-    return (q * dd).sub_(dm).reshape(n, QK_K)
+    dd, dm = _k_scales(b)
+    qh = _bits(b[:, 16:48], 8, 1, 1).reshape(n, 8, 32)
+    q = _nibbles(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32).bitwise_or_(qh.bitwise_left_shift_(4))
+    return q.to(torch.float32).mul_(dd).sub_(dm).reshape(n, QK_K)
 
 
 def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    scales = b[:, 192:208].view(torch.int8)
-    d = fp16_at(b, 208)
-    d = (scales * d).reshape(n, QK_K // 16, 1)
-    ql = b[:, :128].reshape(n, 2, 1, 64) >> _shifts([0, 4], b, (1, 1, 2, 1))
-    ql = ql.bitwise_and_(0x0F).reshape(n, 8, 32)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts([0, 2, 4, 6], b, (1, 1, 4, 1))
-    q = ql.bitwise_or_(qh.bitwise_and_(0x03).reshape(n, 8, 32).bitwise_left_shift_(4))
-    q = q.view(torch.int8).sub_(32).reshape(n, QK_K // 16, 16)
-    return (q * d).reshape(n, QK_K)
+    d = (fp16_at(b, 208) * b[:, 192:208].view(torch.int8).to(torch.float32)).reshape(n, QK_K // 16, 1)
+    ql = _nibbles(b[:, :128].reshape(n, 2, 64), 2).reshape(n, 8, 32)
+    qh = _bits(b[:, 128:192].reshape(n, 2, 32), 4, 2, 2).reshape(n, 8, 32)
+    q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    return q.reshape(n, QK_K // 16, 16).to(torch.float32).mul_(d).reshape(n, QK_K)
 
 
 _DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
