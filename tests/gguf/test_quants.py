@@ -75,3 +75,13 @@ def test_unsupported_type_is_typed() -> None:
         dequantize_blocks(int(gguf.GGMLQuantizationType.IQ2_XXS), torch.zeros(1, 66, dtype=torch.uint8))
     with pytest.raises(UnsupportedModelError, match="uint8"):
         dequantize_blocks(QType.Q8_0, torch.zeros(1, 33, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("qtype", sorted(_FP16_FIELDS), ids=lambda t: gguf.GGMLQuantizationType(t).name)
+def test_dequantize_bit_exact_on_cuda(qtype: int) -> None:
+    blocks = random_blocks(qtype, 1031, 7)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(qtype)).reshape(1031, -1)
+    ours = dequantize_blocks(qtype, torch.from_numpy(blocks).cuda())
+    assert ours.is_cuda
+    assert np.array_equal(ours.cpu().numpy().view(np.uint32), ref.astype(np.float32).view(np.uint32))
