@@ -118,13 +118,16 @@ async def fleet(ckpt_dir: Path, ranges: Sequence[tuple[int, int]] = (), clients:
     async with AsyncExitStack() as stack:
         boot = await stack.enter_async_context(open_host(host_config(), key_pair=generate_key_pair()))
         nursery = await stack.enter_async_context(trio.open_nursery())
-        f = Fleet(boot, open_checkpoint(ckpt_dir), stack=stack)
-        f._nursery = nursery
-        for a, b in ranges:
-            await f.add_stage(a, b, **stage_config)
-        for _ in range(clients):
-            await f.add_client()
         try:
-            yield f
+            # clients live in their own stack, closed BEFORE the stages' nursery is cancelled: a cancelled scope
+            # around a closing host would turn the test's own exception into a Cancelled and swallow it
+            async with AsyncExitStack() as inner:
+                f = Fleet(boot, open_checkpoint(ckpt_dir), stack=inner)
+                f._nursery = nursery
+                for a, b in ranges:
+                    await f.add_stage(a, b, **stage_config)
+                for _ in range(clients):
+                    await f.add_client()
+                yield f
         finally:
             nursery.cancel_scope.cancel()

@@ -26,3 +26,61 @@ def test_three_stages_equal_local_chain_without_guesses(ckpt):
     assert res.tokens == want
     assert len(res.trips) == 12
     assert [len(t.stages) for t in res.trips] == [3] * 12
+
+
+def test_guesses_fixed_and_auto_equal_local_chain(ckpt):
+    chain = local_chain(ckpt, SPLIT)
+    want = {g: chain.generate(PROMPT, 16, guesses=g) for g in (2, "auto")}
+
+    async def main():
+        got = {}
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    for g in (2, "auto"):
+                        got[g] = await client.generate(PROMPT, 16, guesses=g)
+        return got
+
+    got = trio.run(main)
+    for g in (2, "auto"):
+        assert got[g].tokens == want[g].tokens
+        assert got[g].guesses_accepted == want[g].guesses_accepted > 0
+        assert got[g].steps == want[g].steps < 15  # accepted guesses save trips
+
+
+def test_eight_concurrent_requests_are_batched_and_equal_local_chain(ckpt):
+    prompts = [[1 + i, 3, (5 * i) % 16, 2] for i in range(8)]
+    chain = local_chain(ckpt, SPLIT, batch_invariant=True)
+    want = [chain.generate(p, 10, guesses=2).tokens for p in prompts]
+
+    async def main():
+        got: list = [None] * 8
+        with trio.fail_after(90):
+            async with fleet(ckpt, SPLIT, batch_invariant=True) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    async def one(i):
+                        got[i] = await client.generate(prompts[i], 10, guesses=2)
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(8):
+                            nursery.start_soon(one, i)
+                batches = [s.scheduler.stats for _, s, _ in f.stages]
+        return got, batches
+
+    got, stats = trio.run(main)
+    assert [r.tokens for r in got] == want
+    # several sessions shared batched steps on every stage
+    assert all(s.jobs > s.steps for s in stats)
+    assert max(st.batch_size for r in got for t in r.trips for st in t.stages) > 1
+
+
+def test_stream_yields_the_tokens_of_generate(ckpt):
+    want = local_chain(ckpt, SPLIT).generate(PROMPT, 8, guesses=2).tokens
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    return [t async for t in client.stream(PROMPT, 8, guesses=2)]
+
+    assert trio.run(main) == want

@@ -21,6 +21,7 @@ class ClientConfig:
     giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/1`` round trip
     (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).
+    ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one).
     """
 
     model_id: str
@@ -30,6 +31,7 @@ class ClientConfig:
     probe_timeout: float = 3.0
     max_failovers: int = 4
     rediscover: bool = True
+    survey_max_age: float = 10.0
     max_frame: int = DEFAULT_MAX_FRAME
 
     def __post_init__(self) -> None:
@@ -37,7 +39,7 @@ class ClientConfig:
             raise RouteError("model_id must not be empty")
         if self.num_layers is not None and self.num_layers <= 0:
             raise RouteError("num_layers must be positive")
-        if min(self.step_timeout, self.open_timeout, self.probe_timeout) <= 0:
+        if min(self.step_timeout, self.open_timeout, self.probe_timeout) <= 0 or self.survey_max_age < 0:
             raise RouteError("timeouts must be positive")
         if self.max_failovers < 0:
             raise RouteError("max_failovers must be >= 0")

@@ -29,6 +29,7 @@ the stages batch their steps.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +117,9 @@ class ChainClient:
         self.pool: LinkPool | None = None
         self._nursery_cm: Any = None
         self.offers: list[PeerOffer] = []  # the last survey
+        self.surveyed_at = -math.inf  # trio clock time of the last survey
+        self._survey_lock = trio.Lock()
+        self._depth = 0
 
     async def __aenter__(self) -> ChainClient:
         self._nursery_cm = trio.open_nursery()
@@ -143,9 +147,19 @@ class ChainClient:
         return self.pool
 
     # ---- discovery and routing -----------------------------------------------------------------------------
-    async def survey(self, exclude: frozenset[str] = frozenset()) -> list[PeerOffer]:
+    async def survey(self, exclude: frozenset[str] = frozenset(), *, max_age: float = 0.0) -> list[PeerOffer]:
         """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.PeerOffer` (DHT records refreshed
-        with each peer's own ``/sangama/info/1`` figures, and the RTT measured over the stage stream)."""
+        with each peer's own ``/sangama/info/1`` figures, and the RTT measured over the stage stream).
+
+        A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight.
+        """
+        started = trio.current_time()
+        async with self._survey_lock:
+            if self.surveyed_at > -math.inf and self.surveyed_at >= started - max_age:
+                return [o for o in self.offers if o.peer_id not in exclude]
+            return await self._survey(exclude)
+
+    async def _survey(self, exclude: frozenset[str]) -> list[PeerOffer]:
         from ..net.discovery import find_serving_peers
 
         pool = self._pool()
@@ -170,22 +184,32 @@ class ChainClient:
                 if rec.peer_id not in exclude:
                     nursery.start_soon(probe, rec)
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
+        self.surveyed_at = trio.current_time()
         return self.offers
 
     def _num_layers(self, offers: Sequence[PeerOffer]) -> int:
+        """The model's depth: configured, else the deepest range ever announced (a failed last stage must not
+        make the model look shorter)."""
         if self.config.num_layers is not None:
             return self.config.num_layers
-        if not offers:
+        self._depth = max([self._depth, *(o.end for o in offers)])
+        if not self._depth:
             raise RouteError(f"no live peer serves {self.config.model_id!r}")
-        return max(o.end for o in offers)
+        return self._depth
 
-    async def _open_chain(self, params: SessionParams, exclude: set[str], rediscover: bool) -> ChainSession:
-        """Route (DHT survey when asked), open the session on every stage; re-route around peers that fail."""
+    async def _open_chain(self, params: SessionParams, exclude: set[str], max_age: float) -> ChainSession:
+        """Route (on a survey at most ``max_age`` old), open the session on every stage; re-route around peers
+        that fail (on a fresh survey when ``config.rediscover``)."""
         tries = 0
+        refused: StageRefused | None = None
         while True:
-            offers = await self.survey(frozenset(exclude)) if rediscover or not self.offers else [
-                o for o in self.offers if o.peer_id not in exclude]
-            route = plan_route(offers, self._num_layers(offers), exclude=exclude)
+            offers = await self.survey(frozenset(exclude), max_age=max_age)
+            try:
+                route = plan_route(offers, self._num_layers(offers), exclude=exclude)
+            except RouteError as exc:
+                if refused is not None:  # the peers that could serve refused: say why, with their code
+                    raise refused from exc
+                raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
                                    step_timeout=self.config.step_timeout)
             try:
@@ -202,8 +226,9 @@ class ChainClient:
                 if exc.code not in RETRYABLE or tries >= self.config.max_failovers:
                     raise
                 exclude.add(exc.peer)
+                refused = exc
             tries += 1
-            rediscover = True
+            max_age = 0.0 if self.config.rediscover else math.inf
 
     async def _dead_peers(self, session: ChainSession) -> set[str]:
         """Probe every stage of ``session``'s route; those that do not answer in time are dead."""
@@ -276,7 +301,7 @@ class ChainClient:
         params = SessionParams(self.config.model_id, self.peer_id, len(prompt) + max_new + max_guesses + 1,
                                temperature, top_p, seed, max_guesses, adaptive)
         exclude: set[str] = set()
-        session = await self._open_chain(params, exclude, self.config.rediscover or not self.offers)
+        session = await self._open_chain(params, exclude, self.config.survey_max_age)
         out = result.tokens
         pending, start, n_guesses, step = list(prompt), 0, 0, 0
         t0 = time.perf_counter()
@@ -293,7 +318,7 @@ class ChainClient:
                     if result.failovers > self.config.max_failovers:
                         raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
                     exclude |= bad
-                    session = await self._open_chain(params, exclude, self.config.rediscover)
+                    session = await self._open_chain(params, exclude, 0.0 if self.config.rediscover else math.inf)
                     # replay: everything the model has seen, from position 0, no guesses
                     pending, start, n_guesses = [*prompt, *out], 0, 0
                     step += 1

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 from ..errors import RouteError
 
-__all__ = ["CLIENT", "PeerOffer", "chain_cost", "link_cost_from_rtts", "plan_route", "step_cost"]
+__all__ = ["CLIENT", "FULL_PENALTY", "PeerOffer", "chain_cost", "link_cost_from_rtts", "plan_route", "step_cost"]
 
 CLIENT = ""
 """The client's own name in link costs."""
 _UNKNOWN_RTT = 0.05  # seconds assumed for a peer whose RTT was not measured
 _NO_THROUGHPUT = 1.0  # steps/s assumed for a peer that announces none yet
+FULL_PENALTY = 60.0  # seconds added for a peer that announces no free session: tried only when nothing else fits
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,13 @@ class PeerOffer:
 
 
 def step_cost(offer: PeerOffer) -> float:
-    """Seconds one step is expected to spend at ``offer``: its compute time, times the queue ahead plus one."""
+    """Seconds one step is expected to spend at ``offer``: its compute time, times the queue ahead plus one.
+
+    A peer announcing no free session gets :data:`FULL_PENALTY` on top: its figure is an estimate (sized for a
+    typical session), so it is still tried, and refuses with a typed ``CAPACITY`` error if it really is full.
+    """
     tps = offer.throughput if offer.throughput > 0 else _NO_THROUGHPUT
-    return (1 + max(offer.queue, 0)) / tps
+    return (1 + max(offer.queue, 0)) / tps + (FULL_PENALTY if offer.free_sessions <= 0 else 0.0)
 
 
 def link_cost_from_rtts(offers: Sequence[PeerOffer]) -> Callable[[str, str], float]:
@@ -81,12 +86,12 @@ def plan_route(
 ) -> list[PeerOffer]:
     """The cheapest chain of offers covering layers ``[0, num_layers)`` in order (see the module docstring).
 
-    Peers in ``exclude`` and peers with no free session are skipped. Ties are broken by peer id, so the result is
+    Peers in ``exclude`` are skipped; peers announcing no free session are used only when nothing else fits. Ties are broken by peer id, so the result is
     deterministic. Raises :class:`RouteError` naming the first layer nobody covers when no chain exists.
     """
     if num_layers <= 0:
         raise RouteError(f"num_layers must be positive, got {num_layers}")
-    usable = [o for o in offers if o.peer_id not in exclude and o.free_sessions > 0 and 0 <= o.start < o.end
+    usable = [o for o in offers if o.peer_id not in exclude and 0 <= o.start < o.end
               and o.end <= num_layers and o.peer_id != CLIENT]
     link = link_cost or link_cost_from_rtts(usable)
     by_start: dict[int, list[PeerOffer]] = {}

@@ -1,0 +1,83 @@
+"""The batching scheduler alone: which jobs share a step, and that one bad job fails alone. No network."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from sangama_p2p.errors import ErrorCode
+from sangama_p2p.model.checkpoint import open_checkpoint
+from sangama_p2p.model.stage import StageModel, StepInput
+from sangama_p2p.stage.config import StageConfig
+from sangama_p2p.stage.scheduler import Job, Scheduler
+from sangama_p2p.stage.sessions import SessionTable
+from sangama_p2p.tensors import from_wire
+from sangama_p2p.wire.messages import OpenSession, Step
+
+
+def _table(ckpt):
+    c = open_checkpoint(ckpt)
+    model = StageModel.load(c.spec, c.source, 0, 4)
+    return model, SessionTable(model, StageConfig("m", 0, 4))
+
+
+def _session(table, i):
+    return table.open(OpenSession(bytes([i]) * 16, "m", 0, 4, "B", "A", 64, 0.0, 1.0, 0, 0, False), "A", None)
+
+
+def _job(session, start, tokens, step=0):
+    return Job(session, Step(session.session_id, step, start, tuple(tokens), None, (), ()), 0)
+
+
+def test_take_batch_is_fifo_one_job_per_session_within_limits(ckpt):
+    model, table = _table(ckpt)
+    a, b, c = (_session(table, i) for i in range(3))
+    sched = Scheduler(model, lambda job, out: None, max_batch_sessions=2, max_batch_tokens=10)
+    jobs = [_job(a, 0, [1, 2]), _job(a, 2, [3], 1), _job(b, 0, [4] * 9), _job(c, 0, [5] * 3)]
+    for j in jobs:
+        sched.submit(j)
+    assert sched.take_batch() == [jobs[0], jobs[3]]  # a's 2nd step waits for a's 1st; b's 9 tokens do not fit
+    assert sched.take_batch() == [jobs[1], jobs[2]]
+    assert sched.take_batch() == []
+    b.closed = True
+    sched.submit(_job(b, 9, [1]))
+    assert sched.take_batch() == []  # a closed session's steps are dropped
+
+
+def test_one_bad_position_fails_only_its_job_and_batching_matches_alone(ckpt):
+    model, table = _table(ckpt)
+    a, b, c = (_session(table, i) for i in range(3))
+    sched = Scheduler(model, lambda job, out: None)
+    outs = sched.compute([_job(a, 0, [1, 2, 3]), _job(b, 5, [1]), _job(c, 0, [4, 5])])
+    assert outs[1].error is not None and outs[1].error[0] == ErrorCode.BAD_POSITION
+    assert outs[0].error is None and outs[2].error is None
+    assert outs[0].batch_size == outs[2].batch_size == 2
+    assert outs[0].compute_end_ns >= outs[0].compute_start_ns > 0
+    assert outs[0].hidden.shape == (3, model.spec.hidden_size)
+    # the same numbers as a step of that session alone
+    alone = model.new_session(64)
+    ref = model.forward([StepInput(alone, 0, tokens=torch.tensor([4, 5]))])
+    torch.testing.assert_close(from_wire(outs[2].hidden), ref, rtol=1e-5, atol=1e-5)
+    assert sched.stats.jobs == 2 and sched.stats.steps == 1
+
+
+def test_worker_runs_off_the_trio_thread_and_delivers_in_order(ckpt):
+    model, table = _table(ckpt)
+    a, b = (_session(table, i) for i in range(2))
+    got = []
+
+    async def main():
+        sched = Scheduler(model, lambda job, out: got.append((job.msg.session_id[0], job.msg.step, out.error)))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run)
+            for step in range(3):
+                sched.submit(_job(a, step, [7], step))
+                sched.submit(_job(b, step, [8], step))
+            with trio.fail_after(20):
+                while len(got) < 6:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert [g for g in got if g[0] == 0] == [(0, 0, None), (0, 1, None), (0, 2, None)]
+    assert [g for g in got if g[0] == 1] == [(1, 0, None), (1, 1, None), (1, 2, None)]

@@ -1,0 +1,148 @@
+"""Stage servers on loopback: ownership, two clients, memory limits, typed refusals over the wire."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from sangama_p2p.client import ChainClient, ClientConfig
+from sangama_p2p.errors import ErrorCode, StageError
+from sangama_p2p.model.checkpoint import open_checkpoint
+from sangama_p2p.model.stage import StageModel
+from sangama_p2p.streams import FramedStream
+from sangama_p2p.wire.messages import (
+    CloseSession,
+    ErrorMessage,
+    InfoRequest,
+    InfoResponse,
+    OpenSession,
+    SessionOpened,
+    Step,
+)
+from sangama_p2p.wire.protocols import STAGE_PROTOCOL
+
+SPLIT = [(0, 4), (4, 8)]
+
+
+async def _raw(client_node, server) -> FramedStream:
+    """A stage stream from ``client_node`` to ``server``'s node."""
+    await client_node.connect(server.node.peer_id, server.node.listen_addrs())
+    return FramedStream(await client_node.host.new_stream(server.node.peer_id, [STAGE_PROTOCOL]))
+
+
+def _open(sid, client, start, end, next_hop, length=64):
+    return OpenSession(sid, "test-org/tiny-pipeline", start, end, next_hop, client, length, 0.0, 1.0, 0, 0, False)
+
+
+def test_a_client_cannot_step_close_or_claim_a_session_it_did_not_open(ckpt, fl):
+    async def main():
+        with trio.fail_after(60):
+            async with fl.fleet(ckpt, SPLIT, clients=2) as f:
+                (_, s1, _), (_, s2, _) = f.stages
+                a, b = f.clients
+                a_id, b_id = a.peer_id.to_base58(), b.peer_id.to_base58()
+                sa1, sa2, sb1, sb2 = [await _raw(n, s) for n in (a, b) for s in (s1, s2)]
+                sid = os.urandom(16)
+                await sa1.send(_open(sid, a_id, 0, 4, s2.peer_id))
+                await sa2.send(_open(sid, a_id, 4, 8, None))
+                assert isinstance(await sa1.recv(), SessionOpened)
+                assert isinstance(await sa2.recv(), SessionOpened)
+                # B claims to be A when opening a session of its own: refused
+                await sb1.send(_open(os.urandom(16), a_id, 0, 4, s2.peer_id))
+                refusal = await sb1.recv()
+                assert isinstance(refusal, ErrorMessage) and refusal.code == ErrorCode.NOT_OWNER
+                # A's first trip; stage 2 learns stage 1 as the session's upstream
+                await sa1.send(Step(sid, 0, 0, (1, 2, 3), None, (), ()))
+                first = await sa2.recv()
+                assert first.step == 0 and len(first.tokens) == 1 and len(first.trace) == 2
+                # B steps, rolls back or closes A's session on either stage: NOT_OWNER, nothing changes
+                for stream in (sb1, sb2):
+                    await stream.send(Step(sid, 1, 0, (1,), None, (), ()))
+                    err = await stream.recv()
+                    assert isinstance(err, ErrorMessage) and err.code == ErrorCode.NOT_OWNER and err.session_id == sid
+                    await stream.send(CloseSession(sid))
+                    err = await stream.recv()
+                    assert isinstance(err, ErrorMessage) and err.code == ErrorCode.NOT_OWNER
+                await sb1.send(Step(os.urandom(16), 0, 0, (1,), None, (), ()))
+                assert (await sb1.recv()).code == ErrorCode.UNKNOWN_SESSION
+                assert sid in s1.table.sessions and s1.table.sessions[sid].state.position == 3
+                # A's next trip continues where it was: the same token as a plain run of 4 tokens
+                tok = first.tokens[0]
+                await sa1.send(Step(sid, 1, 3, (tok,), None, (), ()))
+                second = await sa2.recv()
+                assert second.step == 1
+                chain = fl.local_chain(ckpt, SPLIT)
+                assert [first.tokens[0], second.tokens[0]] == chain.generate([1, 2, 3], 2).tokens
+                # a bad position is the owner's error, sent to the owner, and the session survives it
+                await sa1.send(Step(sid, 2, 9, (tok,), None, (), ()))
+                err = await sa1.recv()
+                assert err.code == ErrorCode.BAD_POSITION and err.step == 2
+                await sa1.send(InfoRequest())
+                info = await sa1.recv()
+                assert isinstance(info, InfoResponse) and (info.start, info.end) == (0, 4) and info.throughput_tps > 0
+                # the owner's stream ends: its sessions are freed on that stage
+                await sa1.aclose()
+                with trio.fail_after(5):
+                    while sid in s1.table.sessions:
+                        await trio.sleep(0.02)
+                assert s1.table.used_bytes == 0
+
+    trio.run(main)
+
+
+def test_two_clients_sessions_never_mix(ckpt, fl):
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    chain = fl.local_chain(ckpt, SPLIT)
+    want = [chain.generate(p, 12, guesses=2).tokens for p in prompts]
+
+    async def main():
+        got = [None, None]
+        with trio.fail_after(60):
+            async with fl.fleet(ckpt, SPLIT, clients=2) as f:
+                async def run(i):
+                    async with ChainClient(f.clients[i], ClientConfig(fl.MODEL)) as client:
+                        got[i] = await client.generate(prompts[i], 12, guesses=2)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(2):
+                        nursery.start_soon(run, i)
+        return got
+
+    got = trio.run(main)
+    assert [r.tokens for r in got] == want
+
+
+def test_a_full_stage_refuses_new_sessions_while_running_ones_continue(ckpt, fl):
+    c = open_checkpoint(ckpt)
+    length = 4 + 24 + 1  # prompt + new tokens + 1, no guesses
+    need = max(StageModel.load(c.spec, c.source, a, b).session_bytes(length, 0) for a, b in SPLIT)
+    chain = fl.local_chain(ckpt, SPLIT)
+    prompts = [[1, 2, 3, 4], [4, 3, 2, 1]]
+    want = [chain.generate(p, 24).tokens for p in prompts]
+
+    async def main():
+        got = [None, None]
+        with trio.fail_after(90):
+            async with fl.fleet(ckpt, SPLIT, memory_budget=int(2.5 * need), typical_session_length=length) as f:
+                async with ChainClient(f.clients[0], ClientConfig(fl.MODEL, max_failovers=1)) as client:
+                    opened = trio.Event()
+
+                    async def run(i):
+                        got[i] = await client.generate(prompts[i], 24, on_tokens=lambda new: opened.set())
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(2):
+                            nursery.start_soon(run, i)
+                        await opened.wait()
+                        while any(len(s.table.sessions) < 2 for _, s, _ in f.stages):
+                            await trio.sleep(0.01)
+                        with pytest.raises(StageError) as info:
+                            await client.generate([5, 6, 7, 8], 24)
+                        assert info.value.code == ErrorCode.CAPACITY
+                        assert all(r is None for r in got)  # the two were still running
+        return got
+
+    got = trio.run(main)
+    assert [r.tokens for r in got] == want

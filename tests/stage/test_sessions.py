@@ -1,0 +1,88 @@
+"""The session table alone: ownership, validation of OpenSession, memory accounting. No network."""
+
+from __future__ import annotations
+
+import pytest
+
+from sangama_p2p.errors import ErrorCode, StageError
+from sangama_p2p.model.checkpoint import open_checkpoint
+from sangama_p2p.model.stage import StageModel
+from sangama_p2p.stage.config import StageConfig
+from sangama_p2p.stage.sessions import SessionTable
+from sangama_p2p.wire.messages import OpenSession
+
+MODEL = "m"
+
+
+def _open(sid: bytes, *, client="A", model=MODEL, start=0, end=4, next_hop="B", length=32, guesses=0):
+    return OpenSession(sid, model, start, end, next_hop, client, length, 0.0, 1.0, 0, guesses, False)
+
+
+@pytest.fixture(scope="module")
+def stages(ckpt):
+    c = open_checkpoint(ckpt)
+    return StageModel.load(c.spec, c.source, 0, 4), StageModel.load(c.spec, c.source, 4, 8)
+
+
+def _code(fn) -> ErrorCode:
+    with pytest.raises(StageError) as info:
+        fn()
+    return info.value.code
+
+
+def test_open_validates_every_field_with_a_code(stages):
+    first, last = stages
+    t = SessionTable(first, StageConfig(MODEL, 0, 4, max_guesses=4))
+    sid = bytes(16)
+    assert _code(lambda: t.open(_open(sid, client="A"), "M", None)) == ErrorCode.NOT_OWNER  # claims another id
+    assert _code(lambda: t.open(_open(sid, model="other"), "A", None)) == ErrorCode.WRONG_MODEL
+    assert _code(lambda: t.open(_open(sid, start=0, end=3), "A", None)) == ErrorCode.WRONG_MODEL
+    assert _code(lambda: t.open(_open(sid, next_hop=None), "A", None)) == ErrorCode.BAD_FRAME
+    assert _code(lambda: t.open(_open(sid, guesses=5), "A", None)) == ErrorCode.TOO_MANY_GUESSES
+    assert _code(lambda: t.open(_open(sid, length=10**6), "A", None)) == ErrorCode.CAPACITY
+    assert not t.sessions and t.used_bytes == 0
+    s = t.open(_open(sid, guesses=2), "A", "reply")
+    assert s.owner == "A" and s.reply == "reply" and s.decoder is None and s.state.ring == 3
+    assert t.used_bytes == first.session_bytes(32, 3) == s.nbytes
+    assert _code(lambda: t.open(_open(sid), "A", None)) == ErrorCode.BAD_FRAME  # already open
+    assert _code(lambda: t.open(_open(sid, client="C"), "C", None)) == ErrorCode.NOT_OWNER  # someone else's id
+    lt = SessionTable(last, StageConfig(MODEL, 4, 8))
+    assert _code(lambda: lt.open(_open(sid, start=4, end=8), "A", None)) == ErrorCode.BAD_FRAME  # last: no hop
+    d = lt.open(_open(sid, start=4, end=8, next_hop=None, guesses=2), "A", None).decoder
+    assert d is not None and d.policy.max_guesses == 2
+
+
+def test_only_the_owner_or_one_upstream_peer_may_step_or_close(stages):
+    first, last = stages
+    t = SessionTable(first, StageConfig(MODEL, 0, 4))
+    sid = b"\x01" * 16
+    t.open(_open(sid), "A", None)
+    assert t.authorize_step(sid, "A").owner == "A"
+    assert _code(lambda: t.authorize_step(sid, "B")) == ErrorCode.NOT_OWNER  # first stage: owner only
+    assert _code(lambda: t.authorize_step(b"\x02" * 16, "A")) == ErrorCode.UNKNOWN_SESSION
+    assert _code(lambda: t.close(sid, "B")) == ErrorCode.NOT_OWNER
+    lt = SessionTable(last, StageConfig(MODEL, 4, 8))
+    lt.open(_open(sid, start=4, end=8, next_hop=None), "A", None)
+    assert lt.authorize_step(sid, "S1").upstream == "S1"  # the first feeder becomes the upstream
+    assert lt.authorize_step(sid, "S1") is lt.authorize_step(sid, "A")
+    assert _code(lambda: lt.authorize_step(sid, "M")) == ErrorCode.NOT_OWNER
+    t.close(sid, "A")
+    assert not t.sessions and t.used_bytes == 0
+
+
+def test_memory_budget_refuses_new_sessions_and_frees_on_close(stages):
+    first, _ = stages
+    one = first.session_bytes(64, 0)
+    t = SessionTable(first, StageConfig(MODEL, 0, 4, memory_budget=int(2.5 * one), typical_session_length=64))
+    assert t.free_sessions == 2
+    a = t.open(_open(b"a" * 16, length=64), "A", "ra")
+    t.open(_open(b"b" * 16, length=64), "A", "rb")
+    assert t.free_sessions == 0
+    assert _code(lambda: t.open(_open(b"c" * 16, length=64), "A", "rc")) == ErrorCode.CAPACITY
+    assert set(t.sessions) >= {b"a" * 16, b"b" * 16}
+    dropped = t.drop_reply_stream("ra")  # the owner's stream ended
+    assert dropped == [a] and a.closed
+    assert t.open(_open(b"d" * 16, length=64), "A", "rd")
+    cap = SessionTable(first, StageConfig(MODEL, 0, 4, max_sessions=1))
+    cap.open(_open(b"a" * 16), "A", None)
+    assert _code(lambda: cap.open(_open(b"b" * 16), "A", None)) == ErrorCode.CAPACITY
