@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # routine stream resets are logged as warnings
     try:
         asyncio.run(main(parse_args()))
     except KeyboardInterrupt:

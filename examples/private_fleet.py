@@ -58,6 +58,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # routine stream resets are logged as warnings
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--layers", default="0:3,3:6,6:8", help="one stage per range (default 0:3,3:6,6:8)")

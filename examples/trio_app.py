@@ -49,6 +49,12 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    import logging
+
+    import torch
+
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # routine stream resets are logged as warnings
+    torch.set_num_threads(1)  # three stages in one process: one torch thread each beats oversubscribed cores
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--prompt", default="def hello(")

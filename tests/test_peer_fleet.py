@@ -1,0 +1,123 @@
+"""A bootstrap node and three stage peers as separate ``sangama-peer`` processes on loopback.
+
+Greedy tokens over the network equal ``generate --local`` for the same model and split: without guesses, with
+2, 4, 6 and auto guesses, and for 8 concurrent requests batched by the stages. Every process stops cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from sangama_p2p import Peer, PeerConfig
+from sangama_p2p.cli.local_fleet import LocalFleet
+from sangama_p2p.cli.model_cmds import _variant
+from sangama_p2p.client.config import ClientConfig
+from sangama_p2p.model.chain import LocalChain
+from sangama_p2p.model.checkpoint import open_checkpoint
+from sangama_p2p.model.make import make_model
+from sangama_p2p.model.spec import parse_stages
+from sangama_p2p.net.config import HostConfig
+from sangama_p2p.net.identity import generate_key_pair
+
+SPLIT = "0:3,3:6,6:8"
+PROMPT = [7, 300, 41, 9, 512, 3]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("fleet")
+    model = make_model(work / "fleet-tiny", "qwen3_5_moe", "tiny")
+    f = LocalFleet(model, SPLIT.split(","), work / "procs")
+    with f:
+        yield model, f
+    for child in f.children:  # every process is gone, and the stages stopped through their own shutdown path
+        assert child.proc.poll() is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(child.proc.pid, 0)
+    for child in f.children[1:]:
+        assert child.proc.returncode == 0, child.tail()
+        assert "stopping" in child.seen
+
+
+def cli(*args: str, timeout: float = 120) -> dict:
+    out = subprocess.run([sys.executable, "-m", "sangama_p2p.cli.main", *args], capture_output=True, text=True,
+                         timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {"json": json.loads(out.stdout) if "--json" in args else None, "stderr": out.stderr,
+            "stdout": out.stdout}
+
+
+def net_args(model: Path, f: LocalFleet, *extra: str) -> list[str]:
+    ids = ",".join(map(str, PROMPT))
+    return ["generate", "--model", str(model), "--bootstrap", f.bootstrap_addr, "--prompt-ids", ids,
+            "--max-new-tokens", str(NEW), "--ignore-eos", *extra]
+
+
+def local_chain(model: Path) -> LocalChain:
+    ckpt = open_checkpoint(model)
+    return LocalChain.load(ckpt, parse_stages(SPLIT, ckpt.spec.num_layers))
+
+
+def test_cli_generate_equals_local_without_and_with_auto_guesses(fleet) -> None:
+    model, f = fleet
+    ids = ",".join(map(str, PROMPT))
+    local = cli("generate", "--local", str(model), "--stages", SPLIT, "--prompt-ids", ids, "--max-new-tokens",
+                str(NEW), "--ignore-eos", "--json")["json"]["tokens"]
+    assert len(local) == NEW
+    plain = cli(*net_args(model, f, "--json", "--guesses", "0"))["json"]
+    assert plain["tokens"] == local
+    assert len(plain["route"]) == 3 and plain["route"] == f.stage_ids
+    auto = cli(*net_args(model, f, "--json", "--guesses", "auto"))["json"]
+    assert auto["tokens"] == local
+    assert auto["guesses_proposed"] > 0
+
+
+def test_cli_batch_of_8_equals_each_solo_run_and_prints_timings(fleet) -> None:
+    model, f = fleet
+    out = cli(*net_args(model, f, "--json", "--batch", "8", "--timings"))
+    chain = local_chain(model)
+    vocab = chain.spec.vocab_size
+    prompts = [PROMPT] + [_variant(PROMPT, i, vocab) for i in range(1, 8)]
+    requests = out["json"]["requests"]
+    assert len(requests) == 8
+    for req, prompt in zip(requests, prompts):
+        assert req["prompt_ids"] == prompt
+        assert req["tokens"] == chain.generate(prompt, NEW, stop_at_eos=False).tokens
+    stages = requests[0]["where_the_time_goes"]["stages"]
+    assert len(stages) == 3
+    assert max(s["mean_batch"] for r in requests for s in r["where_the_time_goes"]["stages"]) > 1  # batched
+
+
+def test_timings_table(fleet) -> None:
+    model, f = fleet
+    out = cli(*net_args(model, f, "--timings"))
+    assert "Where the time goes" in out["stderr"] and "network" in out["stderr"]
+    assert out["stdout"].strip()
+
+
+def test_fixed_guesses_2_4_6_over_the_process_fleet(fleet) -> None:
+    model, f = fleet
+    chain = local_chain(model)
+    expected = chain.generate(PROMPT, NEW, stop_at_eos=False).tokens
+    config = PeerConfig(host=HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(f.bootstrap_addr,),
+                                        dht_server=False), client=ClientConfig(model_id=model.name))
+
+    async def main() -> dict[int, tuple[list[int], int]]:
+        out = {}
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            for g in (2, 4, 6):
+                r = await peer.generate(PROMPT, NEW, guesses=g, stop_at_eos=False)
+                out[g] = (list(r.tokens), r.result.guesses_proposed)
+        return out
+
+    for g, (tokens, proposed) in trio.run(main).items():
+        assert tokens == expected, g
+        assert proposed >= g  # the guesses were really sent and checked
