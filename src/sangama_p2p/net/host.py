@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -322,6 +323,8 @@ async def open_host(
     from .dht import bootstrap, run_dht  # local: dht imports this module
 
     key_pair = key_pair or load_or_create_key_pair(config.key_path)
+    if config.batch_window_updates:
+        os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # see HostConfig.batch_window_updates
     node_ref: list[Node] = []
     host = _build_host(config, key_pair, node_ref)
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
