@@ -1,0 +1,70 @@
+"""A stage killed mid-generation: the client re-routes to a peer serving the same range and replays."""
+
+from __future__ import annotations
+
+import trio
+
+from sangama_p2p.client import ChainClient, ClientConfig
+
+from .fleet import MODEL, fleet, local_chain
+
+SPLIT = [(0, 3), (3, 5), (5, 8)]
+PROMPT = [3, 1, 4, 1, 5, 9]
+
+
+def _kill_test(ckpt, victim_range, guesses):
+    want = local_chain(ckpt, SPLIT, batch_invariant=True).generate(PROMPT, 20, guesses=guesses).tokens
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [*SPLIT, victim_range], batch_invariant=True) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, step_timeout=10)) as client:
+                    killed: list[str] = []
+
+                    def on_tokens(new):
+                        if killed or len(seen) < 6:
+                            seen.extend(new)
+                            return
+                        # kill the peer serving the victim range that this generation uses
+                        for i, (node, server, _) in enumerate(f.stages):
+                            if (server.model.start, server.model.end) == victim_range and server.table.sessions:
+                                killed.append(node.peer_id.to_base58())
+                                f.kill(i)
+                                return
+
+                    seen: list[int] = []
+                    res = await client.generate(PROMPT, 20, guesses=guesses, on_tokens=on_tokens)
+        return res, killed
+
+    res, killed = trio.run(main)
+    assert len(killed) == 1
+    assert res.tokens == want
+    assert res.failovers == 1
+    assert killed[0] not in res.route and len(res.route) == 3
+
+
+def test_middle_stage_killed_mid_generation_completes_with_identical_tokens(ckpt):
+    _kill_test(ckpt, (3, 5), 0)
+
+
+def test_last_stage_killed_with_guesses_completes_with_identical_tokens(ckpt):
+    _kill_test(ckpt, (5, 8), 2)
+
+
+def test_no_spare_for_a_dead_stage_raises_route_error(ckpt):
+    import pytest
+
+    from sangama_p2p.errors import RouteError
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, [(0, 4), (4, 8)]) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, step_timeout=10)) as client:
+                    def on_tokens(new):
+                        if f.stages[1][2].cancel_called is False:
+                            f.kill(1)
+
+                    with pytest.raises(RouteError, match="layer 4"):
+                        await client.generate(PROMPT, 20, on_tokens=on_tokens)
+
+    trio.run(main)
