@@ -120,6 +120,7 @@ class ChainClient:
         self.surveyed_at = -math.inf  # trio clock time of the last survey
         self._survey_lock = trio.Lock()
         self._depth = 0
+        self.active: dict[int, ChainSession] = {}  # the chain session of each running generation
 
     async def __aenter__(self) -> ChainClient:
         self._nursery_cm = trio.open_nursery()
@@ -140,6 +141,11 @@ class ChainClient:
     async def aclose(self) -> None:
         """Close every stream this client opened (its sessions are freed by the stages)."""
         await self.__aexit__(None, None, None)
+
+    @property
+    def routes(self) -> list[list[str]]:
+        """The chains (peer ids in order) of the generations running now (for status displays and tests)."""
+        return [s.peers for s in self.active.values()]
 
     def _pool(self) -> LinkPool:
         if self.pool is None:
@@ -302,6 +308,7 @@ class ChainClient:
                                temperature, top_p, seed, max_guesses, adaptive)
         exclude: set[str] = set()
         session = await self._open_chain(params, exclude, self.config.survey_max_age)
+        self.active[id(result)] = session
         out = result.tokens
         pending, start, n_guesses, step = list(prompt), 0, 0, 0
         t0 = time.perf_counter()
@@ -319,6 +326,7 @@ class ChainClient:
                         raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
                     exclude |= bad
                     session = await self._open_chain(params, exclude, 0.0 if self.config.rediscover else math.inf)
+                    self.active[id(result)] = session
                     # replay: everything the model has seen, from position 0, no guesses
                     pending, start, n_guesses = [*prompt, *out], 0, 0
                     step += 1
@@ -349,4 +357,5 @@ class ChainClient:
                 n_guesses = len(res.guesses)
                 step += 1
         finally:
+            self.active.pop(id(result), None)
             await session.close()
