@@ -5,6 +5,7 @@ from __future__ import annotations
 import trio
 
 from sangama_p2p.client import ChainClient, ClientConfig
+from sangama_p2p.model.sampling import SamplingParams
 
 from .fleet import MODEL, fleet, local_chain
 
@@ -84,3 +85,19 @@ def test_stream_yields_the_tokens_of_generate(ckpt):
                     return [t async for t in client.stream(PROMPT, 8, guesses=2)]
 
     assert trio.run(main) == want
+
+
+def test_sampling_with_guesses_equals_local_chain_for_the_same_seed(ckpt):
+    chain = local_chain(ckpt, SPLIT)
+    want = [chain.generate(PROMPT, 16, SamplingParams(0.8, 0.9, seed=7), guesses=g).tokens for g in (0, 3)]
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    return [(await client.generate(PROMPT, 16, temperature=0.8, top_p=0.9, seed=7, guesses=g)).tokens
+                            for g in (0, 3)]
+
+    got = trio.run(main)
+    assert got == want
+    assert got[0] != local_chain(ckpt, SPLIT).generate(PROMPT, 16).tokens  # really sampled, not greedy
