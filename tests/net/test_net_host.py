@@ -125,3 +125,34 @@ def test_order_addrs_public_first_and_unreachable_address_skipped():
                     await c.connect(b.peer_id, b.advertised_addrs())
 
     trio.run(main)
+
+
+def test_widened_window_lets_the_peer_send_a_large_frame_without_waiting():
+    from sangama_p2p.net.host import FRAME_WINDOW, widen_receive_window
+
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as a, open_host(config()) as b:
+                accepted: list = []
+                done = trio.Event()
+
+                async def handler(stream):
+                    await widen_receive_window(stream)  # b grants a the whole window
+                    accepted.append(stream)
+                    done.set()
+                    await trio.sleep_forever()
+
+                b.host.set_stream_handler(ECHO, handler)
+                await a.connect(b.peer_id, b.advertised_addrs())
+                stream = await a.host.new_stream(b.peer_id, [ECHO])
+                await stream.write(b"x")
+                await done.wait()
+                with trio.move_on_after(5):
+                    while stream.muxed_stream.send_window < FRAME_WINDOW - 1:
+                        await trio.sleep(0.01)
+                assert stream.muxed_stream.send_window >= FRAME_WINDOW - 1  # was 256 KiB
+                with trio.fail_after(5):
+                    await stream.write(b"y" * (4 << 20))  # 4 MiB go out without waiting for b to read
+                assert stream.muxed_stream.send_window >= FRAME_WINDOW - 1 - (4 << 20)
+
+    trio.run(main)

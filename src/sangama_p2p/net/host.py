@@ -42,7 +42,7 @@ from libp2p.rcmgr.memory_limits import MemoryConnectionLimits
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.utils.address_validation import expand_wildcard_address
@@ -55,7 +55,16 @@ from .identity import load_or_create_key_pair
 if TYPE_CHECKING:
     from libp2p.kad_dht.kad_dht import KadDHT
 
-__all__ = ["Dialer", "Node", "is_relayed", "open_host", "order_addrs", "remote_addr"]
+__all__ = [
+    "FRAME_WINDOW",
+    "Dialer",
+    "Node",
+    "is_relayed",
+    "open_host",
+    "order_addrs",
+    "remote_addr",
+    "widen_receive_window",
+]
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +192,29 @@ class Node:
                 negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
             return conn
         raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=self.config.fleet_secret is not None)
+
+
+FRAME_WINDOW = 16 * 1024 * 1024  # bytes a frame stream may have in flight towards us (py-libp2p's maximum)
+
+
+async def widen_receive_window(stream: Any, size: int = FRAME_WINDOW) -> None:
+    """Let the peer send up to ``size`` bytes on ``stream`` before it must wait for us to read.
+
+    Yamux starts every stream with a 256 KiB window, and py-libp2p 0.8.1's writer polls every 10 ms once the window
+    is used up, so a 1 MiB hidden-state frame stalls several times per send. Call this on each end of a long-lived
+    frame stream right after opening or accepting it: it grants the peer the whole window at once. Streams of
+    other muxers are left alone.
+    """
+    muxed = getattr(stream, "muxed_stream", stream)
+    if not isinstance(muxed, YamuxStream):
+        return
+    async with muxed.window_lock:
+        increment = size - muxed.recv_window
+        if increment <= 0:
+            return
+        muxed.recv_window += increment
+        muxed.target_recv_window = max(muxed.target_recv_window, size)
+    await muxed.send_window_update(increment)
 
 
 def _security_failed(exc: BaseException | None) -> bool:
