@@ -11,6 +11,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- LayerRangeError       a stage range outside the model
     |   +-- CapacityError         a session asked for more than it was given
     |   +-- SessionStateError     a step that does not fit the session's state
+    |   +-- TooManyGuessesError   a step with more guesses than the session allows
     +-- WireError             malformed, oversized or inconsistent frames from a peer
     |   +-- FrameTooLargeError     a length prefix above the configured maximum
     |   +-- TruncatedFrameError    the stream ended inside a frame
@@ -44,6 +45,7 @@ __all__ = [
     "SangamaError",
     "SessionStateError",
     "StageError",
+    "TooManyGuessesError",
     "TruncatedFrameError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
@@ -97,6 +99,12 @@ class SessionStateError(ModelError):
     """A step does not fit the session's state (e.g. a start position ahead of it)."""
 
     code = ErrorCode.BAD_POSITION
+
+
+class TooManyGuessesError(ModelError):
+    """A step carries more guesses than the session was opened for."""
+
+    code = ErrorCode.TOO_MANY_GUESSES
 
 
 class WireError(SangamaError):

@@ -86,11 +86,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from sangama_p2p.model.make import make_model
 
     root = tmp_path_factory.mktemp("ckpt")
+    made_qwen = make_model(root / "made-qwen", "qwen3_5_moe", "tiny", seed=4)
     return {
         "hf-qwen": _save_hf(root / "hf-qwen", qwen_config(), 1),
         "hf-qwen-sharded": _save_hf(root / "hf-qwen-sharded", qwen_config(), 2, max_shard_size="200KB"),
         "hf-llama": _save_hf(root / "hf-llama", llama_config(), 3),
-        "made-qwen": make_model(root / "made-qwen", "qwen3_5_moe", "tiny", seed=4),
+        "made-qwen": made_qwen,
+        "made-qwen-v16": small_vocab(made_qwen, root / "made-qwen-v16", 16),
         "made-llama": make_model(root / "made-llama", "llama", "tiny", seed=5),
     }
 
@@ -123,3 +125,21 @@ def reference_logits():
         return torch.cat(rows)
 
     return run
+
+
+def small_vocab(src: Path, dst: Path, vocab: int) -> Path:
+    """The same model with only the first ``vocab`` rows of embedding and head: random MTP drafts then match the
+    model's own choice often enough to exercise accepted guesses (tokenizer files are left out)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(vocab_size=vocab, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

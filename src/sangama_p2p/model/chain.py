@@ -132,18 +132,24 @@ class LocalChain:
         max_new_tokens: int,
         sampling: SamplingParams = SamplingParams(),
         *,
-        guesses: int | str = 0,
+        guesses: int | str | Sequence[int | str] = 0,
         stop_at_eos: bool = True,
         capacity: int | None = None,
     ) -> list[GenerationResult]:
-        """Several requests at once: every trip runs all unfinished requests as one batched step per stage."""
-        max_guesses, adaptive = parse_guesses(guesses)
-        if max_guesses and not self.can_guess:
-            raise ModelError("guesses need the checkpoint's MTP layer on the last stage (this model has none)")
+        """Several requests at once: every trip runs all unfinished requests as one batched step per stage.
+
+        ``guesses`` is one setting for all requests, or one per request.
+        """
+        settings = list(guesses) if isinstance(guesses, (list, tuple)) else [guesses] * len(prompts)
+        if len(settings) != len(prompts):
+            raise ModelError(f"{len(settings)} guess settings for {len(prompts)} prompts")
         eos = frozenset(self.spec.eos_token_ids) if stop_at_eos else frozenset()
         timings = [StageTiming(f"{s.start}:{s.end}") for s in self.stages]
         reqs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, setting) in enumerate(zip(prompts, settings)):
+            max_guesses, adaptive = parse_guesses(setting)
+            if max_guesses and not self.can_guess:
+                raise ModelError("guesses need the checkpoint's MTP layer on the last stage (this model has none)")
             prompt = list(prompt)
             if not prompt:
                 raise CapacityError("the prompt is empty")

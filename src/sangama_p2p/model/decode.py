@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ModelError, SessionStateError
+from ..errors import ModelError, SessionStateError, TooManyGuessesError
 from .sampling import SamplingParams, token_probs
 from .speculative import GuessPolicy, accept_guesses
 from .stage import StageModel
@@ -69,6 +69,13 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
     """Finish a batched step on the last stage; ``hidden`` [N, H] are the layers' outputs, rows in item order."""
     if not stage.is_last:
         raise ModelError("finish_steps runs on the last stage")
+    for it in items:
+        if it.n_guesses > it.decoder.policy.max_guesses:
+            raise TooManyGuessesError(
+                f"a step with {it.n_guesses} guesses; the session allows at most {it.decoder.policy.max_guesses}"
+            )
+        if not 0 <= it.n_guesses < len(it.tokens):
+            raise SessionStateError(f"{it.n_guesses} guesses in a step of {len(it.tokens)} tokens")
     lengths = [len(it.tokens) for it in items]
     if sum(lengths) != hidden.shape[0]:
         raise SessionStateError(f"{hidden.shape[0]} hidden rows for steps of {sum(lengths)} tokens")

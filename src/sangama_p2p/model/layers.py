@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .ops import apply_rope, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
+from .ops import apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
 from .weights import Weight, dense, weight_nbytes
@@ -28,18 +28,27 @@ Loader = Callable[[str], Weight]
 _STEPWISE_MAX = 1
 
 
-# Batch-invariant numerics: BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows,
-# so the same row can differ in its last bits depending on what it is batched with. With a minimum row count, every
-# dense product takes the many-row path, and a session's numbers no longer depend on its neighbours or on how many
-# guesses ride along. The stage sets this per step (see StageModel.batch_invariant).
+# Batch-invariant numerics. BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows, and
+# vectorised elementwise kernels compute a tensor's tail elements with scalar code, so the same row can differ in its
+# last bits depending on what it is batched with. With MIN_ROWS = m > 0, every dense product and every whole-step
+# tensor has a row count that is a multiple of m (zero rows are appended), so each row takes the same path whatever
+# its neighbours. The stage sets this per step (see StageModel.batch_invariant).
 MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("sangama_min_rows", default=0)
+
+
+def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``m`` rows (``x`` itself when m is 0 or it fits)."""
+    n = x.shape[0]
+    target = -(-n // m) * m if m else n
+    if target == n:
+        return x
+    return torch.cat((x, torch.zeros(target - n, *x.shape[1:], dtype=x.dtype, device=x.device)))
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     n, m = x.shape[0], MIN_ROWS.get()
-    if n < m:
-        pad = torch.zeros(m - n, x.shape[1], dtype=x.dtype, device=x.device)
-        return F.linear(torch.cat((x, pad)), dense(w, x.dtype), bias)[:n]
+    if m:
+        return F.linear(pad_rows(x, m), dense(w, x.dtype), bias)[:n]
     return F.linear(x, dense(w, x.dtype), bias)
 
 
@@ -89,7 +98,7 @@ class Attention:
         v = linear(x, self.v, self.biases[2]).view(n, spec.num_kv_heads, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        out = torch.empty(n, spec.num_heads, hd, dtype=x.dtype, device=x.device)
+        out = torch.zeros(n, spec.num_heads, hd, dtype=x.dtype, device=x.device)
         row = 0
         for seg in segments:
             st = seg.state.layers[self.key]
@@ -97,14 +106,17 @@ class Attention:
             end = seg.start + seg.length
             st.k[:, seg.start:end] = k[row:row + seg.length].transpose(0, 1)
             st.v[:, seg.start:end] = v[row:row + seg.length].transpose(0, 1)
-            qs = q[row:row + seg.length].transpose(0, 1)[None]  # [1, heads, T, hd]
-            mask = None
-            if seg.length > 1:  # causal within the step; every cached position before it is visible
-                mask = torch.ones(seg.length, end, dtype=torch.bool, device=x.device).tril(seg.start)
-            o = F.scaled_dot_product_attention(
-                qs, st.k[None, :, :end], st.v[None, :, :end], attn_mask=mask, enable_gqa=True
-            )
-            out[row:row + seg.length] = o[0].transpose(0, 1)
+            qs = q[row:row + seg.length].transpose(0, 1)  # [heads, T, hd]
+            if MIN_ROWS.get():
+                o = attend_invariant(qs, st.k[:, :end], st.v[:, :end], seg.start)
+            else:
+                mask = None
+                if seg.length > 1:  # causal within the step; every cached position before it is visible
+                    mask = torch.ones(seg.length, end, dtype=torch.bool, device=x.device).tril(seg.start)
+                o = F.scaled_dot_product_attention(
+                    qs[None], st.k[None, :, :end], st.v[None, :, :end], attn_mask=mask, enable_gqa=True
+                )[0]
+            out[row:row + seg.length] = o.transpose(0, 1)
             row += seg.length
         out = out.reshape(n, spec.num_heads * hd)
         if gate is not None:
@@ -142,7 +154,7 @@ class GatedDeltaNet:
         z = linear(x, self.in_z)
         beta = torch.sigmoid(linear(x, self.in_b)).float()  # [N, Hv]
         g = self.neg_a * F.softplus(linear(x, self.in_a).float() + self.dt_bias)  # [N, Hv]
-        core = torch.empty(n, nv, dv, dtype=torch.float32, device=x.device)
+        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
         conv_w = self.conv.to(x.dtype)
         row = 0
         for seg in segments:
@@ -153,7 +165,7 @@ class GatedDeltaNet:
             if keep_ring:
                 mixed_t = self._conv_keep(mixed[rows], st, conv_w)
             else:
-                mixed_t = causal_conv(mixed[rows], st.conv, conv_w)
+                mixed_t = causal_conv(mixed[rows], st.conv, conv_w, invariant=bool(MIN_ROWS.get()))
                 tail = torch.cat((st.conv, mixed[rows].t()), dim=-1)[:, -st.conv.shape[1]:]
                 st.conv.copy_(tail)
             q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
@@ -178,7 +190,7 @@ class GatedDeltaNet:
     @staticmethod
     def _conv_keep(x: torch.Tensor, st: LinearLayerState, w: torch.Tensor) -> torch.Tensor:
         """Causal conv that also records the window after every position in the session's ring."""
-        out = causal_conv(x, st.conv, w)
+        out = causal_conv(x, st.conv, w, invariant=bool(MIN_ROWS.get()))
         width = st.conv.shape[1]
         seq = torch.cat((st.conv, x.t()), dim=-1)  # [C, K-1+T]
         for i in range(x.shape[0]):
@@ -238,7 +250,11 @@ class MoE:
             y = self.experts[e].forward(x[token]) * top_w[token, slot, None]
             out.index_add_(0, token, y)
         if self.shared is not None:
-            gate = torch.sigmoid(linear(x, dense(self.shared_gate, x.dtype).reshape(1, -1)))
+            # a one-column product as multiply + sum (BLAS treats it as gemv, whose rounding depends on the row
+            # count), and the sigmoid taken over [N, hidden] rather than [N, 1], where a vectorised kernel's scalar
+            # tail would again depend on N
+            logit = (x * dense(self.shared_gate, x.dtype).reshape(1, -1)).sum(-1, keepdim=True)
+            gate = torch.sigmoid(logit.expand(-1, x.shape[1]))
             out = out + gate * self.shared.forward(x)
         return out
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from .spec import ModelSpec
 
 __all__ = [
+    "attend_invariant",
     "causal_conv",
     "delta_rule_chunked",
     "delta_rule_steps",
@@ -58,15 +59,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """Depthwise causal conv + SiLU over new inputs, continuing from the previous ``K-1`` inputs.
 
     x: [T, C] new inputs; window: [C, K-1] previous inputs (oldest first); weight: [C, K]. Returns [T, C].
+    ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
     """
     seq = torch.cat((window, x.t()), dim=-1)  # [C, K-1+T]
-    if x.shape[0] == 1:
-        out = (seq * weight).sum(-1, keepdim=True)  # [C, 1]
-    else:
+    if invariant:  # the same products and sums for any T: a position's result never depends on the step length
+        out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # [C, T]
+    else:  # what transformers does, for the closest match
         out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
     return F.silu(out).t()
 
@@ -134,3 +136,23 @@ def delta_rule_chunked(
         s = s * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
     state.copy_(s)
     return out.reshape(h, total, -1)[:, :t_len].transpose(0, 1)
+
+
+def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention whose every output row is computed the same way whatever the number of query rows.
+
+    q: [H, T, D] at positions start..start+T-1; k, v: [Hkv, L, D] with L = start + T. Each row reduces over exactly
+    its own visible keys with elementwise products and sums: BLAS picks different kernels for 1 row and for many,
+    and masked softmax sums over a longer row group their terms differently. Used in batch-invariant mode.
+    """
+    rep = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(rep, dim=0)
+    v = v.repeat_interleave(rep, dim=0)
+    scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    for t in range(q.shape[1]):
+        n = start + t + 1
+        scores = (q[:, t, None, :] * k[:, :n, :]).sum(-1) * scale  # [H, n]
+        probs = torch.softmax(scores, dim=-1)
+        out[:, t] = (probs[..., None] * v[:, :n, :]).sum(-2)
+    return out

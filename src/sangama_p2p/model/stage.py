@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import CapacityError, CheckpointError, ModelError, SessionStateError, UnsupportedModelError
-from .layers import MIN_ROWS, DecoderLayer, linear
+from .layers import MIN_ROWS, DecoderLayer, linear, pad_rows
 from .mtp import MTPLayer
 from .ops import rms_norm, rope_inv_freq
 from .spec import ModelSpec
@@ -199,13 +199,17 @@ class StageModel:
             if x.shape[-1] != self.spec.hidden_size:
                 raise SessionStateError(f"hidden size {x.shape[-1]} != model's {self.spec.hidden_size}")
         segments = [Segment(st.state, st.start, st.length) for st in steps]
-        cos, sin = self.rope(torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]))
+        n = x.shape[0]
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        cos, sin = self.rope(pad_rows(positions, self.min_rows))
+        x = pad_rows(x, self.min_rows)  # batch-invariant mode: whole-step tensors get a fixed row granularity
         token = MIN_ROWS.set(self.min_rows)
         try:
             for layer in self.layers.values():
                 x = layer.forward(x, segments, cos, sin)
         finally:
             MIN_ROWS.reset(token)
+        x = x[:n]
         for s in segments:
             st = s.state
             st.position = s.start + s.length
@@ -229,7 +233,7 @@ class StageModel:
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         token = MIN_ROWS.set(self.min_rows)
         try:
-            return linear(normed, self.head).float()  # type: ignore[arg-type]
+            return linear(normed, self.head).float()[: normed.shape[0]]  # type: ignore[arg-type]
         finally:
             MIN_ROWS.reset(token)
 
@@ -238,11 +242,13 @@ class StageModel:
         """Run the MTP layer over rows (see model/mtp.py); its KV is the session's layer ``MTP_KEY``."""
         if self.mtp is None:
             raise ModelError("this stage has no MTP layer (not the last stage, or the checkpoint has none)")
+        n, m = hidden.shape[0], self.min_rows
         emb = torch.nn.functional.embedding(next_tokens.to(self.device), dense(self.embed, self.dtype))  # type: ignore[arg-type]
-        cos, sin = self.rope(torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]))
-        token = MIN_ROWS.set(self.min_rows)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        cos, sin = self.rope(pad_rows(positions, m))
+        token = MIN_ROWS.set(m)
         try:
-            return self.mtp.forward(hidden, emb, segments, cos, sin)
+            return self.mtp.forward(pad_rows(hidden, m), pad_rows(emb, m), segments, cos, sin)[:n]
         finally:
             MIN_ROWS.reset(token)
 
