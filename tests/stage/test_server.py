@@ -42,7 +42,7 @@ def test_a_client_cannot_step_close_or_claim_a_session_it_did_not_open(ckpt, fl)
             async with fl.fleet(ckpt, SPLIT, clients=2) as f:
                 (_, s1, _), (_, s2, _) = f.stages
                 a, b = f.clients
-                a_id, b_id = a.peer_id.to_base58(), b.peer_id.to_base58()
+                a_id = a.peer_id.to_base58()
                 sa1, sa2, sb1, sb2 = [await _raw(n, s) for n in (a, b) for s in (s1, s2)]
                 sid = os.urandom(16)
                 await sa1.send(_open(sid, a_id, 0, 4, s2.peer_id))

@@ -86,8 +86,9 @@ def plan_route(
 ) -> list[PeerOffer]:
     """The cheapest chain of offers covering layers ``[0, num_layers)`` in order (see the module docstring).
 
-    Peers in ``exclude`` are skipped; peers announcing no free session are used only when nothing else fits. Ties are broken by peer id, so the result is
-    deterministic. Raises :class:`RouteError` naming the first layer nobody covers when no chain exists.
+    Peers in ``exclude`` are skipped; peers announcing no free session are used only when nothing else fits.
+    Ties are broken by peer id, so the result is deterministic. Raises :class:`RouteError` naming the first layer
+    nobody covers when no chain exists.
     """
     if num_layers <= 0:
         raise RouteError(f"num_layers must be positive, got {num_layers}")

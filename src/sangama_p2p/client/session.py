@@ -95,9 +95,9 @@ class ChainSession:
         with trio.move_on_after(self.open_timeout) as scope:
             await _gather([lambda i=i, o=o: connect(i, o) for i, o in enumerate(self.route)])
         if scope.cancelled_caught:
-            slow = frozenset(o.peer_id for o, l in zip(self.route, links) if l is None)
+            slow = frozenset(o.peer_id for o, link in zip(self.route, links) if link is None)
             raise ChainBroken(f"connecting took over {self.open_timeout} s", slow)
-        self.links = [l for l in links if l is not None]
+        self.links = [link for link in links if link is not None]
         for link in self.links:
             link.subscribe(self.session_id, self._send)
         for i, (offer, link) in enumerate(zip(self.route, self.links)):

@@ -78,7 +78,6 @@ class StageServer:
         self._inbound: dict[FramedStream, Outbox] = {}
         self._next: dict[str, Outbox] = {}
         self._measured_step_s = 0.0
-        self._load_changed = trio.Event()
         self.announcer: Any = None
 
     @classmethod
@@ -233,9 +232,7 @@ class StageServer:
             outbox.put(ErrorMessage(None, None, exc.code, str(exc)))
         finally:
             self._inbound.pop(fs, None)
-            dropped = self.table.drop_reply_stream(outbox)
-            if dropped:
-                self._load_changed.set()
+            self.table.drop_reply_stream(outbox)
             outbox.close()
             with trio.move_on_after(1):
                 await outbox.done.wait()  # the writer flushes what is queued before the close
@@ -251,11 +248,9 @@ class StageServer:
                 outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)))
                 return
             outbox.put(SessionOpened(msg.session_id, self.free_sessions))
-            self._load_changed.set()
         elif isinstance(msg, CloseSession):
             try:
                 self.table.close(msg.session_id, peer)
-                self._load_changed.set()
             except StageError as exc:
                 outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)))
         elif isinstance(msg, InfoRequest):
