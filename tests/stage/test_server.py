@@ -146,3 +146,48 @@ def test_a_full_stage_refuses_new_sessions_while_running_ones_continue(ckpt, fl)
 
     got = trio.run(main)
     assert [r.tokens for r in got] == want
+
+
+def test_a_bad_field_fails_only_its_session_and_garbage_closes_only_that_stream(ckpt, fl):
+    import struct
+
+    import msgpack
+
+    from sangama_p2p.wire.framing import encode_frame
+
+    def payload(tag, fields):
+        header = msgpack.packb(fields, use_bin_type=True)
+        return struct.pack(">BBI", 1, tag, len(header)) + header
+
+    async def main():
+        with trio.fail_after(60):
+            async with fl.fleet(ckpt, [(0, 8)], clients=2) as f:
+                (_, server, _), (a, b) = f.stages[0], f.clients
+                sa, sb = await _raw(a, server), await _raw(b, server)
+                sid = os.urandom(16)
+                await sa.send(_open(sid, a.peer_id.to_base58(), 0, 8, None))
+                assert isinstance(await sa.recv(), SessionOpened)
+                # a Step whose guess is out of range: the session and step are readable, so only it fails
+                await sa.send_frame(encode_frame(payload(3, [sid, 4, 0, [1, 2], None, [2**31], []])))
+                err = await sa.recv()
+                assert err.code == ErrorCode.BAD_FRAME and err.session_id == sid and err.step == 4
+                await sa.send(Step(sid, 5, 0, (1, 2), None, (), ()))  # the stream and the session still work
+                res = await sa.recv()
+                assert res.step == 5 and len(res.tokens) == 1
+                # more guesses than the session was opened with; token ids out of the vocabulary
+                await sa.send(Step(sid, 6, 2, (3, 4), None, (4,), ()))
+                assert (await sa.recv()).code == ErrorCode.TOO_MANY_GUESSES
+                await sa.send(Step(sid, 6, 2, (10**6,), None, (), ()))
+                assert (await sa.recv()).code == ErrorCode.BAD_FRAME
+                # garbage: B's stream is closed, A's stream and session are untouched
+                await sb.send_frame(b"\x00\x00\x00\x03abc")
+                with trio.fail_after(5):
+                    while True:
+                        msg = await sb.recv()
+                        if msg is None:
+                            break
+                        assert isinstance(msg, ErrorMessage) and msg.session_id is None
+                await sa.send(Step(sid, 7, 2, (res.tokens[0],), None, (), ()))
+                assert (await sa.recv()).step == 7
+
+    trio.run(main)
