@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from helpers import (

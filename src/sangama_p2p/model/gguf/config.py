@@ -23,7 +23,8 @@ def _f32(value: Any) -> float:
 
 
 def _ids(f: GGUFFile, cfg: dict[str, Any]) -> None:
-    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+    keys = (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id"))
+    for key, hf in keys:
         v = f.get(f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[hf] = int(v)

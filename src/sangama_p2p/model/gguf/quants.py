@@ -186,7 +186,9 @@ def dequantize_blocks(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
         )
     _, ts = BLOCK_SIZES[qtype]
     if blocks.dtype != torch.uint8 or blocks.shape[-1] != ts:
-        raise UnsupportedModelError(f"{type_name(qtype)} blocks must be uint8 [n, {ts}], got {blocks.dtype} {tuple(blocks.shape)}")
+        raise UnsupportedModelError(
+            f"{type_name(qtype)} blocks must be uint8 [n, {ts}], got {blocks.dtype} {tuple(blocks.shape)}"
+        )
     return fn(blocks)
 
 

@@ -9,7 +9,6 @@ are never touched. llama.cpp's transforms are undone here, so values equal the H
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -115,7 +114,3 @@ def _narrow(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if t.dtype != dtype and dtype.is_floating_point and torch.finfo(dtype).bits < torch.finfo(t.dtype).bits:
         return t.to(dtype)
     return t
-
-
-def replace_mtp_layers(spec: ModelSpec, n: int) -> ModelSpec:
-    return dataclasses.replace(spec, mtp_num_layers=n)

@@ -121,7 +121,8 @@ def gguf_tokenizer_fields(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
     for tok, i in vocab.items():
         tokens[i], types[i] = tok, _NORMAL
     for i, t in added.items():
-        tokens[i], types[i] = t["content"], _CONTROL if t.get("special") or _looks_special(t["content"]) else _USER_DEFINED
+        control = t.get("special") or _looks_special(t["content"])
+        tokens[i], types[i] = t["content"], _CONTROL if control else _USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     pre_tok = tokenizer_json.get("pre_tokenizer") or {}
     if pre_tok.get("type") == "ByteLevel" and pre_tok.get("use_regex", True):
@@ -130,5 +131,7 @@ def gguf_tokenizer_fields(tokenizer_json: dict[str, Any]) -> dict[str, Any]:
         text = json.dumps(pre_tok)
         pre = next((name for name, (rx, _, _) in PRE_TOKENIZERS.items() if rx and json.dumps(rx)[1:-1] in text), None)
         if pre is None:
-            raise UnsupportedModelError("the tokenizer's pre-tokenizer matches none that GGUF names (gpt-2, qwen2, ...)")
+            raise UnsupportedModelError(
+                "the tokenizer's pre-tokenizer matches none that GGUF names (gpt-2, qwen2, qwen35, llama-bpe)"
+            )
     return {"tokens": tokens, "types": types, "merges": merges, "pre": pre}

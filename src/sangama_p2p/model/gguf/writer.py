@@ -31,7 +31,9 @@ WRITE_TYPES = {"F32": QType.F32, "F16": QType.F16, "Q8_0": QType.Q8_0, "Q4_K": Q
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 14, "Q6_K": 18}  # llama.cpp LlamaFileType
 _FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
 _FORCED_F32 = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|ssm_conv1d\.weight)$")
-_EXPERT = re.compile(r"^(?P<pre>(?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(?:\d+\.)?(?:gate_proj|up_proj|down_proj|gate_up_proj)")
+_EXPERT = re.compile(
+    r"^(?P<pre>(?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(?:\d+\.)?(?:gate_proj|up_proj|down_proj|gate_up_proj)"
+)
 
 
 def _tensor_type(gname: str, shape: tuple[int, ...], want: int) -> int:
@@ -65,8 +67,8 @@ def _hf_tensors(spec: ModelSpec, source: SafetensorsSource) -> Iterator[tuple[st
             gname = gguf_name(arch, first, spec.num_layers)
             if gname is None or not source.has(first):
                 raise CheckpointError(f"checkpoint lacks {first}")
-            stacked = torch.stack([source.get(f"{pre}.{e}.{proj}.weight", torch.float32) for e in range(spec.num_experts)])
-            yield gname, stacked
+            experts = [source.get(f"{pre}.{e}.{proj}.weight", torch.float32) for e in range(spec.num_experts)]
+            yield gname, torch.stack(experts)
 
 
 def _metadata(w: Any, spec: ModelSpec, config: dict[str, Any], name: str, qname: str) -> None:
