@@ -119,8 +119,11 @@ def main() -> None:
             "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "invariant_runs_all_equal_to_solo": not bad}
-    Path(args.json).parent.mkdir(exist_ok=True)
-    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    path = Path(args.json)
+    path.parent.mkdir(exist_ok=True)
+    runs = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
+    runs[model.name] = {"meta": meta, "rows": rows}  # one entry per checkpoint benchmarked
+    path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     print(f"batch-invariant runs equal to solo: {'all' if not bad else 'NOT ALL'}; load average "
           f"{meta['loadavg_start']} -> {meta['loadavg_end']}; wrote {args.json}")
 

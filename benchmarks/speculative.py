@@ -44,7 +44,6 @@ PROMPTS = {
     "code": 'def read_lines(path, encoding="utf-8"):\n    """Return the lines of the file at path."""\n    with open(',
     "prose": "This module provides a simple interface to the operating system. The functions described here are",
 }
-GUESSES: list[int | str] = [0, 2, 4, 6, "auto"]
 
 
 def ensure_model(path: Path, preset: str, threads: int) -> None:
@@ -120,7 +119,7 @@ def bench_layout(chain: LocalChain, layout: str, prompts: dict[str, list[int]], 
     rows = []
     for pname, ids in prompts.items():
         base_tokens, base_tps = None, None
-        for k in GUESSES:
+        for k in args.guesses:
             runs = []
             for _ in range(args.repeats):
                 c0 = time.process_time()
@@ -169,8 +168,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=64, help="new tokens per generation")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--guesses", default="0,2,4,6,auto", help="comma-separated; must start with 0 (the baseline)")
+    ap.add_argument("--layouts", default="whole,3-stage")
     ap.add_argument("--json", default=str(RESULTS / "speculative.json"))
     args = ap.parse_args()
+    args.guesses = [int(g) if g.isdigit() else g for g in args.guesses.split(",")]
+    if args.guesses[0] != 0:
+        ap.error("--guesses must start with 0: it is the baseline of speedups and token equality")
     torch.set_num_threads(args.threads)
     model = Path(args.model or f"/tmp/sangama-trained-{args.preset}")
     ensure_model(model, args.preset, args.threads)
@@ -181,7 +185,9 @@ def main() -> None:
     print(f"{'layout':<8} {'prompt':<6} {'k':>5} {'tok/s':>8} {'x':>6} {'cpu t/s':>8} {'cpu x':>6} {'tok/step':>8} {'same':>6} {'step ms':>8} "
           f"{'rb ms':>8} {'rb %':>6}  acceptance by position")
     rows = []
-    for layout, ranges in (("whole", [LayerRange(0, n)]), ("3-stage", split_ranges(n, 3))):
+    layouts = {"whole": [LayerRange(0, n)], "3-stage": split_ranges(n, 3)}
+    for layout in args.layouts.split(","):
+        ranges = layouts[layout]
         chain = LocalChain.load(ck, ranges)
         chain.generate(prompts["code"], 8, guesses=2, stop_at_eos=False)  # warm-up
         rows += bench_layout(chain, layout, prompts, args)
@@ -196,8 +202,11 @@ def main() -> None:
             "loadavg_start": [round(x, 2) for x in load0], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    Path(args.json).parent.mkdir(exist_ok=True)
-    Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    path = Path(args.json)
+    path.parent.mkdir(exist_ok=True)
+    runs = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
+    runs[model.name] = {"meta": meta, "rows": rows}  # one entry per checkpoint benchmarked
+    path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     print(f"load average {meta['loadavg_start']} -> {meta['loadavg_end']}; wrote {args.json}")
 
 
