@@ -78,7 +78,7 @@ class Outbox:
                 except SangamaError as exc:
                     self._fail([item], exc)
                     return
-        except (SangamaError, OSError, trio.BrokenResourceError) as exc:
+        except Exception as exc:  # a failed dial (any library error) fails this link, never the server
             self._fail([], exc)
         finally:
             self.ready.set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -57,8 +57,7 @@ class _Stats:
     steps: int = 0  # batched steps run
     jobs: int = 0
     tokens: int = 0
-    ewma_step_s: float = 0.0  # smoothed duration of a batched step
-    batch_sizes: list[int] = field(default_factory=list)
+    ewma_step_s: float = 0.0  # smoothed duration of a decode-like batched step (prefills left out)
 
 
 class Scheduler:
@@ -147,21 +146,24 @@ class Scheduler:
             return outcomes
         t0 = time.monotonic_ns()
         try:
-            results = self._run([batch[i] for i in ready])
-        except SangamaError:
+            results: list[Tensor | StepOutcome | SangamaError] = list(self._run([batch[i] for i in ready]))
+        except Exception:  # noqa: BLE001 - a torch error must fail jobs, not the worker
             results = []
             for i in ready:  # find the culprit: each job alone
                 try:
                     results.extend(self._run([batch[i]]))
                 except SangamaError as exc:
                     results.append(exc)
+                except Exception as exc:  # noqa: BLE001
+                    results.append(StageError(f"step failed: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL))
         t1 = time.monotonic_ns()
         s = self.stats
         s.steps += 1
         s.jobs += len(ready)
         s.tokens += sum(len(batch[i].msg.token_ids) for i in ready)
         dt = (t1 - t0) / 1e9
-        s.ewma_step_s = dt if not s.ewma_step_s else 0.8 * s.ewma_step_s + 0.2 * dt
+        if sum(len(batch[i].msg.token_ids) for i in ready) <= 16 * len(ready):  # decode-like steps
+            s.ewma_step_s = dt if not s.ewma_step_s else 0.8 * s.ewma_step_s + 0.2 * dt
         for i, res in zip(ready, results):
             out = outcomes[i]
             out.compute_start_ns, out.compute_end_ns, out.batch_size = t0, t1, len(ready)

@@ -227,9 +227,11 @@ class StageServer:
                 self._dispatch(fs.peer, outbox, msg, time.monotonic_ns())
         except StreamClosed:
             pass
-        except WireError as exc:
-            log.info("closing the stream from %s: %s", fs.peer, exc)
-            outbox.put(ErrorMessage(None, None, exc.code, str(exc)))
+        except Exception as exc:  # a bug must cost this stream, not every session of the stage
+            if not isinstance(exc, WireError):
+                log.exception("stream from %s failed", fs.peer)
+            code = exc.code if isinstance(exc, SangamaError) else ErrorCode.INTERNAL
+            outbox.put(ErrorMessage(None, None, code, str(exc)[:1000]))
         finally:
             self._inbound.pop(fs, None)
             self.table.drop_reply_stream(outbox)
@@ -347,12 +349,16 @@ class StageServer:
             pid = ID.from_base58(peer)
         except Exception as exc:
             raise StageError(f"bad next hop peer id {peer!r}", ErrorCode.BAD_FRAME) from exc
-        with trio.fail_after(self.config.next_hop_timeout):
+        stream = None
+        with trio.move_on_after(self.config.next_hop_timeout):
             try:
                 await self.node.connect(pid)
             except NetworkError:
                 dht = getattr(self.node, "dht", None)
-                info = await dht.find_peer(pid) if dht is not None else None
+                try:
+                    info = await dht.find_peer(pid) if dht is not None else None
+                except Exception as exc:  # py-libp2p's lookups raise several unrelated types
+                    raise NetworkError(f"cannot find next hop {peer}: {exc}") from exc
                 if info is None:
                     raise
                 await self.node.connect(pid, info.addrs)
@@ -360,6 +366,8 @@ class StageServer:
                 stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
             except Exception as exc:
                 raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
+        if stream is None:
+            raise NetworkError(f"next hop {peer} not reached in {self.config.next_hop_timeout} s")
         fs = FramedStream(stream, max_frame=self.config.max_frame)
         if self._nursery is not None:
             self._nursery.start_soon(self._read_next, fs)
