@@ -182,3 +182,14 @@ def _expand_experts(names: list[str], n_experts: int) -> list[str]:
 def test_writer_rejects_unknown_type(tmp_path: Path, tiny) -> None:
     with pytest.raises(UnsupportedModelError, match="Q3_K"):
         write_gguf(tiny["llama"], tmp_path / "x.gguf", "Q3_K")
+
+
+@fixtures
+def test_mtp_from_must_match_the_gguf_model(tiny) -> None:
+    from sangama_p2p.errors import CheckpointError
+    from helpers import LLAMA_Q4KM, QWEN_Q4KM
+
+    with pytest.raises(CheckpointError, match="does not match the GGUF model"):
+        open_gguf(QWEN_Q4KM, mtp_from=tiny["qwen3_5_moe"])  # hidden 64 vs the fixture's 16
+    with pytest.raises(CheckpointError, match="does not match the GGUF model"):
+        open_gguf(LLAMA_Q4KM, mtp_from=tiny["qwen3_5_moe"])

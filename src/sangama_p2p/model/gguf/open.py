@@ -25,6 +25,8 @@ def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[Mod
     try:
         spec = spec_from_gguf(f)
         _check_shapes(f, spec)
+        if mtp_from is not None:
+            _check_mtp_from(Path(mtp_from), spec)
         source = GGUFSource(f, spec, mtp_from)
         spec = dataclasses.replace(spec, mtp_num_layers=_mtp_layers(source, spec))
         source.spec = spec
@@ -36,6 +38,17 @@ def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[Mod
         f.close()
         raise CheckpointError(f"{path}: tokenizer has {tokenizer.get_vocab_size()} tokens, model {spec.vocab_size}")
     return spec, source, tokenizer
+
+
+def _check_mtp_from(path: Path, spec: ModelSpec) -> None:
+    """``mtp_from`` must be a checkpoint of the same model, or its MTP head would not fit the GGUF's layers."""
+    other = ModelSpec.from_dir(path)
+    mine = (spec.arch, spec.hidden_size, spec.vocab_size, spec.num_experts)
+    theirs = (other.arch, other.hidden_size, other.vocab_size, other.num_experts)
+    if mine != theirs:
+        raise CheckpointError(
+            f"mtp_from {path} does not match the GGUF model: (arch, hidden, vocab, experts) {theirs} != {mine}"
+        )
 
 
 def _check_shapes(f: GGUFFile, spec: ModelSpec) -> None:
