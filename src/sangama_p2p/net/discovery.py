@@ -129,18 +129,20 @@ class Announcer:
                 if model not in self.published
                 or self.published[model].record.expires_at - now <= offer.ttl * 2 / 3
             ]
+            retry = 0.05
             for offer in due:
                 try:
                     await self._publish(offer)
                 except NetworkError as exc:
                     log.warning("re-publishing %s failed: %s", offer.model_id, exc)
+                    retry = 1.0  # the DHT is unreachable for now: retry each second, not in a tight loop
             waits = [
                 self.published[m].record.expires_at - offer.ttl * 2 / 3 - time.time()
                 for m, offer in self._offers.items()
                 if m in self.published
             ]
             self._wake = trio.Event()
-            with trio.move_on_after(max(0.05, min(waits, default=60.0))):
+            with trio.move_on_after(max(retry, min(waits, default=60.0))):
                 await self._wake.wait()
 
 
