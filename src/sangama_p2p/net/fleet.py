@@ -50,5 +50,5 @@ def mismatch_error(peer: str, addr: str, timeout: float, *, have_secret: bool) -
     )
     return NetworkError(
         f"handshake with {peer} at {addr} failed or did not complete within {timeout:g} s: "
-        f"fleet secret mismatch ({cause}), or the peer is not a Sangama node"
+        f"fleet secret mismatch ({cause}), or the peer is unreachable or not a Sangama node"
     )
