@@ -8,6 +8,9 @@ py-libp2p streams in one place:
 * each frame is one ``write`` of ``encode_message_frame(msg)``, under a per-stream lock, so concurrent senders
   never interleave partial frames.
 
+:func:`memory_stream_pair` gives two connected in-process streams with the same surface, so a peer that serves a
+stage and also generates can put its own stage in its chains (libp2p cannot dial its own peer id).
+
 Decoding errors are left to the caller (an ``InvalidMessageError`` with a ``session_id`` fails only that session;
 any other ``WireError`` fails the stream), see docs/protocol.md.
 """
@@ -23,7 +26,7 @@ from .wire.codec import decode, encode_message_frame
 from .wire.framing import DEFAULT_MAX_FRAME, FrameReader
 from .wire.messages import Message
 
-__all__ = ["FramedStream", "StreamClosed"]
+__all__ = ["FramedStream", "MemoryStream", "StreamClosed", "memory_stream_pair"]
 
 
 class StreamClosed(NetworkError):
@@ -81,3 +84,56 @@ class FramedStream:
                 await (self.stream.reset() if reset else self.stream.close())
             except Exception:  # already gone
                 pass
+
+
+class _Conn:
+    """What FramedStream reads from ``stream.muxed_conn``: the remote peer id."""
+
+    def __init__(self, peer_id: Any) -> None:
+        self.peer_id = peer_id
+
+
+class MemoryStream:
+    """One end of an in-process stream with py-libp2p's stream surface: ``read``, ``write``, ``close``, ``reset``."""
+
+    def __init__(self, remote: Any, send: trio.MemorySendChannel[bytes], recv: trio.MemoryReceiveChannel[bytes]):
+        self.muxed_conn = _Conn(remote)
+        self._send = send
+        self._recv = recv
+        self._buf = b""
+        self._reset = False
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._buf:
+            if self._reset:
+                raise StreamClosed("stream was reset")
+            try:
+                self._buf = await self._recv.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return b""
+            except trio.BrokenResourceError as exc:
+                raise StreamClosed("stream was reset") from exc
+        k = len(self._buf) if n is None else n
+        out, self._buf = self._buf[:k], self._buf[k:]
+        return out
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._send.send(bytes(data))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StreamClosed("the other end is gone") from exc
+
+    async def close(self) -> None:
+        await self._send.aclose()
+
+    async def reset(self) -> None:
+        self._reset = True
+        await self._send.aclose()
+        await self._recv.aclose()
+
+
+def memory_stream_pair(a: Any, b: Any) -> tuple[MemoryStream, MemoryStream]:
+    """Two connected streams: the first is held by peer ``a`` (its remote is ``b``), the second by ``b``."""
+    a_send, b_recv = trio.open_memory_channel[bytes](64)
+    b_send, a_recv = trio.open_memory_channel[bytes](64)
+    return MemoryStream(b, a_send, a_recv), MemoryStream(a, b_send, b_recv)

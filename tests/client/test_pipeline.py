@@ -101,3 +101,28 @@ def test_sampling_with_guesses_equals_local_chain_for_the_same_seed(ckpt):
     got = trio.run(main)
     assert got == want
     assert got[0] != local_chain(ckpt, SPLIT).generate(PROMPT, 16).tokens  # really sampled, not greedy
+
+
+def test_a_node_that_serves_a_stage_can_put_its_own_stage_in_its_chain(ckpt):
+    from sangama_p2p.stage import StageConfig, StageServer
+
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split).generate(PROMPT, 10, guesses=2).tokens
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, [(4, 8)]) as f:
+                node = f.clients[0]
+                server = await trio.to_thread.run_sync(
+                    StageServer.load, node, f.ckpt, StageConfig(MODEL, 0, 4, announce=True))
+                async with server:
+                    async with ChainClient(node, ClientConfig(MODEL), local_stage=server.open_local_stream) as c:
+                        res = await c.generate(PROMPT, 10, guesses=2)
+                    async with ChainClient(node, ClientConfig(MODEL, max_failovers=0)) as plain:
+                        offers = await plain.survey()
+        return res, offers, node.peer_id.to_base58()
+
+    res, offers, me = trio.run(main)
+    assert res.tokens == want
+    assert res.route[0] == me
+    assert me not in [o.peer_id for o in offers]  # without local_stage the node's own stage is left out

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,9 +110,13 @@ class GenerationResult:
 class ChainClient:
     """Drives generations through the swarm; an ``async with`` object owning its links' tasks (see module doc)."""
 
-    def __init__(self, node: Any, config: ClientConfig) -> None:
+    def __init__(self, node: Any, config: ClientConfig, *,
+                 local_stage: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """``local_stage``: for a node that also serves a stage, the server's ``open_local_stream`` (its own stage
+        can then be part of a chain; without it the node's own peer id is left out of surveys)."""
         self.node = node
         self.config = config
+        self.local_stage = local_stage
         self.peer_id: str = node.peer_id.to_base58()
         self.pool: LinkPool | None = None
         self._nursery_cm: Any = None
@@ -126,7 +130,7 @@ class ChainClient:
         self._nursery_cm = trio.open_nursery()
         nursery = await self._nursery_cm.__aenter__()
         self.pool = LinkPool(self.node, nursery, max_frame=self.config.max_frame,
-                             connect_timeout=self.config.open_timeout)
+                             connect_timeout=self.config.open_timeout, local_stage=self.local_stage)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -169,7 +173,8 @@ class ChainClient:
         from ..net.discovery import find_serving_peers
 
         pool = self._pool()
-        records = await find_serving_peers(self.node, self.config.model_id, include_self=False)
+        records = await find_serving_peers(self.node, self.config.model_id,
+                                           include_self=self.local_stage is not None)
         offers: list[PeerOffer] = []
 
         async def probe(rec: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +108,10 @@ class Link:
 class LinkPool:
     """Links by peer id, opened on first use; a lost link is replaced by a fresh one on the next ``get``."""
 
-    def __init__(self, node: Any, nursery: trio.Nursery, *, max_frame: int, connect_timeout: float) -> None:
+    def __init__(self, node: Any, nursery: trio.Nursery, *, max_frame: int, connect_timeout: float,
+                 local_stage: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.node = node
+        self.local_stage = local_stage  # opens an in-process stream to this node's own stage server
         self.nursery = nursery
         self.max_frame = max_frame
         self.connect_timeout = connect_timeout
@@ -133,6 +136,9 @@ class LinkPool:
     async def _open(self, peer: str, addrs: tuple[str, ...]) -> FramedStream:
         import multiaddr
         from libp2p.peer.id import ID
+
+        if self.local_stage is not None and peer == self.node.peer_id.to_base58():
+            return FramedStream(await self.local_stage(), max_frame=self.max_frame)
 
         try:
             pid = ID.from_base58(peer)

@@ -28,7 +28,7 @@ from ..wire.messages import Step
 from ..wire.tensor import Tensor
 from .sessions import StageSession
 
-__all__ = ["Job", "Outcome", "Scheduler"]
+__all__ = ["Job", "Outcome", "Scheduler", "measure_step"]
 
 
 @dataclass(eq=False)
@@ -198,3 +198,20 @@ class Scheduler:
         chunks = torch.split(hidden, [len(j.msg.token_ids) for j in jobs])
         return [to_wire(c, self.wire_dtype) for c in chunks]
 
+
+
+def measure_step(model: StageModel) -> float:
+    """Seconds of a one-token step of one fresh session (best of three): the throughput announced at start."""
+    state = model.new_session(4)
+    best = float("inf")
+    for i in range(3):
+        if model.is_first:
+            step = StepInput(state, i, tokens=torch.zeros(1, dtype=torch.long))
+        else:
+            step = StepInput(state, i, hidden=torch.zeros(1, model.spec.hidden_size, dtype=model.dtype))
+        t0 = time.perf_counter()
+        x = model.forward([step])
+        if model.is_last:
+            model.logits(x)
+        best = min(best, time.perf_counter() - t0)
+    return best

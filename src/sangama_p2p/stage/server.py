@@ -35,7 +35,7 @@ import trio
 
 from .. import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
-from ..streams import FramedStream, StreamClosed
+from ..streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
     ErrorMessage,
@@ -51,7 +51,7 @@ from ..wire.messages import (
 from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .config import StageConfig
 from .links import Item, Outbox
-from .scheduler import Job, Outcome, Scheduler
+from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
 
 __all__ = ["StageServer"]
@@ -95,7 +95,7 @@ class StageServer:
         self._nursery = await self._nursery_cm.__aenter__()
         try:
             if self.config.measure_on_start:
-                self._measured_step_s = await trio.to_thread.run_sync(self._measure_step)
+                self._measured_step_s = await trio.to_thread.run_sync(measure_step, self.model)
             self.node.host.set_stream_handler(STAGE_PROTOCOL, self._on_stage_stream)
             self.node.host.set_stream_handler(INFO_PROTOCOL, self._on_info_stream)
             self._nursery.start_soon(self.scheduler.run)
@@ -146,27 +146,6 @@ class StageServer:
         self._next.clear()
         self.table.drop_all()
 
-    def _measure_step(self) -> float:
-        """Seconds of a one-token step of one fresh session (best of three): the throughput announced at start."""
-        import torch
-
-        model = self.model
-        from ..model.stage import StepInput
-
-        state = model.new_session(4)
-        best = float("inf")
-        for i in range(3):
-            if model.is_first:
-                step = StepInput(state, i, tokens=torch.zeros(1, dtype=torch.long))
-            else:
-                step = StepInput(state, i, hidden=torch.zeros(1, model.spec.hidden_size, dtype=model.dtype))
-            t0 = time.perf_counter()
-            x = model.forward([step])
-            if model.is_last:
-                model.logits(x)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     # ---- figures -------------------------------------------------------------------------------------------
     @property
     def free_sessions(self) -> int:
@@ -188,6 +167,17 @@ class StageServer:
                             float(self.throughput), self.free_sessions, self.queue_length, __version__)
 
     # ---- streams -------------------------------------------------------------------------------------------
+    async def open_local_stream(self) -> MemoryStream:
+        """An in-process stage stream to this server, for a client on the same node (libp2p cannot dial itself).
+
+        Pass it to the client as ``ChainClient(node, config, local_stage=server.open_local_stream)``.
+        """
+        if self._nursery is None:
+            raise StageError("the stage server is not running")
+        mine, theirs = memory_stream_pair(self.node.peer_id, self.node.peer_id)
+        await self._on_stage_stream(theirs)
+        return mine
+
     async def _on_info_stream(self, stream: Any) -> None:
         fs = FramedStream(stream, max_frame=4096)
         try:
