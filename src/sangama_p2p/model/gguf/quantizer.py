@@ -1,9 +1,10 @@
 """Reference quantizers for the writer: Q4_K and Q6_K here (gguf-py only quantizes Q8_0 and simpler types).
 
-These are simple, valid quantizers in the spirit of llama.cpp's ``make_qkx``/``make_qx`` without its iterative
-search: per 32-element sub-block (Q4_K) a min/max affine fit, per 16-element sub-block (Q6_K) a symmetric fit to the
-largest magnitude, then 6-bit (Q4_K) or 8-bit (Q6_K) super-block scales. Quality is a little below llama.cpp's;
-the block layout is exactly ggml's, so llama.cpp, gguf-py and our dequantizers all read these blocks alike.
+Q4_K follows llama.cpp's ``quantize_row_q4_K_ref`` (``make_qkx2_quants``: a weighted affine fit per 32-element
+sub-block with a search over 21 candidate scales), vectorised over all sub-blocks. Q6_K is simpler than llama.cpp's
+``make_qx_quants`` (no scale search): a symmetric fit to each 16-element sub-block's largest magnitude. Both then
+store 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales under an fp16 super-block scale, in exactly ggml's layout, so
+llama.cpp, gguf-py and our dequantizers all read these blocks alike.
 """
 
 from __future__ import annotations
@@ -47,20 +48,59 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=1)
 
 
+def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple:
+    """llama.cpp's ``make_qkx2_quants`` over rows of ``x`` at once: an affine fit ``scale * L + min`` (min <= 0),
+    searching ``nstep + 1`` candidate scales and solving weighted least squares for each. Returns (scale, -min)."""
+    lo = np.minimum(x.min(axis=-1), 0.0)
+    hi = x.max(axis=-1)
+    flat = hi == lo
+    span = np.where(flat, 1.0, hi - lo).astype(np.float32)
+    sum_w = w.sum(axis=-1)
+    sum_x = (w * x).sum(axis=-1)
+    iscale = nmax / span
+    scale = 1.0 / iscale
+    q = np.clip(np.rint(iscale[:, None] * (x - lo[:, None])), 0, nmax)
+    best = (w * (scale[:, None] * q + lo[:, None] - x) ** 2).sum(axis=-1)
+    best_scale, best_min = scale.copy(), lo.copy()
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * step + nmax) / span
+        q = np.clip(np.rint(iscale[:, None] * (x - lo[:, None])), 0, nmax)
+        sum_l = (w * q).sum(axis=-1)
+        sum_l2 = (w * q * q).sum(axis=-1)
+        sum_xl = (w * q * x).sum(axis=-1)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        safe = np.where(ok, det, 1.0)
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        pos = this_min > 0
+        this_scale = np.where(pos, sum_xl / np.where(sum_l2 > 0, sum_l2, 1.0), this_scale)
+        this_min = np.where(pos, 0.0, this_min)
+        err = (w * (this_scale[:, None] * q + this_min[:, None] - x) ** 2).sum(axis=-1)
+        better = ok & (err < best)
+        best = np.where(better, err, best)
+        best_scale = np.where(better, this_scale, best_scale)
+        best_min = np.where(better, this_min, best_min)
+    best_scale = np.where(flat, 0.0, best_scale)
+    best_min = np.where(flat, lo, best_min)
+    return best_scale.astype(np.float32), (-best_min).astype(np.float32)
+
+
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """float32 [n, 256] -> Q4_K blocks uint8 [n, 144]."""
+    """float32 [n, 256] -> Q4_K blocks uint8 [n, 144], following llama.cpp's ``quantize_row_q4_K_ref``."""
     n = x.shape[0]
-    sub = x.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(axis=-1), 0.0)  # ggml keeps the offset non-positive: value = d*sc*q - dmin*m
-    hi = sub.max(axis=-1)
-    scale = ((hi - lo) / 15.0).astype(np.float32)
+    sub = x.reshape(n * 8, 32)
+    av = np.sqrt((sub * sub).mean(axis=-1, keepdims=True))
+    scale, neg_min = _make_qkx2(sub, av + np.abs(sub), 15, -1.0, 0.1, 20)
+    scale, neg_min = scale.reshape(n, 8), neg_min.reshape(n, 8)
     d_bytes, d = _fp16(scale.max(axis=-1) / 63.0)
-    dmin_bytes, dmin = _fp16((-lo).max(axis=-1) / 63.0)
-    sc = np.clip(np.rint(_safe_div(scale, d)), 0, 63).astype(np.uint8)
-    mn = np.clip(np.rint(_safe_div(-lo, dmin)), 0, 63).astype(np.uint8)
+    dmin_bytes, dmin = _fp16(neg_min.max(axis=-1) / 63.0)
+    sc = np.clip(np.rint(scale * _safe_div(np.float32(63.0), scale.max(axis=-1, keepdims=True))), 0, 63)
+    mn = np.clip(np.rint(neg_min * _safe_div(np.float32(63.0), neg_min.max(axis=-1, keepdims=True))), 0, 63)
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
     eff = (d * sc.astype(np.float32))[..., None]
     off = (dmin * mn.astype(np.float32))[..., None]
-    q = np.clip(np.rint(_safe_div(sub + off, eff)), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
+    q = np.clip(np.rint(_safe_div(x.reshape(n, 8, 32) + off, eff)), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
     d_ = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     m_ = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
