@@ -126,3 +126,18 @@ def test_a_node_that_serves_a_stage_can_put_its_own_stage_in_its_chain(ckpt):
     assert res.tokens == want
     assert res.route[0] == me
     assert me not in [o.peer_id for o in offers]  # without local_stage the node's own stage is left out
+
+
+def test_a_long_prompt_is_sent_in_chunks(ckpt):
+    prompt = [(7 * i) % 16 for i in range(11)]
+    want = local_chain(ckpt, SPLIT).generate(prompt, 8).tokens
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, max_step_tokens=4)) as client:
+                    return await client.generate(prompt, 8)
+
+    res = trio.run(main)
+    assert [t.tokens for t in res.trips[:3]] == [4, 4, 3] and [t.emitted for t in res.trips[:3]] == [0, 0, 1]
+    assert res.tokens == want

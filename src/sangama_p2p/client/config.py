@@ -22,6 +22,9 @@ class ClientConfig:
     (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).
     ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one).
+    ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
+    states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
+    exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.
     """
 
     model_id: str
@@ -32,6 +35,7 @@ class ClientConfig:
     max_failovers: int = 4
     rediscover: bool = True
     survey_max_age: float = 10.0
+    max_step_tokens: int = 1024
     max_frame: int = DEFAULT_MAX_FRAME
 
     def __post_init__(self) -> None:
@@ -43,6 +47,8 @@ class ClientConfig:
             raise RouteError("timeouts must be positive")
         if self.max_failovers < 0:
             raise RouteError("max_failovers must be >= 0")
+        if self.max_step_tokens <= 0:
+            raise RouteError("max_step_tokens must be positive")
 
     def replace(self, **changes: object) -> ClientConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

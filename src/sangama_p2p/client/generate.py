@@ -320,6 +320,17 @@ class ChainClient:
         t_first = 0.0
         try:
             while True:
+                chunk = self.config.max_step_tokens
+                if len(pending) > chunk and not n_guesses:
+                    # a long prefill (or replay) goes in chunks, so that no hidden-state frame outgrows the limit
+                    try:
+                        res, trip_s = await session.step(step, start, pending[:chunk], 0)
+                    except ChainBroken:
+                        pass  # the same trip, sent whole, fails again and takes the failover path below
+                    else:
+                        result.trips.append(trip_timing(step, chunk, 0, trip_s, res.trace))
+                        start, pending, step = start + chunk, pending[chunk:], step + 1
+                        continue
                 try:
                     res, trip_s = await session.step(step, start, pending, n_guesses)
                 except ChainBroken as exc:

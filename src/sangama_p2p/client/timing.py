@@ -70,7 +70,9 @@ def summarize_trips(trips: Sequence[TripTiming], *, skip_prefill: bool = True) -
     "send_ms", "mean_batch"}, ...]}``, stages in chain order (a trip whose chain changed after a failover is
     grouped by position).
     """
-    rows = [t for t in trips if not (skip_prefill and t.step == 0)] or list(trips)
+    first = next((i for i, t in enumerate(trips) if t.emitted), len(trips))  # the prefill ends here (chunks too)
+    rows = list(trips[first + 1:]) if skip_prefill else list(trips)
+    rows = rows or list(trips)
     n = len(rows)
     if not n:
         return {"trips": 0, "trip_ms": 0.0, "network_ms": 0.0, "stages": []}
