@@ -23,7 +23,8 @@ replays the prompt plus the tokens produced so far to the new chain, so the gene
 tokens (exactly so for greedy decoding).
 
 Many ``generate`` calls may run concurrently on one client: they share one long-lived stream per stage peer, and
-the stages batch their steps.
+the stages batch their steps. A node that also serves a stage passes ``local_stage=server.open_local_stream`` so its
+own stage can be part of its chains (libp2p cannot dial itself).
 """
 
 from __future__ import annotations
