@@ -11,13 +11,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from typing import Any
+
+import multiaddr
 import trio
+import varint
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.common import BUCKET_SIZE, MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.pb.kademlia_pb2 import Record
+from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
+from libp2p.kad_dht.utils import maybe_consume_signed_record, sort_peer_ids_by_distance
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.records.pubkey import PublicKeyValidator
 from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
+from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from ..errors import NetworkError
 from .host import Node
@@ -92,29 +102,80 @@ async def _closest(dht: KadDHT, key: bytes) -> list[ID]:
     return []
 
 
-async def providers_from_network(node: Node, key: bytes) -> set[ID]:
-    """Every provider of ``key`` known to the peers closest to it, plus our local store (deduplicated)."""
+async def _get_providers(node: Node, peer: ID, key: bytes) -> tuple[list[PeerInfo], list[PeerInfo]]:
+    """One GET_PROVIDERS RPC: (providers, closer peers), both with addresses.
+
+    py-libp2p's own version drops the closer peers' addresses, which an iterative lookup needs to dial them.
+    """
+    stream = await node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+    try:
+        message = Message()
+        message.type = Message.MessageType.GET_PROVIDERS
+        message.key = key
+        message.senderRecord = env_to_send_in_RPC(node.host)[0]
+        body = message.SerializeToString()
+        await stream.write(varint.encode(len(body)) + body)
+        response = Message()
+        response.ParseFromString(await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE))
+    finally:
+        await stream.close()
+    if response.type != Message.MessageType.GET_PROVIDERS:
+        return [], []
+    maybe_consume_signed_record(response, node.host, peer)
+
+    def infos(protos: Any) -> list[PeerInfo]:
+        out = []
+        for proto in protos:
+            try:
+                maybe_consume_signed_record(proto, node.host)
+                addrs = [multiaddr.Multiaddr(a) for a in proto.addrs]
+                out.append(PeerInfo(ID(proto.id), addrs))
+            except Exception as exc:  # one malformed entry must not spoil the answer
+                log.debug("bad peer entry from %s: %s", peer, exc)
+        return out
+
+    return infos(response.providerPeers), infos(response.closerPeers)
+
+
+async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_SIZE) -> set[ID]:
+    """Every provider of ``key`` known to the ``count`` peers closest to it, plus our local store.
+
+    One iterative Kademlia lookup with GET_PROVIDERS (whose answers also carry closer peers), rather than a
+    FIND_NODE lookup followed by GET_PROVIDERS: the same peers are asked, in one round trip fewer.
+    """
     dht = _require_dht(node)
     found: set[ID] = {info.peer_id for info in dht.provider_store.get_providers(key)}
+    peerstore = node.host.get_peerstore()
+    seen: set[ID] = set(dht.routing_table.find_local_closest_peers(key, count)) or set(node.host.get_connected_peers())
+    seen.discard(node.peer_id)
+    asked: set[ID] = set()
     limiter = trio.CapacityLimiter(_CONCURRENCY)
 
     async def ask(peer: ID) -> None:
         async with limiter:
             with trio.move_on_after(QUERY_TIMEOUT):
                 try:
-                    providers, _ = await dht.provider_store._get_providers_from_peer_with_closers(peer, key)
-                except Exception as exc:  # a dead or misbehaving peer must not stop the query
+                    providers, closer = await _get_providers(node, peer, key)
+                except Exception as exc:  # a dead or misbehaving peer must not stop the lookup
                     log.debug("GET_PROVIDERS from %s failed: %s", peer, exc)
                     return
                 for info in providers:
                     if info.addrs:
-                        node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
+                        peerstore.add_addrs(info.peer_id, info.addrs, 600)
                     found.add(info.peer_id)
+                for info in closer:
+                    if info.peer_id != node.peer_id and info.addrs:
+                        peerstore.add_addrs(info.peer_id, info.addrs, 600)
+                        seen.add(info.peer_id)
 
-    async with trio.open_nursery() as nursery:
-        for peer in await _closest(dht, key):
-            nursery.start_soon(ask, peer)
-    return found
+    while True:  # until the closest ``count`` peers seen have all been asked
+        todo = [p for p in sort_peer_ids_by_distance(key, list(seen))[:count] if p not in asked]
+        if not todo:
+            return found
+        asked.update(todo)
+        async with trio.open_nursery() as nursery:
+            for peer in todo:
+                nursery.start_soon(ask, peer)
 
 
 async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] = (), enough: int = 1) -> list[bytes]:
