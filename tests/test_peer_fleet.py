@@ -80,6 +80,7 @@ def test_cli_generate_equals_local_without_and_with_auto_guesses(fleet) -> None:
     assert auto["guesses_proposed"] > 0
 
 
+@pytest.mark.slow
 def test_cli_batch_of_8_equals_each_solo_run_and_prints_timings(fleet) -> None:
     model, f = fleet
     out = cli(*net_args(model, f, "--json", "--batch", "8", "--timings"))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_SPLIT", "measure_network", "run_demo"]
+__all__ = ["DEMO_SPLIT", "local_references", "measure_network", "run_demo"]
 
 DEMO_SPLIT = ("0:3", "3:6", "6:8")
 DEMO_PROMPT = "def fibonacci(n):"
@@ -53,11 +53,14 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         print(f"making the tiny qwen3_5_moe model in {workdir} ...", flush=True)
         model_dir = make_model(workdir / "sangama-tiny", "qwen3_5_moe", "tiny")
+        torch.set_num_threads(1)  # this process only drives the client once the fleet runs
+        refs = local_references(model_dir, guesses=guesses, requests=requests, new_tokens=args.tokens)
+        print("one-process reference runs done", flush=True)
         t0 = time.monotonic()
         with LocalFleet(model_dir, DEMO_SPLIT, workdir / "fleet") as fleet:
             print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(DEMO_SPLIT)} "
                   f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
-            results = measure_network(model_dir, fleet.bootstrap_addr, guesses=guesses, requests=requests,
+            results = measure_network(model_dir, fleet.bootstrap_addr, refs, guesses=guesses, requests=requests,
                                       new_tokens=args.tokens)
         print_tables(
             guesses_table(results["guesses"]),
@@ -76,36 +79,57 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _progress(text: str) -> None:
+    print(f"  {text}", flush=True)
+
+
 def _variants(base: list[int], n: int, vocab: int) -> list[list[int]]:
     from .model_cmds import _variant
 
     return [base] + [_variant(base, i, vocab) for i in range(1, n)]
 
 
-def measure_network(
-    model_dir: Path,
-    bootstrap_addr: str,
-    *,
-    guesses: list[int],
-    requests: list[int],
-    new_tokens: int,
-    local_guesses: bool = True,
-) -> dict[str, Any]:
-    """Run the demo's measurements against a running fleet; every result carries its check against LocalChain."""
-    import trio
+def local_references(model_dir: Path, *, guesses: list[int], requests: list[int], new_tokens: int) -> dict:
+    """The one-process runs every network result is checked against (and the one-process tokens/s).
 
-    from ..client.config import ClientConfig
-    from ..client.timing import summarize_trips
+    Run before the fleet starts, so the one-process numbers are not measured on cores the stages are using.
+    """
     from ..model.chain import LocalChain
     from ..model.checkpoint import open_checkpoint
     from ..model.spec import LayerRange
-    from ..net.config import HostConfig
-    from ..net.identity import generate_key_pair
-    from ..peer import Peer, PeerConfig, default_model_id
 
     ckpt = open_checkpoint(model_dir)
     local = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])
     prompt = ckpt.tokenizer.encode(DEMO_PROMPT)
+    local.generate(prompt, 4)  # warm up
+    by_guesses = {}
+    for g in guesses:
+        r = local.generate(prompt, new_tokens, guesses=g, stop_at_eos=False)
+        by_guesses[g] = {"tokens": r.tokens, "tokens_per_s": r.decode_tokens_per_s}
+    prompts = _variants(prompt, max(requests, default=1), ckpt.spec.vocab_size)
+    solo = [local.generate(p, new_tokens, stop_at_eos=False).tokens for p in prompts]
+    return {"prompt": prompt, "guesses": by_guesses, "prompts": prompts, "solo": solo}
+
+
+def measure_network(
+    model_dir: Path,
+    bootstrap_addr: str,
+    refs: dict,
+    *,
+    guesses: list[int],
+    requests: list[int],
+    new_tokens: int,
+) -> dict[str, Any]:
+    """Run the demo's measurements against a running fleet; every result carries its check against ``refs``."""
+    import trio
+
+    from ..client.config import ClientConfig
+    from ..client.timing import summarize_trips
+    from ..net.config import HostConfig
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer, PeerConfig, default_model_id
+
+    prompt = refs["prompt"]
     config = PeerConfig(
         host=HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(bootstrap_addr,), dht_server=False),
         client=ClientConfig(model_id=default_model_id(model_dir)),
@@ -116,24 +140,27 @@ def measure_network(
 
     async def main() -> None:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
+            t = time.perf_counter()
             await peer.generate(prompt, 4)  # warm up: route, sessions, streams, first-call costs
+            _progress(f"first generation (discovery, route, sessions) {time.perf_counter() - t:.1f} s")
             for g in guesses:
                 net = await peer.generate(prompt, new_tokens, guesses=g, stop_at_eos=False)
-                ref = local.generate(prompt, new_tokens, guesses=g if local_guesses else 0, stop_at_eos=False)
+                ref = refs["guesses"][g]
                 r = net.result
                 out["guesses"].append({
                     "guesses": g,
                     "tokens_per_s": round(r.decode_tokens_per_s, 2),
                     "tokens_per_trip": round((len(r.tokens) - 1) / max(r.steps, 1), 3),
                     "accepted_per_trip": round(r.guesses_accepted / max(r.steps, 1), 3),
-                    "local_tokens_per_s": round(ref.decode_tokens_per_s, 2),
-                    "same_tokens": list(net.tokens) == ref.tokens,
+                    "local_tokens_per_s": round(ref["tokens_per_s"], 2),
+                    "same_tokens": list(net.tokens) == ref["tokens"],
                     "ttft_ms": round(r.prefill_s * 1e3, 2),
                 })
                 if g == 0:
                     out["where_the_time_goes"] = summarize_trips(r.trips)
+                _progress(f"one request, {g} guesses: {r.decode_tokens_per_s:.1f} tokens/s")
             for n in requests:
-                prompts = _variants(prompt, n, ckpt.spec.vocab_size)
+                prompts = refs["prompts"][:n]
                 gens: list[Any] = [None] * n
 
                 async def one(i: int) -> None:
@@ -144,15 +171,15 @@ def measure_network(
                     for i in range(n):
                         nursery.start_soon(one, i)
                 wall = time.perf_counter() - t
-                solo = [local.generate(p, new_tokens, stop_at_eos=False).tokens for p in prompts]
                 batches = [s.batch_size for g in gens for trip in g.result.trips[1:] for s in trip.stages]
                 out["requests"].append({
                     "requests": n,
                     "aggregate_tokens_per_s": round(sum(len(g.tokens) for g in gens) / wall, 2),
                     "per_request_tokens_per_s": round(sum(g.result.decode_tokens_per_s for g in gens) / n, 2),
                     "mean_batch": round(sum(batches) / max(len(batches), 1), 2),
-                    "same_tokens": all(list(g.tokens) == s for g, s in zip(gens, solo)),
+                    "same_tokens": all(list(g.tokens) == s for g, s in zip(gens, refs["solo"])),
                 })
+                _progress(f"{n} requests at once: {wall:.1f} s")
 
     trio.run(main)
     if "where_the_time_goes" not in out:

@@ -77,8 +77,10 @@ def requests_table(rows: Sequence[dict[str, Any]], title: str = "Many requests a
 
 
 def print_tables(*tables: Any) -> None:
+    import sys
+
     from rich.console import Console
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=110)  # logs and pipes: no wrapped headers
     for t in tables:
         console.print(t)
