@@ -69,6 +69,9 @@ def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) 
                         seen["guess"] = list((await d.generate(prompt, 12, guesses=2, stop_at_eos=False)).tokens)
                         seen["stream"] = [t async for t in d.stream(prompt, 12, stop_at_eos=False)]
                         seen["text_prompt"] = len((await d.generate("def f(", 3, stop_at_eos=False)).tokens)
+                    # a serving peer generates through a chain that includes its own stage (in-process stream)
+                    own = await b.generate(prompt, 12, stop_at_eos=False)
+                    seen["own"], seen["own_route"] = list(own.tokens), own.result.route
             assert a.servers[0].config.model_id == "peer-tiny"
 
     trio.run(main)
@@ -79,6 +82,7 @@ def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) 
     assert seen["text"] == open_checkpoint(tiny).tokenizer.decode(expected)
     assert len(seen["route"]) == 3
     assert seen["text_prompt"] == 3
+    assert seen["own"] == expected and len(seen["own_route"]) == 3
 
 
 def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:

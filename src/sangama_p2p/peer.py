@@ -159,7 +159,7 @@ class Peer:
         self._key_pair = key_pair
         self.node: Any = None
         self.servers: list[Any] = []  # StageServer, in the order served
-        self._clients: dict[str, Any] = {}
+        self._clients: dict[str, tuple[Any, trio.CancelScope]] = {}
         self._client_lock = trio.Lock()
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
@@ -254,6 +254,7 @@ class Peer:
         server = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
         await nursery.start(self._run_server, server)
         self.servers.append(server)
+        await self._drop_client(mid)
         return start, end
 
     async def _resolve_layers(self, layers: str | tuple[int, int], model_id: str, num_layers: int) -> tuple[int, int]:
@@ -324,16 +325,29 @@ class Peer:
 
                 base = self.config.client or ClientConfig(model_id=model_id)
                 config = base.replace(model_id=model_id)
-                if config.num_layers is None and self._spec_num_layers is not None and self.servers:
+                own = [s for s in self.servers if s.config.model_id == model_id]
+                if config.num_layers is None and own:
                     config = config.replace(num_layers=self._spec_num_layers)
-                self._clients[model_id] = await nursery.start(self._run_client, ChainClient(self.node, config))
-        return self._clients[model_id]
+                # our own stage joins our chains through an in-process stream (libp2p cannot dial itself)
+                local = own[0].open_local_stream if own else None
+                client = ChainClient(self.node, config, local_stage=local)
+                scope = await nursery.start(self._run_client, client)
+                self._clients[model_id] = (client, scope)
+        return self._clients[model_id][0]
 
     @staticmethod
     async def _run_client(client: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with client:
-            task_status.started(client)
-            await trio.sleep_forever()
+        with trio.CancelScope() as scope:
+            async with client:
+                task_status.started(scope)
+                await trio.sleep_forever()
+
+    async def _drop_client(self, model_id: str) -> None:
+        """Close the client of ``model_id`` (e.g. after serving it: the next one routes through our own stage)."""
+        async with self._client_lock:
+            entry = self._clients.pop(model_id, None)
+        if entry is not None:
+            entry[1].cancel()
 
     def _gen_kwargs(self, kwargs: dict[str, Any], stop_at_eos: bool) -> dict[str, Any]:
         if stop_at_eos and "stop_tokens" not in kwargs:
