@@ -65,15 +65,26 @@ class FramedStream:
         frame = encode_message_frame(msg, self.max_frame)
         await self.send_frame(frame)
 
-    async def send_frame(self, frame: bytes) -> None:
+    async def send_frame(self, frame: bytes, *, timeout: float = 60.0) -> None:
+        """Write one whole frame. The write is shielded from cancellation: a frame cut off halfway would corrupt a
+        stream that other sessions share; a write stuck for ``timeout`` seconds closes the stream instead."""
         if self.closed:
             raise StreamClosed(f"stream to {self.peer} is closed")
         async with self._lock:
-            try:
-                await self.stream.write(frame)
-            except Exception as exc:  # py-libp2p raises several unrelated types on a dead stream
-                self.closed = True
-                raise StreamClosed(f"cannot write to {self.peer}: {type(exc).__name__}: {exc}") from exc
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(timeout) as scope:
+                    try:
+                        await self.stream.write(frame)
+                    except Exception as exc:  # py-libp2p raises several unrelated types on a dead stream
+                        self.closed = True
+                        raise StreamClosed(f"cannot write to {self.peer}: {type(exc).__name__}: {exc}") from exc
+                if scope.cancelled_caught:
+                    self.closed = True
+                    try:
+                        await self.stream.reset()
+                    except Exception:  # already gone
+                        pass
+                    raise StreamClosed(f"a write to {self.peer} took over {timeout} s")
 
     async def aclose(self, *, reset: bool = False) -> None:
         """Close (or reset) the stream; never raises."""

@@ -68,3 +68,25 @@ def test_no_spare_for_a_dead_stage_raises_route_error(ckpt):
                         await client.generate(PROMPT, 20, on_tokens=on_tokens)
 
     trio.run(main)
+
+
+def test_cancelled_generations_leave_the_shared_streams_healthy(ckpt):
+    want = local_chain(ckpt, SPLIT).generate(PROMPT, 12, guesses=2).tokens
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    for delay in (0.0, 0.005, 0.02, 0.05):  # cancel at different points of a trip
+                        with trio.move_on_after(0.3 + delay):
+                            await client.generate(PROMPT, 200, guesses=2)
+                    res = await client.generate(PROMPT, 12, guesses=2)
+                    links = {p: not link.lost for p, link in client.pool.links.items()}
+                    await trio.sleep(0.2)
+                    open_sessions = [len(s.table.sessions) for _, s, _ in f.stages]
+        return res, links, open_sessions
+
+    res, links, open_sessions = trio.run(main)
+    assert res.tokens == want and res.failovers == 0
+    assert all(links.values())  # no stream was corrupted by a cancelled write
+    assert open_sessions == [0, 0, 0]  # cancelled generations closed their sessions

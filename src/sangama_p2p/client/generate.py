@@ -228,9 +228,9 @@ class ChainClient:
                 await session.open()
                 return session
             except ChainBroken as exc:
-                bad = set(exc.suspects) or await self._dead_peers(session)
+                bad = await self._dead_peers(session)
                 await session.close()
-                if not bad or tries >= self.config.max_failovers:
+                if tries >= self.config.max_failovers:
                     raise RouteError(f"cannot open a chain: {exc}") from exc
                 exclude |= bad
             except StageRefused as exc:
@@ -243,7 +243,9 @@ class ChainClient:
             max_age = 0.0 if self.config.rediscover else math.inf
 
     async def _dead_peers(self, session: ChainSession) -> set[str]:
-        """Probe every stage of ``session``'s route; those that do not answer in time are dead."""
+        """Probe every stage of ``session``'s route (over a fresh stream where the old one broke); those that do not
+        answer within ``probe_timeout`` are dead. A peer whose stream broke but which answers is not excluded: the
+        chain is re-opened and the trip replayed (a broken stream alone may be our own doing, e.g. a cancel)."""
         pool, dead = self._pool(), set()
 
         async def probe(offer: PeerOffer) -> None:
@@ -337,7 +339,7 @@ class ChainClient:
                 except ChainBroken as exc:
                     log.info("chain %s broke at trip %d: %s", session.peers, step, exc)
                     result.failovers += 1
-                    bad = set(exc.suspects) or await self._dead_peers(session)
+                    bad = await self._dead_peers(session)
                     await session.close()
                     if result.failovers > self.config.max_failovers:
                         raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
