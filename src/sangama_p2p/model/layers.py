@@ -52,6 +52,32 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return F.linear(x, dense(w, x.dtype), bias)
 
 
+class FusedLinear:
+    """Projections of the same input as ONE product when their weights are dense (one each when quantized).
+
+    The concatenated weight replaces the parts (same bytes), so a decode step makes one call where it made three
+    or four: on CPU the per-call overhead, not the arithmetic, dominates small models.
+    """
+
+    def __init__(self, weights: list[Weight], biases: list[torch.Tensor] | None = None) -> None:
+        self.sizes = [int(w.shape[0]) for w in weights]
+        if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
+            self.parts: list[Weight] = [torch.cat(weights)]  # type: ignore[arg-type]
+            self.biases: list[torch.Tensor | None] = [torch.cat(biases) if biases else None]
+        else:
+            self.parts = list(weights)
+            self.biases = list(biases) if biases else [None] * len(weights)
+
+    def weights(self) -> Iterator[Weight]:
+        yield from self.parts
+        yield from (b for b in self.biases if b is not None)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if len(self.parts) == 1:
+            return list(linear(x, self.parts[0], self.biases[0]).split(self.sizes, dim=-1))
+        return [linear(x, w, b) for w, b in zip(self.parts, self.biases)]
+
+
 def _norm_weight(w: Weight, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
     """Effective RMSNorm scale: Qwen3.5 stores w and applies 1 + w."""
     t = dense(w, torch.float32)
@@ -64,38 +90,35 @@ class Attention:
     def __init__(self, spec: ModelSpec, load: Loader, layer_key: int) -> None:
         self.spec = spec
         self.key = layer_key
-        self.q = load("self_attn.q_proj.weight")
-        self.k = load("self_attn.k_proj.weight")
-        self.v = load("self_attn.v_proj.weight")
+        biases = [dense(load(f"self_attn.{p}_proj.bias"), torch.float32) for p in "qkv"] if spec.attention_bias \
+            else None
+        self.qkv = FusedLinear([load(f"self_attn.{p}_proj.weight") for p in "qkv"], biases)
         self.o = load("self_attn.o_proj.weight")
-        self.biases: list[torch.Tensor | None] = [None, None, None]
-        if spec.attention_bias:
-            self.biases = [dense(load(f"self_attn.{p}_proj.bias"), torch.float32) for p in "qkv"]
         self.q_norm = self.k_norm = None
         if spec.attn_output_gate:
             self.q_norm = _norm_weight(load("self_attn.q_norm.weight"), spec, torch.float32)
             self.k_norm = _norm_weight(load("self_attn.k_norm.weight"), spec, torch.float32)
 
     def weights(self) -> Iterator[Weight]:
-        yield from (self.q, self.k, self.v, self.o)
-        yield from (b for b in self.biases if b is not None)
+        yield from self.qkv.weights()
+        yield self.o
         yield from (n for n in (self.q_norm, self.k_norm) if n is not None)
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         n, hd = x.shape[0], spec.head_dim
-        q = linear(x, self.q, self.biases[0])
+        q, k, v = self.qkv(x)
         gate = None
         if spec.attn_output_gate:
-            q, gate = q.view(n, spec.num_heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
+            q, gate = q.reshape(n, spec.num_heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
             gate = gate.reshape(n, spec.num_heads * hd)
             q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
         else:
-            q = q.view(n, spec.num_heads, hd)
-        k = linear(x, self.k, self.biases[1]).view(n, spec.num_kv_heads, hd)
+            q = q.reshape(n, spec.num_heads, hd)
+        k = k.reshape(n, spec.num_kv_heads, hd)
         if self.k_norm is not None:
             k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
-        v = linear(x, self.v, self.biases[2]).view(n, spec.num_kv_heads, hd)
+        v = v.reshape(n, spec.num_kv_heads, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         out = torch.zeros(n, spec.num_heads, hd, dtype=x.dtype, device=x.device)
@@ -130,10 +153,7 @@ class GatedDeltaNet:
     def __init__(self, spec: ModelSpec, load: Loader, layer_key: int) -> None:
         self.spec = spec
         self.key = layer_key
-        self.in_qkv = load("linear_attn.in_proj_qkv.weight")
-        self.in_z = load("linear_attn.in_proj_z.weight")
-        self.in_b = load("linear_attn.in_proj_b.weight")
-        self.in_a = load("linear_attn.in_proj_a.weight")
+        self.in_proj = FusedLinear([load(f"linear_attn.in_proj_{p}.weight") for p in ("qkv", "z", "b", "a")])
         self.out = load("linear_attn.out_proj.weight")
         conv = dense(load("linear_attn.conv1d.weight"), torch.float32)
         self.conv = conv.reshape(conv.shape[0], conv.shape[-1])  # [C, 1, K] -> [C, K]
@@ -142,18 +162,17 @@ class GatedDeltaNet:
         self.norm = dense(load("linear_attn.norm.weight"), torch.float32)  # plain (not zero-centred) gated norm
 
     def weights(self) -> Iterator[Weight]:
-        yield from (self.in_qkv, self.in_z, self.in_b, self.in_a, self.out, self.conv, self.neg_a, self.dt_bias,
-                    self.norm)
+        yield from self.in_proj.weights()
+        yield from (self.out, self.conv, self.neg_a, self.dt_bias, self.norm)
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         spec = self.spec
         n = x.shape[0]
         nk, nv, dk, dv = (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
                           spec.linear_value_head_dim)
-        mixed = linear(x, self.in_qkv)  # [N, conv_dim]
-        z = linear(x, self.in_z)
-        beta = torch.sigmoid(linear(x, self.in_b)).float()  # [N, Hv]
-        g = self.neg_a * F.softplus(linear(x, self.in_a).float() + self.dt_bias)  # [N, Hv]
+        mixed, z, b, a = self.in_proj(x)  # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]
+        beta = torch.sigmoid(b.float())
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
         conv_w = self.conv.to(x.dtype)
         row = 0
@@ -184,7 +203,7 @@ class GatedDeltaNet:
                 core[rows] = delta_rule_chunked(q, k, v, g[rows], beta[rows], st.rec)
             row += seg.length
         # gated RMSNorm over each value head, then the output projection
-        core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().view(n, nv, dv))
+        core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
 
     @staticmethod
@@ -203,21 +222,21 @@ class DenseMLP:
     """SwiGLU MLP (Llama's FFN and Qwen3.5's shared expert)."""
 
     def __init__(self, load: Loader, prefix: str, bias: bool = False) -> None:
-        self.gate = load(f"{prefix}.gate_proj.weight")
-        self.up = load(f"{prefix}.up_proj.weight")
+        biases = [dense(load(f"{prefix}.{p}.bias"), torch.float32) for p in ("gate_proj", "up_proj")] if bias \
+            else None
+        self.gate_up = FusedLinear([load(f"{prefix}.gate_proj.weight"), load(f"{prefix}.up_proj.weight")], biases)
         self.down = load(f"{prefix}.down_proj.weight")
-        self.biases = (
-            [dense(load(f"{prefix}.{p}.bias"), torch.float32) for p in ("gate_proj", "up_proj", "down_proj")]
-            if bias else [None, None, None]
-        )
+        self.down_bias = dense(load(f"{prefix}.down_proj.bias"), torch.float32) if bias else None
 
     def weights(self) -> Iterator[Weight]:
-        yield from (self.gate, self.up, self.down)
-        yield from (b for b in self.biases if b is not None)
+        yield from self.gate_up.weights()
+        yield self.down
+        if self.down_bias is not None:
+            yield self.down_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(linear(x, self.gate, self.biases[0])) * linear(x, self.up, self.biases[1])
-        return linear(h, self.down, self.biases[2])
+        gate, up = self.gate_up(x)
+        return linear(F.silu(gate) * up, self.down, self.down_bias)
 
 
 class MoE:
@@ -244,9 +263,16 @@ class MoE:
         top_w, top_i = torch.topk(probs, self.spec.num_experts_per_tok, dim=-1)  # [N, k]
         top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(x)
-        flat = top_i.flatten()
-        for e in torch.unique(flat).tolist():
-            token, slot = torch.where(top_i == e)
+        # group (token, slot) pairs by expert in Python: cheaper than torch.unique + where for the few rows of a step
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for token, row in enumerate(top_i.tolist()):
+            for slot, e in enumerate(row):
+                tokens, slots = groups.setdefault(e, ([], []))
+                tokens.append(token)
+                slots.append(slot)
+        for e in sorted(groups):
+            token = torch.tensor(groups[e][0], device=x.device)
+            slot = torch.tensor(groups[e][1], device=x.device)
             y = self.experts[e].forward(x[token]) * top_w[token, slot, None]
             out.index_add_(0, token, y)
         if self.shared is not None:

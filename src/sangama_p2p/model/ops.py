@@ -66,7 +66,7 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, inv
     ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
     """
     seq = torch.cat((window, x.t()), dim=-1)  # [C, K-1+T]
-    if invariant:  # the same products and sums for any T: a position's result never depends on the step length
+    if invariant or x.shape[0] == 1:  # products and sums: the same for any T, and cheaper than conv1d for one
         out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # [C, T]
     else:  # what transformers does, for the closest match
         out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
