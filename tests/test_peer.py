@@ -91,6 +91,14 @@ def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:
         async with Peer(config) as p:
             s = p.servers[0].config
             assert p.tokenizer is not None  # the served checkpoint's tokenizer takes text prompts
+            from rich.console import Console
+
+            from sangama_p2p.cli.peer_cmds import _panel
+
+            console = Console(record=True, width=120)
+            console.print(_panel(p))  # join's live panel, from a real server's figures
+            text = console.export_text()
+            assert "peer-tiny" in text and "2:5" in text
             return s.start, s.end, s.model_id
 
     assert trio.run(main) == (2, 5, "peer-tiny")

@@ -45,10 +45,10 @@ class PeerConfig:
     """Everything a peer needs, grouped: how to join (``host``), what to serve (``stage``), how to generate.
 
     ``model_path`` and ``layers`` (``"A:B"`` or ``"auto"``/``"auto:N"``) say what to serve when the peer starts
-    (``None``: serve nothing until :meth:`Peer.serve`). ``stage`` holds the stage settings (its ``model_id``,
-    ``start`` and ``end`` are replaced by each ``serve`` call's own); ``client`` those of generation (its
-    ``model_id`` is the default model that ``generate`` asks for). ``tokenizer_path`` (a checkpoint directory) lets a
-    client-only peer take text prompts and stop at the model's end-of-sequence tokens.
+    (``None``: serve nothing until :meth:`Peer.serve`). ``stage`` holds the stage settings, a template: each
+    ``serve`` call sets ``start`` and ``end`` (and ``model_id`` when it passes one). ``client`` holds those of
+    generation (its ``model_id`` is the default model that ``generate`` asks for). ``tokenizer_path`` (a checkpoint
+    directory) lets a client-only peer take text prompts and stop at the model's end-of-sequence tokens.
     """
 
     host: HostConfig = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/0",))
@@ -246,8 +246,10 @@ class Peer:
         if self._tokenizer is None and ckpt.tokenizer is not None:
             self._tokenizer, self._eos = ckpt.tokenizer, tuple(ckpt.spec.eos_token_ids)
         self._spec_num_layers = num_layers
-        base = self.config.stage or StageConfig(model_id=model_id or default_model_id(model), start=0, end=1)
-        mid = model_id or (base.model_id if self.config.stage is not None else default_model_id(model))
+        # the configured stage settings are a template: model id (unless given) and range come from this call
+        template = self.config.stage
+        mid = model_id or (template.model_id if template is not None else default_model_id(model))
+        base = template or StageConfig(model_id=mid, start=0, end=1)
         start, end = await self._resolve_layers(layers, mid, num_layers)
         ckpt.spec.check_range(start, end)
         config = base.replace(model_id=mid, start=start, end=end, **stage_options)
@@ -300,7 +302,8 @@ class Peer:
         """The tokenizer of the served model or of ``config.tokenizer_path`` (None when neither is known)."""
         return self._tokenizer
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt`` (text through the known tokenizer; ids pass through)."""
         if isinstance(prompt, str):
             if self._tokenizer is None:
                 raise ModelError("text prompts need a tokenizer: serve a model or set tokenizer_path; "
@@ -371,7 +374,7 @@ class Peer:
         ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. Errors: :class:`RouteError` when no chain covers
         the model, :class:`StageError` when every stage refuses.
         """
-        ids = self._prompt_ids(prompt)
+        ids = self.encode(prompt)
         client = await self.client(model_id)
         kwargs = self._gen_kwargs({}, stop_at_eos)
         result = await client.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -389,7 +392,7 @@ class Peer:
         **kwargs: Any,
     ) -> AsyncIterator[int]:
         """Yield each new token id as soon as its trip returns (same settings as :meth:`generate`)."""
-        ids = self._prompt_ids(prompt)
+        ids = self.encode(prompt)
         client = await self.client(model_id)
         async for tok in client.stream(ids, max_new_tokens, **self._gen_kwargs(kwargs, stop_at_eos)):
             yield tok

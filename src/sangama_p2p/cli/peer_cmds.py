@@ -157,7 +157,7 @@ def _panel(peer: Any) -> Any:
     from rich.table import Table
 
     table = Table(title=f"sangama peer {peer.peer_id[:12]}…", title_justify="left")
-    for col in ("model", "layers", "sessions", "free", "queue", "tokens/s"):
+    for col in ("model", "layers", "sessions", "free", "queue", "steps/s (measured)"):
         table.add_column(col)
     for server in peer.servers:
         try:
@@ -166,8 +166,8 @@ def _panel(peer: Any) -> Any:
             table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?",
                           f"error: {exc}")
             continue
-        sessions = getattr(server, "active_sessions", None)
-        table.add_row(info.model_id, f"{info.start}:{info.end}", "-" if sessions is None else str(sessions),
+        sessions = len(getattr(getattr(server, "table", None), "sessions", ()))
+        table.add_row(info.model_id, f"{info.start}:{info.end}", str(sessions),
                       str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}")
     return table
 
@@ -217,7 +217,7 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
             if todo is None:
                 if text is None:
                     raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
-                todo = [peer._prompt_ids(text)]
+                todo = [peer.encode(text)]
             from .model_cmds import _variant
 
             if args.batch > 1:  # the same prompt set as `generate --local --batch N`, so the two compare
@@ -288,7 +288,7 @@ def _chat(args: argparse.Namespace) -> int:
                     return
                 if not line.strip():
                     continue
-                ids = peer._prompt_ids(line.rstrip("\n") + "\n")
+                ids = peer.encode(line.rstrip("\n") + "\n")
                 history.extend(ids)
                 decoder = IncrementalDecoder(peer.tokenizer) if peer.tokenizer is not None else None
                 async for tok in peer.stream(history, args.max_new_tokens, guesses=args.guesses,
