@@ -25,7 +25,8 @@ def where_time_goes_table(summary: dict[str, Any], title: str = "Where the time 
         table.add_row(f"stage {i + 1} ({st['peer'][:8]}…)", f"{st['queue_ms']:.2f}", f"{st['compute_ms']:.2f}",
                       f"{st['send_ms']:.2f}", f"{st['mean_batch']:.1f}", _share(total, trip))
     net = summary.get("network_ms", 0.0)
-    table.add_row("network (4 hops, the rest)", "", "", f"{net:.2f}", "", _share(net, trip))
+    hops = len(summary.get("stages", [])) + 1
+    table.add_row(f"network ({hops} hops, the rest)", "", "", f"{net:.2f}", "", _share(net, trip))
     table.add_row("[bold]trip[/bold]", "", "", f"[bold]{trip:.2f}[/bold]", "", f"{summary.get('trips', 0)} trips")
     return table
 
