@@ -98,7 +98,9 @@ class StageModel:
                 raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
             w = source.get(name, dt)
             stage.loaded_names.append(name)
-            return w.to(stage.device) if isinstance(w, torch.Tensor) else w
+            if isinstance(w, torch.Tensor) or hasattr(w, "to"):  # quantized weights move their blocks
+                return w.to(stage.device)  # type: ignore[union-attr]
+            return w
 
         if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
             stage.embed = get("model.embed_tokens.weight")
@@ -193,7 +195,7 @@ class StageModel:
             ids = torch.cat([st.tokens for st in steps]).to(self.device)  # type: ignore[misc]
             if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
                 raise SessionStateError(f"token id out of range 0..{self.spec.vocab_size - 1}")
-            x = torch.nn.functional.embedding(ids, dense(self.embed, self.dtype))  # type: ignore[arg-type]
+            x = self.embed_rows(ids)
         else:
             x = torch.cat([st.hidden for st in steps]).to(self.device, self.dtype)  # type: ignore[misc]
             if x.shape[-1] != self.spec.hidden_size:
@@ -224,6 +226,17 @@ class StageModel:
         """Final norm + head (last stage only): ``[N, hidden]`` -> ``[N, vocab]`` fp32."""
         return self.head_logits(self.final_normed(hidden))
 
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows for token ids; a quantized table dequantizes only the rows asked for."""
+        if self.embed is None:
+            raise ModelError("this stage holds no embedding")
+        if isinstance(self.embed, torch.Tensor):
+            return torch.nn.functional.embedding(ids, self.embed).to(self.dtype)
+        take_rows = getattr(self.embed, "take_rows", None)
+        if take_rows is not None:
+            return take_rows(ids, self.dtype)
+        return torch.nn.functional.embedding(ids, dense(self.embed, self.dtype))
+
     def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.is_last:
             raise ModelError("only the last stage holds the final norm and head")
@@ -243,7 +256,7 @@ class StageModel:
         if self.mtp is None:
             raise ModelError("this stage has no MTP layer (not the last stage, or the checkpoint has none)")
         n, m = hidden.shape[0], self.min_rows
-        emb = torch.nn.functional.embedding(next_tokens.to(self.device), dense(self.embed, self.dtype))  # type: ignore[arg-type]
+        emb = self.embed_rows(next_tokens.to(self.device))
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         cos, sin = self.rope(pad_rows(positions, m))
         token = MIN_ROWS.set(m)
