@@ -228,7 +228,7 @@ class ChainClient:
                 await session.open()
                 return session
             except ChainBroken as exc:
-                bad = await self._dead_peers(session)
+                bad = set(exc.misbehaving) | await self._dead_peers(session)
                 await session.close()
                 if tries >= self.config.max_failovers:
                     raise RouteError(f"cannot open a chain: {exc}") from exc
@@ -291,7 +291,11 @@ class ChainClient:
         return result
 
     async def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs: Any) -> AsyncIterator[int]:
-        """Like :meth:`generate`, yielding each new token id as soon as its trip returns."""
+        """Like :meth:`generate`, yielding each new token id as soon as its trip returns.
+
+        To stop early and free the chain's sessions at once (not when the generator is collected), iterate inside
+        ``async with contextlib.aclosing(client.stream(...)) as tokens:``.
+        """
         result = GenerationResult(list(prompt_ids), [])
         opts = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "guesses": 0, "stop_tokens": ()}
         unknown = set(kwargs) - set(opts)
@@ -339,7 +343,7 @@ class ChainClient:
                 except ChainBroken as exc:
                     log.info("chain %s broke at trip %d: %s", session.peers, step, exc)
                     result.failovers += 1
-                    bad = await self._dead_peers(session)
+                    bad = set(exc.misbehaving) | await self._dead_peers(session)
                     await session.close()
                     if result.failovers > self.config.max_failovers:
                         raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc

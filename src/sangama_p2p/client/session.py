@@ -26,15 +26,28 @@ from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpen
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import PeerOffer
 
-__all__ = ["ChainBroken", "ChainSession", "SessionParams", "StageRefused"]
+__all__ = ["ChainBroken", "ChainSession", "SessionParams", "StageRefused", "check_result"]
 
 
 class ChainBroken(NetworkError):
-    """The chain cannot finish this trip; ``suspects`` are the peers known to have failed."""
+    """The chain cannot finish this trip; ``suspects`` are the peers seen failing (probed before exclusion);
+    ``misbehaving`` are peers that answered against the protocol (excluded without a probe)."""
 
-    def __init__(self, message: str, suspects: frozenset[str] = frozenset()) -> None:
+    def __init__(self, message: str, suspects: frozenset[str] = frozenset(),
+                 misbehaving: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
-        self.suspects = suspects
+        self.suspects = suspects | misbehaving
+        self.misbehaving = misbehaving
+
+
+def check_result(res: StepResult, sent: Sequence[int], n_guesses: int, peer: str) -> None:
+    """A last stage's answer must keep a prefix of the guesses it was sent, plus exactly one new token, and as many
+    next guesses as the session allows at most; anything else is a misbehaving peer (raises ChainBroken)."""
+    guesses = tuple(sent[len(sent) - n_guesses:]) if n_guesses else ()
+    k = len(res.tokens) - 1
+    if not 0 <= k <= n_guesses or tuple(res.tokens[:k]) != guesses[:k]:
+        raise ChainBroken(f"{peer} answered tokens {list(res.tokens)} for guesses {list(guesses)}",
+                          misbehaving=frozenset({peer}))
 
 
 class StageRefused(StageError):
@@ -127,6 +140,13 @@ class ChainSession:
                 peer, got = await self._recv.receive()
                 if isinstance(got, StepResult):
                     if got.step == step:
+                        if peer != self.route[-1].peer_id:
+                            raise ChainBroken(f"{peer} is not the last stage but answered a step",
+                                              misbehaving=frozenset({peer}))
+                        check_result(got, token_ids, n_guesses, peer)
+                        if len(got.guesses) > self.params.max_guesses:
+                            raise ChainBroken(f"{peer} drafted {len(got.guesses)} guesses",
+                                              misbehaving=frozenset({peer}))
                         return got, time.perf_counter() - t0
                     continue  # a late answer to an earlier trip
                 if isinstance(got, ErrorMessage) and got.step not in (None, step):

@@ -1,0 +1,23 @@
+"""The client's checks of a last stage's answer (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sangama_p2p.client.session import ChainBroken, check_result
+from sangama_p2p.wire.messages import StepResult
+
+SID = bytes(16)
+
+
+def test_accepted_tokens_must_be_a_prefix_of_the_guesses_plus_one():
+    sent = [5, 7, 8, 9]  # last token + 3 guesses
+    for tokens in [(1,), (7, 1), (7, 8, 2), (7, 8, 9, 3)]:
+        check_result(StepResult(SID, 1, tokens, (), ()), sent, 3, "p")
+    for tokens in [(), (8, 1), (7, 9, 1), (7, 8, 9, 3, 4)]:
+        with pytest.raises(ChainBroken) as info:
+            check_result(StepResult(SID, 1, tokens, (), ()), sent, 3, "p")
+        assert info.value.misbehaving == {"p"} and "p" in info.value.suspects
+    check_result(StepResult(SID, 0, (4,), (), ()), [1, 2, 3], 0, "p")  # a prefill checks no guess
+    with pytest.raises(ChainBroken):
+        check_result(StepResult(SID, 0, (4, 5), (), ()), [1, 2, 3], 0, "p")
