@@ -75,15 +75,18 @@ def test_cli_generate_equals_local_without_and_with_auto_guesses(fleet) -> None:
     plain = cli(*net_args(model, f, "--json", "--guesses", "0"))["json"]
     assert plain["tokens"] == local
     assert len(plain["route"]) == 3 and plain["route"] == f.stage_ids
-    auto = cli(*net_args(model, f, "--json", "--guesses", "auto"))["json"]
+    out = cli(*net_args(model, f, "--json", "--guesses", "auto", "--timings"))
+    auto = out["json"]
     assert auto["tokens"] == local
     assert auto["guesses_proposed"] > 0
+    assert "Where the time goes" in out["stderr"] and "network (4 hops" in out["stderr"]
+    assert len(auto["where_the_time_goes"]["stages"]) == 3
 
 
 @pytest.mark.slow
-def test_cli_batch_of_8_equals_each_solo_run_and_prints_timings(fleet) -> None:
+def test_cli_batch_of_8_equals_each_solo_run(fleet) -> None:
     model, f = fleet
-    out = cli(*net_args(model, f, "--json", "--batch", "8", "--timings"))
+    out = cli(*net_args(model, f, "--json", "--batch", "8"))
     chain = local_chain(model)
     vocab = chain.spec.vocab_size
     prompts = [PROMPT] + [_variant(PROMPT, i, vocab) for i in range(1, 8)]
@@ -95,13 +98,6 @@ def test_cli_batch_of_8_equals_each_solo_run_and_prints_timings(fleet) -> None:
     stages = requests[0]["where_the_time_goes"]["stages"]
     assert len(stages) == 3
     assert max(s["mean_batch"] for r in requests for s in r["where_the_time_goes"]["stages"]) > 1  # batched
-
-
-def test_timings_table(fleet) -> None:
-    model, f = fleet
-    out = cli(*net_args(model, f, "--timings"))
-    assert "Where the time goes" in out["stderr"] and "network" in out["stderr"]
-    assert out["stdout"].strip()
 
 
 def test_fixed_guesses_2_4_6_over_the_process_fleet(fleet) -> None:

@@ -236,6 +236,10 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
             return results
 
     results = trio.run(main)
+    if args.timings:  # on stderr: stdout stays the text (or the JSON)
+        from .tables import print_where_time_goes
+
+        print_where_time_goes(results[0].result.trips)
     if args.json:
         dicts = [dict(g.result.as_dict(), text=g.text) for g in results]
         print(json.dumps(dicts[0] if len(dicts) == 1 else {"requests": dicts}))
@@ -246,10 +250,6 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
         print(f"[{len(g.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
               f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
               f"route {' -> '.join(p[:8] for p in r.route)}]", file=sys.stderr)
-    if args.timings:
-        from .tables import print_where_time_goes
-
-        print_where_time_goes(results[0].result.trips)
     return 0
 
 
