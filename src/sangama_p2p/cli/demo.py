@@ -89,7 +89,7 @@ def _variants(base: list[int], n: int, vocab: int) -> list[list[int]]:
     return [base] + [_variant(base, i, vocab) for i in range(1, n)]
 
 
-def local_references(model_dir: Path, *, guesses: list[int], requests: list[int], new_tokens: int) -> dict:
+def local_references(model_dir: Path, *, guesses: list[int | str], requests: list[int], new_tokens: int) -> dict:
     """The one-process runs every network result is checked against (and the one-process tokens/s).
 
     Run before the fleet starts, so the one-process numbers are not measured on cores the stages are using.
@@ -116,9 +116,11 @@ def measure_network(
     bootstrap_addr: str,
     refs: dict,
     *,
-    guesses: list[int],
+    guesses: list[int | str],
     requests: list[int],
     new_tokens: int,
+    split: tuple[str, ...] = DEMO_SPLIT,
+    label: str = "qwen3_5_moe/tiny",
 ) -> dict[str, Any]:
     """Run the demo's measurements against a running fleet; every result carries its check against ``refs``."""
     import trio
@@ -135,7 +137,7 @@ def measure_network(
         client=ClientConfig(model_id=default_model_id(model_dir)),
         tokenizer_path=Path(model_dir),
     )
-    out: dict[str, Any] = {"model": "qwen3_5_moe/tiny", "split": list(DEMO_SPLIT), "new_tokens": new_tokens,
+    out: dict[str, Any] = {"model": label, "split": list(split), "new_tokens": new_tokens,
                            "guesses": [], "requests": []}
 
     async def main() -> None:
