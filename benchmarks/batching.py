@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tag", default="", help="suffix of this run's key in the JSON (key: checkpoint dir name)")
     ap.add_argument("--json", default=str(RESULTS / "batching.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,7 +123,7 @@ def main() -> None:
     path = Path(args.json)
     path.parent.mkdir(exist_ok=True)
     runs = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
-    runs[model.name] = {"meta": meta, "rows": rows}  # one entry per checkpoint benchmarked
+    runs[model.name + args.tag] = {"meta": meta, "rows": rows}  # one entry per checkpoint benchmarked
     path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     print(f"batch-invariant runs equal to solo: {'all' if not bad else 'NOT ALL'}; load average "
           f"{meta['loadavg_start']} -> {meta['loadavg_end']}; wrote {args.json}")

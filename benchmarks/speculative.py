@@ -170,6 +170,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--guesses", default="0,2,4,6,auto", help="comma-separated; must start with 0 (the baseline)")
     ap.add_argument("--layouts", default="whole,3-stage")
+    ap.add_argument("--tag", default="", help="suffix of this run's key in the JSON (key: checkpoint dir name)")
     ap.add_argument("--json", default=str(RESULTS / "speculative.json"))
     args = ap.parse_args()
     args.guesses = [int(g) if g.isdigit() else g for g in args.guesses.split(",")]
@@ -205,7 +206,7 @@ def main() -> None:
     path = Path(args.json)
     path.parent.mkdir(exist_ok=True)
     runs = json.loads(path.read_text()).get("runs", {}) if path.is_file() else {}
-    runs[model.name] = {"meta": meta, "rows": rows}  # one entry per checkpoint benchmarked
+    runs[model.name + args.tag] = {"meta": meta, "rows": rows}  # one entry per checkpoint benchmarked
     path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     print(f"load average {meta['loadavg_start']} -> {meta['loadavg_end']}; wrote {args.json}")
 
