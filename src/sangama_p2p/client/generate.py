@@ -249,15 +249,14 @@ class ChainClient:
         pool, dead = self._pool(), set()
 
         async def probe(offer: PeerOffer) -> None:
-            with trio.move_on_after(self.config.probe_timeout) as scope:
+            with trio.move_on_after(self.config.probe_timeout):
                 try:
                     link = await pool.get(offer.peer_id, offer.addrs)
                     await link.probe()
-                    return
+                    return  # answered in time: alive
                 except SangamaError:
                     pass
-            dead.add(offer.peer_id)
-            _ = scope
+            dead.add(offer.peer_id)  # failed, or no answer in time
 
         async with trio.open_nursery() as nursery:
             for offer in session.route:
@@ -327,19 +326,11 @@ class ChainClient:
         t_first = 0.0
         try:
             while True:
-                chunk = self.config.max_step_tokens
-                if len(pending) > chunk and not n_guesses:
-                    # a long prefill (or replay) goes in chunks, so that no hidden-state frame outgrows the limit
-                    try:
-                        res, trip_s = await session.step(step, start, pending[:chunk], 0)
-                    except ChainBroken:
-                        pass  # the same trip, sent whole, fails again and takes the failover path below
-                    else:
-                        result.trips.append(trip_timing(step, chunk, 0, trip_s, res.trace))
-                        start, pending, step = start + chunk, pending[chunk:], step + 1
-                        continue
+                # a long prefill (or replay) goes in chunks, so that no hidden-state frame outgrows the limit
+                partial = len(pending) > self.config.max_step_tokens and not n_guesses
+                sent = pending[:self.config.max_step_tokens] if partial else pending
                 try:
-                    res, trip_s = await session.step(step, start, pending, n_guesses)
+                    res, trip_s = await session.step(step, start, sent, n_guesses)
                 except ChainBroken as exc:
                     log.info("chain %s broke at trip %d: %s", session.peers, step, exc)
                     result.failovers += 1
@@ -353,6 +344,10 @@ class ChainClient:
                     # replay: everything the model has seen, from position 0, no guesses
                     pending, start, n_guesses = [*prompt, *out], 0, 0
                     step += 1
+                    continue
+                if partial:  # a prefill chunk: its sampled token and drafts are not used
+                    result.trips.append(trip_timing(step, len(sent), 0, trip_s, res.trace))
+                    start, pending, step = start + len(sent), pending[len(sent):], step + 1
                     continue
                 result.route = session.peers
                 result.trips.append(trip_timing(step, len(pending), len(res.tokens), trip_s, res.trace))
