@@ -80,9 +80,17 @@ def test_choose_layers_fills_the_gap() -> None:
     assert choose_layers([(0, 20)], 60) == (20, 40)
     assert choose_layers([(0, 20), (20, 40)], 60) == (40, 60)
     assert choose_layers([(0, 20), (40, 60)], 60) == (20, 40)
-    # a partly covered window loses to an uncovered one, then the least total coverage wins
+    # the gap is filled from its start and never past it, so the new stage meets the next one end to start
+    assert choose_layers([(0, 3), (3, 6)], 8) == (6, 8)
     assert choose_layers([(0, 3), (3, 6)], 8, span=2) == (6, 8)
+    assert choose_layers([(2, 5)], 8) == (0, 2)
+    assert choose_layers([(0, 3)], 8) == (3, 6)
+    assert choose_layers([(0, 3)], 8, span=8) == (3, 8)
+    # everything served: a spare starts at a boundary where the swarm is thinnest
     assert choose_layers([(0, 8), (0, 4)], 8, span=4) == (4, 8)
+    assert choose_layers([(0, 8)], 8) == (0, 3)
+    assert choose_layers([(0, 3), (3, 6), (6, 8)], 8) == (0, 3)  # the short last window is not "lighter"
+    assert choose_layers([(0, 3), (3, 6), (6, 8), (0, 3)], 8) == (3, 6)
 
 
 def test_choose_layers_adds_redundancy_where_thinnest() -> None:

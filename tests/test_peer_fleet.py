@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,35 @@ def test_fixed_guesses_2_4_6_over_the_process_fleet(fleet) -> None:
     for g, (tokens, proposed) in trio.run(main).items():
         assert tokens == expected, g
         assert proposed >= g  # the guesses were really sent and checked
+
+
+def test_chat_streams_each_answer(fleet) -> None:
+    model, f = fleet
+    out = subprocess.run([sys.executable, "-m", "sangama_p2p.cli.main", "chat", "--model", str(model), "--bootstrap",
+                          f.bootstrap_addr, "--max-new-tokens", "6", "--guesses", "0"], input="hello\n",
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = open_checkpoint(model)
+    ids = ckpt.tokenizer.encode("hello\n")
+    tokens = local_chain(model).generate(ids, 6).tokens
+    assert out.stdout == ckpt.tokenizer.decode(tokens) + "\n"
+
+
+@pytest.mark.slow
+def test_join_auto_adds_a_spare_and_stops_on_sigint(fleet, tmp_path: Path) -> None:
+    model, f = fleet
+    proc = subprocess.Popen([sys.executable, "-m", "sangama_p2p.cli.main", "join", "--model", str(model), "--layers",
+                             "auto", "--bootstrap", f.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key",
+                             str(tmp_path / "spare.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline().split()
+        assert ready[0] == "ready" and ready[2:] == [model.name, "0:3"]  # every layer served: a spare at 0
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "stopping" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -122,10 +122,16 @@ def _build(cls: Any, table: dict[str, Any], where: str) -> Any:
 
 
 def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None) -> tuple[int, int]:
-    """The ``span`` contiguous layers the swarm covers worst, given the ``(start, end)`` ranges already served.
+    """Up to ``span`` layers where the swarm is thinnest, given the ``(start, end)`` ranges already served.
 
-    Worst = the window whose least-served layer has the fewest peers, then the fewest peers in total, then the
-    lowest start. ``span`` defaults to a third of the model (rounded up): three peers cover it. Pure, for tests.
+    Chains are built from whole stage ranges that meet end to start, so the choice keeps to existing boundaries:
+
+    * if some layer is served by nobody, fill the first gap from its start, up to ``span`` layers and never past
+      the gap (the next stage there starts where the gap ends);
+    * otherwise add a spare that starts at an existing boundary: the window whose least-served layer has the fewest
+      peers, then the fewest peers per layer, then the lowest start.
+
+    ``span`` defaults to a third of the model (rounded up): three peers cover it. Pure, for tests.
     """
     if num_layers <= 0:
         raise LayerRangeError("the model has no layers")
@@ -136,8 +142,20 @@ def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int
     for start, end in covered:
         for i in range(max(start, 0), min(end, num_layers)):
             count[i] += 1
-    best = min(range(num_layers - span + 1), key=lambda s: (min(count[s:s + span]), sum(count[s:s + span]), s))
-    return best, best + span
+    if 0 in count:
+        start = count.index(0)
+        end = start
+        while end < num_layers and end - start < span and count[end] == 0:
+            end += 1
+        return start, end
+    bounds = {0} | {b for r in covered for b in r if 0 <= b < num_layers}
+
+    def key(s: int) -> tuple[int, float, int]:
+        window = count[s:min(s + span, num_layers)]
+        return min(window), sum(window) / len(window), s  # a mean: a window cut short by the model's end is no lighter
+
+    best = min(bounds, key=key)
+    return best, min(best + span, num_layers)
 
 
 @dataclass(frozen=True)

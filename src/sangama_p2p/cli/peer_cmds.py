@@ -98,19 +98,18 @@ def _quiet() -> None:
     _quiet_libp2p()
 
 
-async def _until_signal(seconds: float | None) -> None:
+async def _until_signal(signals: Any, seconds: float | None) -> None:
     """Return on SIGINT/SIGTERM (or after ``seconds``), so that every ``async with`` unwinds cleanly."""
-    import signal
-
     import trio
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        with trio.move_on_after(seconds if seconds is not None else float("inf")):
-            async for _ in signals:
-                return
+    with trio.move_on_after(seconds if seconds is not None else float("inf")):
+        async for _ in signals:
+            return
 
 
 def _join(args: argparse.Namespace) -> int:
+    import signal
+
     import torch
     import trio
 
@@ -137,17 +136,19 @@ def _join(args: argparse.Namespace) -> int:
         async with Peer(config.replace(model_path=None)) as peer:
             start, end = await peer.serve(model, layers, model_id=args.model_id, **options)
             server = peer.servers[-1]
-            print(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}", flush=True)
-            for addr in peer.addrs:
-                print(f"  listening {addr}", flush=True)
-            if sys.stdout.isatty():
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_live_panel, peer)
-                    await _until_signal(args.run_for)
-                    nursery.cancel_scope.cancel()
-            else:
-                await _until_signal(args.run_for)
-            print("stopping", flush=True)
+            # from here on a signal stops us through the normal exit path: install the handler before saying ready
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                print(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}", flush=True)
+                for addr in peer.addrs:
+                    print(f"  listening {addr}", flush=True)
+                if sys.stdout.isatty():
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_live_panel, peer)
+                        await _until_signal(signals, args.run_for)
+                        nursery.cancel_scope.cancel()
+                else:
+                    await _until_signal(signals, args.run_for)
+                print("stopping", flush=True)
 
     trio.run(main)
     return 0
@@ -296,7 +297,7 @@ def _chat(args: argparse.Namespace) -> int:
                     history.append(tok)
                     piece = decoder.push([tok]) if decoder is not None else f"{tok} "
                     print(piece, end="", flush=True)
-                print(flush=True)
+                print(decoder.flush() if decoder is not None else "", flush=True)
 
     trio.run(main)
     return 0
