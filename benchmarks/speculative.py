@@ -86,7 +86,7 @@ class RollbackTimer:
 
 
 def ring_write_cost(chain: LocalChain, ids: list[int], step: int, repeats: int) -> tuple[float, float, int]:
-    """Median CPU seconds to push ``ids`` through all stages in steps of ``step`` tokens: (with ring, without, steps)."""
+    """Median CPU seconds to push ``ids`` through all stages in ``step``-token steps: (with ring, without, steps)."""
     n0 = len(ids) - (len(ids) - 1) // step * step  # first chunk (prefill) so the rest splits into whole steps
     prompt, rest = ids[:n0], ids[n0:]
     chunks = [rest[i:i + step] for i in range(0, len(rest), step)]
@@ -183,7 +183,8 @@ def main() -> None:
     ck = open_checkpoint(model)
     prompts = {name: ck.tokenizer.encode(text) for name, text in PROMPTS.items()}
     n = ck.spec.num_layers
-    print(f"{'layout':<8} {'prompt':<6} {'k':>5} {'tok/s':>8} {'x':>6} {'cpu t/s':>8} {'cpu x':>6} {'tok/step':>8} {'same':>6} {'step ms':>8} "
+    print(f"{'layout':<8} {'prompt':<6} {'k':>5} {'tok/s':>8} {'x':>6} {'cpu t/s':>8} {'cpu x':>6} "
+          f"{'tok/step':>8} {'same':>6} {'step ms':>8} "
           f"{'rb ms':>8} {'rb %':>6}  acceptance by position")
     rows = []
     layouts = {"whole": [LayerRange(0, n)], "3-stage": split_ranges(n, 3)}

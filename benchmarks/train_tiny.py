@@ -242,15 +242,18 @@ def save_checkpoint(tr: Trainer, out: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from sangama_p2p.errors import CheckpointError
+
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         made = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     tensors = {k: v.detach().contiguous() for k, v in trained_tensors(tr.model, tr.mtp).items()}
     if set(tensors) != set(made):
-        raise SystemExit(f"tensor names differ from the made checkpoint: extra {sorted(set(tensors) - set(made))[:5]}, "
-                         f"missing {sorted(set(made) - set(tensors))[:5]}")
+        extra = sorted(set(tensors) - set(made))[:5]
+        raise CheckpointError(f"tensor names differ from the made checkpoint: extra {extra}, "
+                              f"missing {sorted(set(made) - set(tensors))[:5]}")
     for k, t in tensors.items():
         if tuple(t.shape) != made[k][0]:
-            raise SystemExit(f"{k}: trained shape {tuple(t.shape)} != made {made[k][0]}")
+            raise CheckpointError(f"{k}: trained shape {tuple(t.shape)} != made {made[k][0]}")
     tmp = out / f".model.safetensors.{os.getpid()}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)
