@@ -103,3 +103,16 @@ def test_choose_layers_adds_redundancy_where_thinnest() -> None:
 def test_choose_layers_rejects_bad_span(span: int) -> None:
     with pytest.raises(LayerRangeError):
         choose_layers([], 8, span=span)
+
+
+def test_network_generate_needs_a_model_and_a_bootstrap_address(capsys: pytest.CaptureFixture[str]) -> None:
+    from sangama_p2p.cli.main import main
+
+    assert main(["generate", "--prompt-ids", "1,2", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/"
+                 "12D3KooWKvVTzQZ5gKwzBq5rQxBdYDu1d3GLwX2ZJgzyvg4cbyzY"]) == 2
+    assert "--model" in capsys.readouterr().err
+    from sangama_p2p.cli.net_cmds import default_bootstrap_addrs
+
+    if not default_bootstrap_addrs():  # while the public list is empty, a client must be told where to start
+        assert main(["generate", "--model", "m", "--prompt-ids", "1,2"]) == 2
+        assert "no bootstrap address" in capsys.readouterr().err

@@ -89,6 +89,11 @@ def host_config(args: argparse.Namespace, *, serving: bool) -> Any:
         config = HostConfig().replace(**{k: v for k, v in overrides.items() if v is not None})
     if not config.bootstrap_addrs:
         config = config.replace(bootstrap_addrs=default_bootstrap_addrs())
+    if not serving and not config.bootstrap_addrs:  # a serving peer may be a swarm's first; a client needs one
+        from ..errors import NetworkError
+
+        raise NetworkError("no bootstrap address: pass --bootstrap MULTIADDR (bootstrap/public.txt is empty), "
+                           "or run in this process with --local")
     return config if serving else config.replace(dht_server=False)
 
 
