@@ -8,8 +8,8 @@ import trio
 
 from sangama_p2p.net.discovery import find_serving_peers
 from sangama_p2p.streams import FramedStream
-from sangama_p2p.wire.messages import OpenSession, SessionOpened
-from sangama_p2p.wire.protocols import STAGE_PROTOCOL
+from sangama_p2p.wire.messages import InfoRequest, InfoResponse, OpenSession, SessionOpened
+from sangama_p2p.wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 
 
 def test_record_tracks_free_sessions_and_measured_throughput(ckpt, fl):
@@ -24,6 +24,12 @@ def test_record_tracks_free_sessions_and_measured_throughput(ckpt, fl):
                 assert [(r.peer_id, r.start, r.end, r.free_cache) for r in records] == [(me, 0, 8, 3)]
                 assert records[0].throughput > 0  # measured at start
                 await client.connect(node.peer_id, node.listen_addrs())
+                info_stream = FramedStream(await client.host.new_stream(node.peer_id, [INFO_PROTOCOL]))
+                await info_stream.send(InfoRequest())
+                info = await info_stream.recv()
+                assert isinstance(info, InfoResponse) and (info.peer, info.start, info.end) == (me, 0, 8)
+                assert info.free_sessions == 3 and info.queue == 0 and info.throughput_tps > 0
+                assert await info_stream.recv() is None  # one request, one answer, then the stage closes it
                 fs = FramedStream(await client.host.new_stream(node.peer_id, [STAGE_PROTOCOL]))
                 for _ in range(2):
                     await fs.send(OpenSession(os.urandom(16), fl.MODEL, 0, 8, None, client.peer_id.to_base58(), 64,
