@@ -81,7 +81,6 @@ def _generate(args: argparse.Namespace) -> int:
     from ..model.sampling import SamplingParams
     from ..model.spec import LayerRange, parse_stages
 
-    torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = open_checkpoint(args.local, mtp_from=args.mtp_from)
