@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from ..errors import ModelError, NetworkError, RouteError, SangamaError
+from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
 from .config import ClientConfig
 from .links import LinkPool
 from .routing import PeerOffer, plan_route
@@ -48,23 +49,6 @@ from .timing import TripTiming, trip_timing
 __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult", "parse_guesses"]
 
 log = logging.getLogger(__name__)
-
-MAX_GUESSES = 8  # the most guesses one step may carry (as model.chain.MAX_GUESSES)
-AUTO_MAX_GUESSES = 6  # the adaptive policy's ceiling (as model.chain.AUTO_MAX_GUESSES)
-
-
-def parse_guesses(value: int | str) -> tuple[int, bool]:
-    """``4`` -> (4, fixed); ``"auto"`` -> (AUTO_MAX_GUESSES, adaptive). Same rule as ``model.chain.parse_guesses``."""
-    if value == "auto":
-        return AUTO_MAX_GUESSES, True
-    try:
-        k = int(value)
-    except (TypeError, ValueError) as exc:
-        raise ModelError(f"guesses must be an integer >= 0 or 'auto', got {value!r}") from exc
-    if k < 0 or k > MAX_GUESSES:
-        raise ModelError(f"guesses must be in 0..{MAX_GUESSES} or 'auto', got {k}")
-    return k, False
-
 
 @dataclass
 class GenerationResult:

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from ..errors import CapacityError, ModelError
+from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
 from .checkpoint import Checkpoint
 from .decode import Decoder, LastStep, finish_steps
 from .sampling import SamplingParams
@@ -22,8 +23,6 @@ from .state import SessionState
 
 __all__ = ["AUTO_MAX_GUESSES", "GenerationResult", "LocalChain", "MAX_GUESSES", "StageTiming", "parse_guesses"]
 
-MAX_GUESSES = 8  # the most guesses one step may carry
-AUTO_MAX_GUESSES = 6  # the adaptive policy's ceiling
 
 
 @dataclasses.dataclass
@@ -214,15 +213,3 @@ class LocalChain:
             r.pending = [o.tokens[-1], *o.guesses]
             r.n_guesses = len(o.guesses)
 
-
-def parse_guesses(value: int | str) -> tuple[int, bool]:
-    """``4`` -> fixed 4 guesses; ``"auto"`` -> adaptive, up to AUTO_MAX_GUESSES."""
-    if value == "auto":
-        return AUTO_MAX_GUESSES, True
-    try:
-        k = int(value)
-    except (TypeError, ValueError) as exc:
-        raise ModelError(f"guesses must be an integer >= 0 or 'auto', got {value!r}") from exc
-    if k < 0 or k > MAX_GUESSES:
-        raise ModelError(f"guesses must be in 0..{MAX_GUESSES} or 'auto', got {k}")
-    return k, False
