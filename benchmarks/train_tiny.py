@@ -175,7 +175,7 @@ class Trainer:
         from safetensors.torch import load_file
         from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-        hf.torch_chunk_gated_delta_rule = recurrent_delta_rule  # module global the layer calls for T > 1
+        self._hf = hf
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.model.train()
         cfg = self.model.config
@@ -195,7 +195,12 @@ class Trainer:
 
     def losses(self, batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """(main CE, [MTP CE per chain depth], [MTP top-1 accuracy per depth]) on ``batch`` [B, T]."""
-        out = self.model.model(input_ids=batch, use_cache=False)
+        chunked = self._hf.torch_chunk_gated_delta_rule  # the module global a DeltaNet layer calls for T > 1
+        self._hf.torch_chunk_gated_delta_rule = recurrent_delta_rule  # only for this forward: tests share the module
+        try:
+            out = self.model.model(input_ids=batch, use_cache=False)
+        finally:
+            self._hf.torch_chunk_gated_delta_rule = chunked
         h = out.last_hidden_state  # final-normed: what the head sees and what the runtime feeds the MTP
         logits = self.model.lm_head(h[:, :-1])
         main = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())

@@ -47,13 +47,19 @@ def test_recurrent_delta_rule_matches_transformers_chunked(tt) -> None:
 
 
 def test_mtp_head_and_main_hidden_match_the_runtime(tt, made: Path) -> None:
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+    reference = hf.torch_chunk_gated_delta_rule
     tr = tt.Trainer(made, 1e-3, chain=1)
     tr.model.eval(), tr.mtp.eval()
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        main, mtp, _ = tr.losses(ids)  # runs the main model with the swapped-in delta rule
         h = tr.model.model(input_ids=ids, use_cache=False).last_hidden_state
         cos, sin = tr._pos_emb
         u = tr.mtp(h[:, :-1], tr.model.model.embed_tokens(ids[:, 1:]), (cos[:, :-1], sin[:, :-1]))
+    assert hf.torch_chunk_gated_delta_rule is reference  # the swap does not leak into other tests' oracle
+    assert torch.isfinite(main) and torch.isfinite(mtp[0])
     ck = open_checkpoint(made)
     stage = StageModel.load(ck.spec, ck.source, 0, ck.spec.num_layers)
     sess = stage.new_session(16)
