@@ -71,7 +71,9 @@ def test_public_peer_learns_it_is_reachable_private_ones_that_they_are_not(fleet
         assert info["public_addrs"] == []
         assert [r["relay_id"] for r in info["reservations"]] == [relay_id]
         me = agent.endpoint.peer_id
-        assert f"/ip4/{RELAY_IP}/tcp/{RELAY_PORT}/p2p/{relay_id}/p2p-circuit/p2p/{me}" in info["circuit_addrs"]
+        circuit = f"/ip4/{RELAY_IP}/tcp/{RELAY_PORT}/p2p/{relay_id}/p2p-circuit/p2p/{me}"
+        assert circuit in info["circuit_addrs"]
+        assert circuit in info["addrs"], info["addrs"]  # advertised intact (records, status), not mangled
 
 
 def test_private_peers_cannot_dial_each_other_directly(fleet: Fleet) -> None:

@@ -113,8 +113,11 @@ class Node:
         return self.host.get_id()
 
     def advertised_addrs(self) -> list[multiaddr.Multiaddr]:
-        """What other peers should dial, announced (public) addresses first, each ending in ``/p2p/<id>``."""
-        return list(self.host.get_addrs())
+        """What other peers should dial: announced (public) addresses first, then relay circuit addresses, each
+        ending in ``/p2p/<id>``."""
+        direct = list(self.host.get_addrs())
+        seen = {str(a) for a in direct}
+        return direct + [a for a in self.extra_addrs if str(a) not in seen]
 
     def listen_addrs(self) -> list[multiaddr.Multiaddr]:
         """Where the host actually listens (real ports, no ``/p2p``)."""
@@ -296,8 +299,10 @@ def _build_host(config: HostConfig, key_pair: KeyPair, node_ref: list[Node]) -> 
             base = []
             for addr in candidates:
                 base.extend(expand_wildcard_address(addr) if _is_wildcard(addr) else [addr])
-        extra = node_ref[0].extra_addrs if node_ref else []
-        return order_addrs([*base, *extra]) if not announce else [*base, *order_addrs(extra)]
+        # extra (/p2p-circuit) addresses are NOT routed through here: py-libp2p's get_addrs cuts every address at its
+        # first /p2p/ and appends our id, which would turn <relay>/p2p/R/p2p-circuit/p2p/US into <relay>/p2p/US.
+        # Node.advertised_addrs appends them intact instead.
+        return order_addrs(base) if not announce else base
 
     limits = config.limits
     resource_manager = new_resource_manager(
