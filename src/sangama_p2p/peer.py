@@ -175,6 +175,7 @@ class Peer:
         """``key_pair``: a libp2p key pair to use instead of ``config.host.key_path`` (e.g. a throwaway identity)."""
         self.config = config or PeerConfig()
         self._key_pair = key_pair
+        self.traversal: Any = None  # net.traversal.Traversal when the peer has bootstrap nodes
         self.node: Any = None
         self.servers: list[Any] = []  # StageServer, in the order served
         self._clients: dict[str, tuple[Any, trio.CancelScope]] = {}
@@ -193,7 +194,17 @@ class Peer:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            self.node = await stack.enter_async_context(open_host(self.config.host, key_pair=self._key_pair))
+            services = []
+            if self.config.host.bootstrap_addrs:
+                # learn reachability from the bootstrap nodes; if private, hold relay reservations, advertise the
+                # /p2p-circuit addresses, and hole-punch relayed links (net/traversal.py)
+                from .net.traversal import Traversal, TraversalConfig
+
+                self.traversal = Traversal(TraversalConfig())
+                services.append(self.traversal.run)
+            self.node = await stack.enter_async_context(
+                open_host(self.config.host, key_pair=self._key_pair, services=services)
+            )
             self._nursery = await stack.enter_async_context(trio.open_nursery())
             self._stack = stack
             if self.config.tokenizer_path is not None:

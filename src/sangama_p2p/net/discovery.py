@@ -43,12 +43,15 @@ class Offer:
 
 
 def _reachability(node: Node) -> str:
-    """``direct`` unless the only advertised addresses go through a relay (then that relay's peer id)."""
-    addrs = [str(a) for a in node.advertised_addrs()]
-    if not addrs or any("/p2p-circuit" not in a for a in addrs):
-        return "direct"
-    relay = addrs[0].split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
-    return relay
+    """The relay's peer id when the node advertises a ``/p2p-circuit`` address, else ``direct``.
+
+    Traversal advertises circuit addresses only for a node that found itself not publicly reachable, so a node
+    behind a NAT is reported as relayed even though its (unreachable) direct addresses are listed too.
+    """
+    for addr in (str(a) for a in node.advertised_addrs()):
+        if "/p2p-circuit" in addr:
+            return addr.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
+    return "direct"
 
 
 async def publish(node: Node, offer: Offer, *, seq: int) -> SignedRecord:
