@@ -262,6 +262,13 @@ class MoE:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.spec.num_experts_per_tok, dim=-1)  # [N, k]
         top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if x.shape[0] == 1 and not MIN_ROWS.get():  # one token (decode): no gathering or scattering at all
+            out = None
+            for slot, e in sorted(enumerate(top_i[0].tolist()), key=lambda se: se[1]):
+                y = self.experts[e].forward(x) * top_w[0, slot]
+                out = y if out is None else out + y
+            assert out is not None
+            return self._add_shared(x, out)
         out = torch.zeros_like(x)
         # group (token, slot) pairs by expert in Python: cheaper than torch.unique + where for the few rows of a step
         groups: dict[int, tuple[list[int], list[int]]] = {}
@@ -275,14 +282,16 @@ class MoE:
             slot = torch.tensor(groups[e][1], device=x.device)
             y = self.experts[e].forward(x[token]) * top_w[token, slot, None]
             out.index_add_(0, token, y)
-        if self.shared is not None:
-            # a one-column product as multiply + sum (BLAS treats it as gemv, whose rounding depends on the row
-            # count), and the sigmoid taken over [N, hidden] rather than [N, 1], where a vectorised kernel's scalar
-            # tail would again depend on N
-            logit = (x * dense(self.shared_gate, x.dtype).reshape(1, -1)).sum(-1, keepdim=True)
-            gate = torch.sigmoid(logit.expand(-1, x.shape[1]))
-            out = out + gate * self.shared.forward(x)
-        return out
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            return out
+        # a one-column product as multiply + sum (BLAS treats it as gemv, whose rounding depends on the row count),
+        # and the sigmoid taken over [N, hidden] rather than [N, 1], where a vectorised kernel's scalar tail would
+        # again depend on N
+        logit = (x * dense(self.shared_gate, x.dtype).reshape(1, -1)).sum(-1, keepdim=True)
+        return out + torch.sigmoid(logit.expand(-1, x.shape[1])) * self.shared.forward(x)
 
 
 class DecoderLayer:
