@@ -5,7 +5,6 @@ Shared by tests/client and tests/stage (loaded by path, see ``load_fleet`` in ea
 
 from __future__ import annotations
 
-import json
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -37,23 +36,12 @@ def host_config(**changes: Any) -> HostConfig:
 
 def make_checkpoint(root: Path, *, vocab: int | None = 16, seed: int = 4) -> Path:
     """The tiny Qwen3.5-MoE model (8 layers, MTP); with ``vocab`` only its first rows, so MTP guesses often match."""
-    from safetensors.torch import load_file, save_file
-
-    from sangama_p2p.model.make import make_model
+    from sangama_p2p.model.make import make_model, truncate_vocab
 
     src = make_model(root / "made", "qwen3_5_moe", "tiny", seed=seed)
     if vocab is None:
         return src
-    dst = root / f"v{vocab}"
-    dst.mkdir()
-    tensors = load_file(src / "model.safetensors")
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = tensors[name][:vocab].clone()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(vocab_size=vocab, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return truncate_vocab(src, root / f"v{vocab}", vocab)
 
 
 def local_chain(path: Path, ranges: Sequence[tuple[int, int]], *, batch_invariant: bool = False) -> LocalChain:

@@ -71,19 +71,10 @@ def _save_hf(path: Path, config, seed: int, **save_kw) -> Path:
     return path
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    """Tiny matrices on 2 shared cores: one intra-op thread is several times faster than the default."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Named checkpoint directories, built once per test session."""
-    from sangama_p2p.model.make import make_model
+    from sangama_p2p.model.make import make_model, truncate_vocab
 
     root = tmp_path_factory.mktemp("ckpt")
     made_qwen = make_model(root / "made-qwen", "qwen3_5_moe", "tiny", seed=4)
@@ -92,7 +83,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "hf-qwen-sharded": _save_hf(root / "hf-qwen-sharded", qwen_config(), 2, max_shard_size="200KB"),
         "hf-llama": _save_hf(root / "hf-llama", llama_config(), 3),
         "made-qwen": made_qwen,
-        "made-qwen-v16": small_vocab(made_qwen, root / "made-qwen-v16", 16),
+        "made-qwen-v16": truncate_vocab(made_qwen, root / "made-qwen-v16", 16),
         "made-llama": make_model(root / "made-llama", "llama", "tiny", seed=5),
     }
 
@@ -126,20 +117,3 @@ def reference_logits():
 
     return run
 
-
-def small_vocab(src: Path, dst: Path, vocab: int) -> Path:
-    """The same model with only the first ``vocab`` rows of embedding and head: random MTP drafts then match the
-    model's own choice often enough to exercise accepted guesses (tokenizer files are left out)."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir()
-    tensors = load_file(src / "model.safetensors")
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = tensors[name][:vocab].clone()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(vocab_size=vocab, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst

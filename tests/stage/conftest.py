@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 
 def _load_fleet():
@@ -21,14 +20,6 @@ def _load_fleet():
 
 
 fleet_module = _load_fleet()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

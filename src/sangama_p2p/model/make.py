@@ -210,3 +210,25 @@ def checkpoint_num_params(out_dir: str | Path) -> int:
             return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
+def truncate_vocab(src: str | Path, dst: str | Path, vocab: int) -> Path:
+    """A copy of checkpoint ``src`` that keeps only the first ``vocab`` rows of the embedding and the head.
+
+    With a vocabulary of a dozen tokens, even a random model's MTP drafts match its own choices often enough to
+    exercise accepted guesses; tests use it. The tokenizer is left out (its ids would not fit).
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    if vocab <= 0:
+        raise ModelError(f"vocab must be positive, got {vocab}")
+    dst.mkdir(parents=True)
+    tensors = load_file(src / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:vocab].clone()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(vocab_size=vocab, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    _write_json(dst / "config.json", cfg)
+    return dst
