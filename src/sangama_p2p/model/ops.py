@@ -66,7 +66,7 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, inv
     ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
     """
     seq = torch.cat((window, x.t()), dim=-1)  # [C, K-1+T]
-    if invariant or x.shape[0] == 1:  # products and sums: the same for any T, and cheaper than conv1d for one
+    if invariant or x.shape[0] <= 8:  # products and sums: the same for any T, cheaper than conv1d for short steps
         out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # [C, T]
     else:  # what transformers does, for the closest match
         out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
@@ -87,10 +87,10 @@ def delta_rule_steps(
     decay = g.exp()
     for t in range(q.shape[0]):
         state.mul_(decay[t][:, None, None])
-        kv_mem = torch.einsum("hkv,hk->hv", state, k[t])
+        kv_mem = (state * k[t][:, :, None]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here)
         delta = (v[t] - kv_mem) * beta[t][:, None]
         state.add_(k[t][:, :, None] * delta[:, None, :])
-        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+        out[t] = (state * q[t][:, :, None]).sum(1)
         if keep is not None:
             keep[t].copy_(state)
     return out
