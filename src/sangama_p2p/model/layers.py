@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .ops import apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
-from .weights import Weight, dense, weight_nbytes
+from .weights import Weight, dense
 
 __all__ = ["DecoderLayer", "Loader", "linear"]
 
@@ -78,8 +78,8 @@ class FusedLinear:
         return [linear(x, w, b) for w, b in zip(self.parts, self.biases)]
 
 
-def _norm_weight(w: Weight, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
-    """Effective RMSNorm scale: Qwen3.5 stores w and applies 1 + w."""
+def norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
+    """Effective RMSNorm scale, fp32: Qwen3.5 stores w and applies 1 + w."""
     t = dense(w, torch.float32)
     return (t + 1.0) if spec.zero_centered_norm else t
 
@@ -96,8 +96,8 @@ class Attention:
         self.o = load("self_attn.o_proj.weight")
         self.q_norm = self.k_norm = None
         if spec.attn_output_gate:
-            self.q_norm = _norm_weight(load("self_attn.q_norm.weight"), spec, torch.float32)
-            self.k_norm = _norm_weight(load("self_attn.k_norm.weight"), spec, torch.float32)
+            self.q_norm = norm_weight(load("self_attn.q_norm.weight"), spec)
+            self.k_norm = norm_weight(load("self_attn.k_norm.weight"), spec)
 
     def weights(self) -> Iterator[Weight]:
         yield from self.qkv.weights()
@@ -181,12 +181,13 @@ class GatedDeltaNet:
             assert isinstance(st, LinearLayerState)
             rows = slice(row, row + seg.length)
             keep_ring = seg.state.ring >= seg.length
-            if keep_ring:
-                mixed_t = self._conv_keep(mixed[rows], st, conv_w)
-            else:
-                mixed_t = causal_conv(mixed[rows], st.conv, conv_w, invariant=bool(MIN_ROWS.get()))
-                tail = torch.cat((st.conv, mixed[rows].t()), dim=-1)[:, -st.conv.shape[1]:]
-                st.conv.copy_(tail)
+            width = st.conv.shape[1]
+            seq = torch.cat((st.conv, mixed[rows].t()), dim=-1)  # [C, K-1+T]: the window, then the new inputs
+            mixed_t = causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get()))
+            if keep_ring:  # the window after every position, for rollback
+                for i in range(seg.length):
+                    st.ring_conv[i].copy_(seq[:, i + 1:i + 1 + width])
+            st.conv.copy_(seq[:, -width:])
             q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
                                   dim=-1)
             t = seg.length
@@ -205,17 +206,6 @@ class GatedDeltaNet:
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
-
-    @staticmethod
-    def _conv_keep(x: torch.Tensor, st: LinearLayerState, w: torch.Tensor) -> torch.Tensor:
-        """Causal conv that also records the window after every position in the session's ring."""
-        out = causal_conv(x, st.conv, w, invariant=bool(MIN_ROWS.get()))
-        width = st.conv.shape[1]
-        seq = torch.cat((st.conv, x.t()), dim=-1)  # [C, K-1+T]
-        for i in range(x.shape[0]):
-            st.ring_conv[i].copy_(seq[:, i + 1:i + 1 + width])
-        st.conv.copy_(seq[:, -width:])
-        return out
 
 
 class DenseMLP:
@@ -300,8 +290,8 @@ class DecoderLayer:
     def __init__(self, spec: ModelSpec, load: Loader, layer_key: int, layer_type: str) -> None:
         self.spec = spec
         self.kind = layer_type
-        self.input_norm = _norm_weight(load("input_layernorm.weight"), spec, torch.float32)
-        self.post_norm = _norm_weight(load("post_attention_layernorm.weight"), spec, torch.float32)
+        self.input_norm = norm_weight(load("input_layernorm.weight"), spec)
+        self.post_norm = norm_weight(load("post_attention_layernorm.weight"), spec)
         self.mixer: Attention | GatedDeltaNet = (
             Attention(spec, load, layer_key) if layer_type == FULL else GatedDeltaNet(spec, load, layer_key)
         )
@@ -321,6 +311,3 @@ class DecoderLayer:
         x = x + h
         return x + self.ffn.forward(rms_norm(x, self.post_norm, self.spec.rms_norm_eps))
 
-
-def resident_bytes(weights: Iterator[Weight]) -> int:
-    return sum(weight_nbytes(w) for w in weights)

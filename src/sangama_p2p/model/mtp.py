@@ -16,30 +16,25 @@ from typing import Iterator
 
 import torch
 
-from .layers import DecoderLayer, Loader, linear
+from .layers import DecoderLayer, Loader, linear, norm_weight
 from .ops import rms_norm
 from .spec import FULL, ModelSpec
 from .state import Segment
-from .weights import Weight, dense
+from .weights import Weight
 
 __all__ = ["MTP_KEY", "MTPLayer"]
 
 MTP_KEY = -1  # the MTP layer's key in a SessionState
 
 
-def _zc(w: Weight, spec: ModelSpec) -> torch.Tensor:
-    t = dense(w, torch.float32)
-    return t + 1.0 if spec.zero_centered_norm else t
-
-
 class MTPLayer:
     def __init__(self, spec: ModelSpec, load: Loader) -> None:
         self.spec = spec
         self.fc = load("mtp.fc.weight")
-        self.norm_embed = _zc(load("mtp.pre_fc_norm_embedding.weight"), spec)
-        self.norm_hidden = _zc(load("mtp.pre_fc_norm_hidden.weight"), spec)
+        self.norm_embed = norm_weight(load("mtp.pre_fc_norm_embedding.weight"), spec)
+        self.norm_hidden = norm_weight(load("mtp.pre_fc_norm_hidden.weight"), spec)
         self.layer = DecoderLayer(spec, lambda n: load("mtp.layers.0." + n), MTP_KEY, FULL)
-        self.norm = _zc(load("mtp.norm.weight"), spec)
+        self.norm = norm_weight(load("mtp.norm.weight"), spec)
 
     def weights(self) -> Iterator[Weight]:
         yield from (self.fc, self.norm_embed, self.norm_hidden, self.norm)

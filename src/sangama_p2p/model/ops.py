@@ -59,15 +59,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
-    """Depthwise causal conv + SiLU over new inputs, continuing from the previous ``K-1`` inputs.
+def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over the new inputs of ``seq``.
 
-    x: [T, C] new inputs; window: [C, K-1] previous inputs (oldest first); weight: [C, K]. Returns [T, C].
-    ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
+    seq: [C, K-1+T], the previous ``K-1`` inputs (oldest first) followed by the T new ones; weight: [C, K].
+    Returns [T, C]. ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
     """
-    seq = torch.cat((window, x.t()), dim=-1)  # [C, K-1+T]
-    if invariant or x.shape[0] <= 8:  # products and sums: the same for any T, cheaper than conv1d for short steps
-        out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # [C, T]
+    if invariant or seq.shape[1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for any T, and
+        out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # cheaper than conv1d for short steps
     else:  # what transformers does, for the closest match
         out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
     return F.silu(out).t()

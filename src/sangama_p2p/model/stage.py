@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import CapacityError, CheckpointError, ModelError, SessionStateError, UnsupportedModelError
-from .layers import MIN_ROWS, DecoderLayer, linear, pad_rows
+from .layers import MIN_ROWS, DecoderLayer, linear, norm_weight, pad_rows
 from .mtp import MTPLayer
 from .ops import rms_norm, rope_inv_freq
 from .spec import ModelSpec
@@ -108,7 +108,7 @@ class StageModel:
             prefix = f"model.layers.{i}."
             stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
         if stage.is_last:
-            stage.final_norm = rms_norm_weight(get("model.norm.weight"), spec)
+            stage.final_norm = norm_weight(get("model.norm.weight"), spec)
             stage.head = stage.embed if spec.tie_word_embeddings else get("lm_head.weight")
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
@@ -202,8 +202,7 @@ class StageModel:
                 raise SessionStateError(f"hidden size {x.shape[-1]} != model's {self.spec.hidden_size}")
         segments = [Segment(st.state, st.start, st.length) for st in steps]
         n = x.shape[0]
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
-        cos, sin = self.rope(pad_rows(positions, self.min_rows))
+        cos, sin = self.rope(pad_rows(_positions(segments), self.min_rows))
         x = pad_rows(x, self.min_rows)  # batch-invariant mode: whole-step tensors get a fixed row granularity
         token = MIN_ROWS.set(self.min_rows)
         try:
@@ -257,8 +256,7 @@ class StageModel:
             raise ModelError("this stage has no MTP layer (not the last stage, or the checkpoint has none)")
         n, m = hidden.shape[0], self.min_rows
         emb = self.embed_rows(next_tokens.to(self.device))
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
-        cos, sin = self.rope(pad_rows(positions, m))
+        cos, sin = self.rope(pad_rows(_positions(segments), m))
         token = MIN_ROWS.set(m)
         try:
             return self.mtp.forward(pad_rows(hidden, m), pad_rows(emb, m), segments, cos, sin)[:n]
@@ -266,6 +264,6 @@ class StageModel:
             MIN_ROWS.reset(token)
 
 
-def rms_norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
-    t = dense(w, torch.float32)
-    return t + 1.0 if spec.zero_centered_norm else t
+def _positions(segments: list[Segment]) -> torch.Tensor:
+    """Absolute positions of a batched step's rows, in row order."""
+    return torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
