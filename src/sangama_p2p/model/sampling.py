@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ModelError
 
-__all__ = ["SamplingParams", "next_token", "token_probs"]
+__all__ = ["SamplingParams", "token_probs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,3 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from a single row of logits ``[V]``."""
-    if params.greedy:
-        return int(logits.argmax())
-    probs = token_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -87,26 +87,11 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def layer_type(self, index: int) -> str:
-        return self.layer_types[index]
-
     def attention_layers(self, start: int, end: int) -> list[int]:
         return [i for i in range(start, end) if self.layer_types[i] == FULL]
 
     def linear_layers(self, start: int, end: int) -> list[int]:
         return [i for i in range(start, end) if self.layer_types[i] == LINEAR]
-
-    def kv_bytes_per_token(self, start: int, end: int, dtype_bytes: int) -> int:
-        """Attention KV bytes one token costs in layers [start, end)."""
-        return len(self.attention_layers(start, end)) * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def linear_state_bytes(self, start: int, end: int, dtype_bytes: int) -> int:
-        """Gated DeltaNet conv window + fp32 recurrent state per sequence in layers [start, end)."""
-        per_layer = (
-            self.linear_conv_dim * (self.linear_conv_kernel - 1) * dtype_bytes
-            + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
-        )
-        return len(self.linear_layers(start, end)) * per_layer
 
     def check_range(self, start: int, end: int) -> None:
         if not (0 <= start < end <= self.num_layers):
