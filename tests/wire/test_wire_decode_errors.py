@@ -52,7 +52,7 @@ def test_wrong_version() -> None:
         decode(payload(5, [SID], version=0))
 
 
-@pytest.mark.parametrize("tag", [0, 7, 15, 18, 255])
+@pytest.mark.parametrize("tag", [0, 7, 15, 19, 255])
 def test_unknown_tag(tag: int) -> None:
     with pytest.raises(MalformedFrameError, match="unknown message type"):
         decode(payload(tag, [SID]))

@@ -15,6 +15,7 @@ from sangama_p2p.wire import (
     FrameDecoder,
     InfoRequest,
     InfoResponse,
+    LaneOffer,
     OpenSession,
     SessionOpened,
     Step,
@@ -75,6 +76,7 @@ messages = st.one_of(
     st.builds(ErrorMessage, st.none() | sids, st.none() | u64, st.sampled_from(list(ErrorCode)), st.text(max_size=60)),
     st.just(InfoRequest()),
     infos(),
+    st.builds(LaneOffer, st.integers(1, 65535), st.binary(min_size=16, max_size=16), st.binary(min_size=32, max_size=32)),
 )
 
 

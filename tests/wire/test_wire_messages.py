@@ -18,6 +18,7 @@ from sangama_p2p.wire import (
     ErrorMessage,
     InfoRequest,
     InfoResponse,
+    LaneOffer,
     OpenSession,
     SessionOpened,
     Step,
@@ -52,6 +53,7 @@ SAMPLES = [
     ErrorMessage(None, None, ErrorCode.OVERLOADED, ""),
     InfoRequest(),
     InfoResponse("12D3KooWA", "Qwen/Qwen3.5-35B-A3B", 0, 20, 41.5, 3, 2, "0.1.0"),
+    LaneOffer(65535, bytes(range(16)), bytes(range(32))),
 ]
 
 
@@ -83,6 +85,7 @@ def test_type_tags_are_pinned() -> None:
         "ErrorMessage": 6,
         "InfoRequest": 16,
         "InfoResponse": 17,
+        "LaneOffer": 18,
     }
     assert WIRE_VERSION == 1
     assert STAGE_PROTOCOL == "/sangama/stage/1"
@@ -127,7 +130,7 @@ def _replace(msg: object, **changes: object) -> object:
     return dataclasses.replace(msg, **changes)  # type: ignore[type-var]
 
 
-OPEN, STEP, RESULT, INFO = SAMPLES[0], SAMPLES[4], SAMPLES[7], SAMPLES[-1]
+OPEN, STEP, RESULT, INFO, LANE = SAMPLES[0], SAMPLES[4], SAMPLES[7], SAMPLES[-2], SAMPLES[-1]
 BAD_FIELDS = [
     (OPEN, {"session_id": bytes(15)}),
     (OPEN, {"session_id": "0" * 16}),
@@ -158,6 +161,11 @@ BAD_FIELDS = [
     (RESULT, {"tokens": tuple(range(66))}),
     (INFO, {"throughput_tps": -1.0}),
     (INFO, {"version": b"0.1"}),
+    (LANE, {"port": 0}),
+    (LANE, {"port": 65536}),
+    (LANE, {"token": bytes(15)}),
+    (LANE, {"token": "t" * 16}),
+    (LANE, {"key": bytes(16)}),
 ]
 
 

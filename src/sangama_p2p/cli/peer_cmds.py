@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--lane-port", type=int, default=None, metavar="PORT",
+                   help="TCP port for direct lanes (stage traffic off libp2p; default: any free port)")
+    p.add_argument("--no-lanes", action="store_true",
+                   help="carry all stage traffic over libp2p streams (no direct lanes)")
     p.add_argument("--run-for", type=float, default=None, help=argparse.SUPPRESS)  # tests: stop after N seconds
     p.set_defaults(handler=_join)
 
@@ -136,6 +140,10 @@ def _join(args: argparse.Namespace) -> int:
         options["dtype"] = args.dtype
     if args.batch_invariant:
         options["batch_invariant"] = True
+    if args.lane_port is not None:
+        options["lane_port"] = args.lane_port
+    if args.no_lanes:
+        options["lanes"] = False
 
     async def main() -> None:
         async with Peer(config.replace(model_path=None)) as peer:

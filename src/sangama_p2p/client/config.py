@@ -25,6 +25,8 @@ class ClientConfig:
     ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
     states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
     exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.
+    ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/1``, see
+    :mod:`sangama_p2p.net.lane`), set up within ``lane_timeout`` seconds, else over libp2p streams.
     """
 
     model_id: str
@@ -37,13 +39,15 @@ class ClientConfig:
     survey_max_age: float = 10.0
     max_step_tokens: int = 1024
     max_frame: int = DEFAULT_MAX_FRAME
+    lanes: bool = True
+    lane_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
             raise RouteError("model_id must not be empty")
         if self.num_layers is not None and self.num_layers <= 0:
             raise RouteError("num_layers must be positive")
-        if min(self.step_timeout, self.open_timeout, self.probe_timeout) <= 0 or self.survey_max_age < 0:
+        if min(self.step_timeout, self.open_timeout, self.probe_timeout, self.lane_timeout) <= 0 or self.survey_max_age < 0:
             raise RouteError("timeouts must be positive")
         if self.max_failovers < 0:
             raise RouteError("max_failovers must be >= 0")

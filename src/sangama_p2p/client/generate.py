@@ -115,7 +115,8 @@ class ChainClient:
         self._nursery_cm = trio.open_nursery()
         nursery = await self._nursery_cm.__aenter__()
         self.pool = LinkPool(self.node, nursery, max_frame=self.config.max_frame,
-                             connect_timeout=self.config.open_timeout, local_stage=self.local_stage)
+                             connect_timeout=self.config.open_timeout, local_stage=self.local_stage,
+                             lanes=self.config.lanes, lane_timeout=self.config.lane_timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

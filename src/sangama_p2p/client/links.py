@@ -1,5 +1,7 @@
 """The client's streams: one long-lived ``/sangama/stage/1`` stream per stage peer, shared by every session.
 
+The stream is a direct lane (:mod:`sangama_p2p.net.lane`) where the stage offers one, else a libp2p stream.
+
 A :class:`Link`'s reader task hands each frame to the session it names (``session_id``); ``InfoResponse`` frames
 answer :meth:`Link.probe` in order. When the stream ends, every subscribed session gets a :class:`LinkLost`, which is
 how a chain notices a dead peer without waiting for a timeout.
@@ -17,6 +19,7 @@ from typing import Any
 import trio
 
 from ..errors import NetworkError, SangamaError
+from ..net.lane import LaneDialer
 from ..streams import FramedStream
 from ..wire.messages import InfoRequest, InfoResponse, Message
 from ..wire.protocols import STAGE_PROTOCOL
@@ -109,8 +112,10 @@ class LinkPool:
     """Links by peer id, opened on first use; a lost link is replaced by a fresh one on the next ``get``."""
 
     def __init__(self, node: Any, nursery: trio.Nursery, *, max_frame: int, connect_timeout: float,
-                 local_stage: Callable[[], Awaitable[Any]] | None = None) -> None:
+                 local_stage: Callable[[], Awaitable[Any]] | None = None, lanes: bool = True,
+                 lane_timeout: float = 2.0) -> None:
         self.node = node
+        self.lanes = LaneDialer(node, enabled=lanes, timeout=lane_timeout, max_frame=max_frame)
         self.local_stage = local_stage  # opens an in-process stream to this node's own stage server
         self.nursery = nursery
         self.max_frame = max_frame
@@ -147,6 +152,9 @@ class LinkPool:
             raise NetworkError(f"bad peer id or address for {peer!r}: {exc}") from exc
         with trio.move_on_after(self.connect_timeout) as scope:
             await self.node.connect(pid, maddrs)
+            lane = await self.lanes.open(pid)
+            if lane is not None:
+                return FramedStream(lane, max_frame=self.max_frame)
             try:
                 stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
             except Exception as exc:

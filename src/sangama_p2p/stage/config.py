@@ -23,6 +23,9 @@ class StageConfig:
     ``wire_dtype`` is the dtype of hidden states sent to the next stage (fp32 keeps tokens identical to the local
     chain; bf16 halves the bytes). ``announce`` publishes a DHT record (layer range, measured throughput, free
     sessions) and refreshes it every ``announce_every`` seconds while the load changes.
+    ``lanes``: accept direct lanes (``/sangama/lane/1``: stage frames on a TCP connection of their own, keyed
+    through libp2p, see :mod:`sangama_p2p.net.lane`) on ``lane_port`` (0: any free port; set one to open it in a
+    firewall) and use them towards the next stage (set up within ``lane_timeout`` seconds, else libp2p streams).
     """
 
     model_id: str
@@ -44,6 +47,9 @@ class StageConfig:
     record_ttl: float = 180.0
     measure_on_start: bool = True
     next_hop_timeout: float = 10.0  # dialling the next stage
+    lanes: bool = True
+    lane_port: int = 0
+    lane_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -58,8 +64,10 @@ class StageConfig:
             raise StageError(f"max_guesses must be in 0..{MAX_GUESSES}")
         if self.wire_dtype not in ("bf16", "fp16", "fp32"):
             raise StageError(f"wire_dtype must be bf16, fp16 or fp32, got {self.wire_dtype!r}")
-        if self.announce_every <= 0 or self.record_ttl <= 0 or self.next_hop_timeout <= 0:
-            raise StageError("announce_every, record_ttl and next_hop_timeout must be positive")
+        if self.announce_every <= 0 or self.record_ttl <= 0 or self.next_hop_timeout <= 0 or self.lane_timeout <= 0:
+            raise StageError("announce_every, record_ttl, next_hop_timeout and lane_timeout must be positive")
+        if not 0 <= self.lane_port <= 65535:
+            raise StageError(f"lane_port must be in 0..65535, got {self.lane_port}")
 
     def replace(self, **changes: object) -> StageConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

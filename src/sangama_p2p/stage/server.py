@@ -35,6 +35,7 @@ import trio
 
 from .. import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
+from ..net.lane import LaneDialer, LaneListener
 from ..streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
@@ -79,6 +80,8 @@ class StageServer:
         self._next: dict[str, Outbox] = {}
         self._measured_step_s = 0.0
         self.announcer: Any = None
+        self.lane_listener: LaneListener | None = None
+        self.lanes = LaneDialer(node, enabled=config.lanes, timeout=config.lane_timeout, max_frame=config.max_frame)
 
     @classmethod
     def load(cls, node: Any, checkpoint: Any, config: StageConfig) -> StageServer:
@@ -98,6 +101,10 @@ class StageServer:
                 self._measured_step_s = await trio.to_thread.run_sync(measure_step, self.model)
             self.node.host.set_stream_handler(STAGE_PROTOCOL, self._on_stage_stream)
             self.node.host.set_stream_handler(INFO_PROTOCOL, self._on_info_stream)
+            if self.config.lanes:
+                self.lane_listener = LaneListener(self.node, self._on_stage_stream, port=self.config.lane_port,
+                                                  max_frame=self.config.max_frame)
+                await self._nursery.start(self.lane_listener.run)
             self._nursery.start_soon(self.scheduler.run)
             if self.config.announce and getattr(self.node, "dht", None) is not None:
                 from .announce import StageAnnouncer
@@ -130,6 +137,8 @@ class StageServer:
             await trio.sleep_forever()
 
     async def _shutdown(self) -> None:
+        if self.lane_listener is not None:
+            self.lane_listener.stop()
         for proto in (STAGE_PROTOCOL, INFO_PROTOCOL):
             try:
                 self.node.host.remove_stream_handler(proto)
@@ -330,7 +339,8 @@ class StageServer:
         return link
 
     async def _open_next(self, peer: str) -> FramedStream:
-        """Dial the next stage (DHT lookup when its addresses are unknown) and open the long-lived stream."""
+        """Dial the next stage (DHT lookup when its addresses are unknown) and open the long-lived stream: a direct
+        lane where the next stage offers one, else a ``/sangama/stage/1`` stream over libp2p."""
         from libp2p.peer.id import ID
 
         from ..errors import NetworkError
@@ -352,10 +362,12 @@ class StageServer:
                 if info is None:
                     raise
                 await self.node.connect(pid, info.addrs)
-            try:
-                stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
-            except Exception as exc:
-                raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
+            stream = await self.lanes.open(pid)
+            if stream is None:
+                try:
+                    stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
+                except Exception as exc:
+                    raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
         if stream is None:
             raise NetworkError(f"next hop {peer} not reached in {self.config.next_hop_timeout} s")
         fs = FramedStream(stream, max_frame=self.config.max_frame)

@@ -18,6 +18,7 @@ from sangama_p2p.wire.messages import (
     ErrorMessage,
     InfoRequest,
     InfoResponse,
+    LaneOffer,
     Message,
     OpenSession,
     SessionOpened,
@@ -25,13 +26,14 @@ from sangama_p2p.wire.messages import (
     StepResult,
     TraceStamp,
 )
-from sangama_p2p.wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL, WIRE_VERSION
+from sangama_p2p.wire.protocols import INFO_PROTOCOL, LANE_PROTOCOL, STAGE_PROTOCOL, WIRE_VERSION
 from sangama_p2p.wire.tensor import DTYPE_SIZES, Tensor
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "DTYPE_SIZES",
     "INFO_PROTOCOL",
+    "LANE_PROTOCOL",
     "STAGE_PROTOCOL",
     "WIRE_VERSION",
     "CloseSession",
@@ -40,6 +42,7 @@ __all__ = [
     "FrameReader",
     "InfoRequest",
     "InfoResponse",
+    "LaneOffer",
     "Message",
     "OpenSession",
     "SessionOpened",

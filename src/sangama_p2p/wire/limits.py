@@ -101,6 +101,15 @@ def check_session_id(name: str, value: object) -> bytes:
     return value
 
 
+def check_bytes(name: str, value: object, size: int) -> bytes:
+    """Exactly ``size`` raw bytes (a key, a token)."""
+    if type(value) is not bytes:
+        raise InvalidMessageError(f"{name} must be bytes, got {type(value).__name__}")
+    if len(value) != size:
+        raise InvalidMessageError(f"{name} must be {size} bytes, got {len(value)}")
+    return value
+
+
 def check_opt_session_id(name: str, value: object) -> bytes | None:
     return None if value is None else check_session_id(name, value)
 

@@ -11,7 +11,7 @@ Every frame of a session (``Step``, ``StepResult``, ``CloseSession``, ``ErrorMes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, TypeAlias
+from typing import ClassVar, Final, TypeAlias
 
 from sangama_p2p.errors import ErrorCode, InvalidMessageError
 from sangama_p2p.wire.limits import (
@@ -21,6 +21,7 @@ from sangama_p2p.wire.limits import (
     MAX_TRACE,
     MAX_U64,
     check_bool,
+    check_bytes,
     check_float,
     check_opt_session_id,
     check_opt_text,
@@ -38,6 +39,9 @@ __all__ = [
     "ErrorMessage",
     "InfoRequest",
     "InfoResponse",
+    "LANE_KEY_BYTES",
+    "LANE_TOKEN_BYTES",
+    "LaneOffer",
     "Message",
     "OpenSession",
     "SessionOpened",
@@ -240,8 +244,32 @@ class InfoResponse:
         check_text("version", self.version)
 
 
+LANE_TOKEN_BYTES: Final = 16
+LANE_KEY_BYTES: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class LaneOffer:
+    """Stage -> upstream peer on ``/sangama/lane/1``: dial ``port`` (at the address this libp2p connection came
+    from) for a direct lane, present ``token`` and encrypt every record with ``key`` (AES-256-GCM). The offer
+    travels inside the Noise-encrypted stream to the authenticated peer, so only that peer can use it; it is
+    single-use and short-lived (see :mod:`sangama_p2p.net.lane`)."""
+
+    TAG: ClassVar[int] = 18
+    port: int
+    token: bytes
+    key: bytes
+
+    def __post_init__(self) -> None:
+        check_uint("port", self.port, 65536)
+        if self.port == 0:
+            raise InvalidMessageError("port must be in 1..65535")
+        check_bytes("token", self.token, LANE_TOKEN_BYTES)
+        check_bytes("key", self.key, LANE_KEY_BYTES)
+
 Message: TypeAlias = (
     OpenSession | SessionOpened | Step | StepResult | CloseSession | ErrorMessage | InfoRequest | InfoResponse
+    | LaneOffer
 )
 """Every message that travels as a frame payload."""
 
@@ -254,4 +282,5 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     ErrorMessage,
     InfoRequest,
     InfoResponse,
+    LaneOffer,
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["INFO_PROTOCOL", "STAGE_PROTOCOL", "WIRE_VERSION"]
+__all__ = ["INFO_PROTOCOL", "LANE_PROTOCOL", "STAGE_PROTOCOL", "WIRE_VERSION"]
 
 WIRE_VERSION: Final = 1
 """The version byte that starts every message payload."""
@@ -20,3 +20,7 @@ STAGE_PROTOCOL: Final = "/sangama/stage/1"
 
 INFO_PROTOCOL: Final = "/sangama/info/1"
 """One request, one response: a peer's served range, load and software version."""
+
+LANE_PROTOCOL: Final = "/sangama/lane/1"
+"""One response: a ``LaneOffer`` for a direct, AES-GCM-protected TCP lane that then carries ``/sangama/stage/1``
+frames (see ``sangama_p2p.net.lane``). A peer that does not serve it is reached over ``/sangama/stage/1`` as before."""

@@ -1,0 +1,422 @@
+"""Direct lanes: stage frames on a plain TCP connection, keyed through an authenticated libp2p stream.
+
+Why: py-libp2p's Noise + Yamux spends about 0.2 ms of Python per 8 KiB frame on each side (measured in
+../shared/notes/py-libp2p-0.8.1.md: a four-hop trip of 8 KiB frames takes 1.55 ms over Noise + Yamux and 0.24 ms over
+plain trio TCP). A pipeline trip is four such hops, so for small models the transport cost more than the compute.
+A lane keeps libp2p for what it is good at (identity, discovery, NAT traversal, relays) and moves only the
+long-lived stage traffic between two directly connected peers onto a TCP connection of its own.
+
+Handshake (the upstream side, a client or the previous stage, always dials; only stage servers listen)::
+
+    upstream                                             stage (LaneListener)
+    -- /sangama/lane/1 stream (Noise, peer ids checked) -->
+    <-------------- LaneOffer(port, token, key) ----------   single use, expires after ``offer_ttl`` s
+    == TCP connect to <remote IP of that libp2p connection>:port ==>
+    -- token (16 bytes) + record(b"sangama lane hello") -->   token looked up, hello must decrypt with its key
+    <------------- record(b"sangama lane ready") ---------   the lane now serves /sangama/stage/1 frames
+
+After the handshake every write is one record ``[u32 big-endian length][AES-256-GCM ciphertext + 16-byte tag]``
+with the nonce ``direction byte (0 upstream->stage, 1 back) + 3 zero bytes + u64 record counter``: records cannot be
+forged, replayed, dropped or reordered without failing authentication, which closes the lane. The key travelled
+inside the Noise-encrypted stream to the authenticated peer, so the lane belongs to that peer id
+(:attr:`LaneStream.muxed_conn` ``.peer_id``) exactly as the libp2p stream did, and session ownership checks work
+unchanged. Relayed connections never get a lane (the address would be the relay's). Anything that fails before
+``ready`` (no lane protocol, a closed port, NAT, a timeout) raises :class:`LaneError`, and the caller uses a
+``/sangama/stage/1`` stream over libp2p instead.
+
+:class:`LaneStream` has the surface :class:`~sangama_p2p.streams.FramedStream` reads from a py-libp2p stream
+(``read``, ``write``, ``close``, ``reset``, ``muxed_conn.peer_id``), so everything above it is unchanged.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import trio
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ..errors import NetworkError, WireError
+from ..streams import FramedStream, StreamClosed
+from ..wire.framing import DEFAULT_MAX_FRAME, FrameDecoder
+from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
+from ..wire.protocols import LANE_PROTOCOL
+from .holepunch import stream_link
+
+__all__ = ["LaneDialer", "LaneError", "LaneListener", "LaneStream", "open_lane"]
+
+log = logging.getLogger(__name__)
+
+HELLO: Final = b"sangama lane hello"
+READY: Final = b"sangama lane ready"
+TAG_BYTES: Final = 16
+UP: Final = 0  # direction byte of records from the dialling (upstream) side
+DOWN: Final = 1
+_NONCE = struct.Struct(">B3xQ")
+_LEN = struct.Struct(">I")
+RECV_CHUNK: Final = 256 * 1024
+
+
+class LaneError(NetworkError):
+    """A lane could not be set up (the caller falls back to libp2p) or a lane's record failed authentication.
+
+    ``lasting`` is False when the reason may pass soon (the link is relayed until hole punching upgrades it)."""
+
+    def __init__(self, message: str, *, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
+
+
+class _Conn:
+    """What :class:`~sangama_p2p.streams.FramedStream` reads from ``stream.muxed_conn``."""
+
+    def __init__(self, peer_id: Any) -> None:
+        self.peer_id = peer_id
+
+
+class LaneStream:
+    """One end of a lane: plaintext ``read``/``write`` over AES-GCM records on a trio TCP stream."""
+
+    def __init__(self, sock: trio.SocketStream, key: bytes, peer_id: Any, *, dialer: bool,
+                 max_frame: int = DEFAULT_MAX_FRAME, decoder: FrameDecoder | None = None) -> None:
+        self.sock = sock
+        self.muxed_conn = _Conn(peer_id)
+        self._aead = AESGCM(key)
+        self._send_dir, self._recv_dir = (UP, DOWN) if dialer else (DOWN, UP)
+        self._send_n = 0
+        self._recv_n = 0
+        # a record holds one frame: its 4-byte prefix, at most max_frame bytes, and the tag
+        self._records = decoder or FrameDecoder(max_frame + 4 + TAG_BYTES)
+        self._plain: list[bytes] = []  # decrypted records not yet read, oldest last
+        self._buf = b""
+        self._eof = False
+        self._failed: LaneError | None = None
+        self.remote = _remote(sock)
+
+    # ---- records -------------------------------------------------------------------------------------------
+    def seal(self, data: bytes | bytearray | memoryview) -> bytes:
+        nonce = _NONCE.pack(self._send_dir, self._send_n)
+        self._send_n += 1
+        body = self._aead.encrypt(nonce, bytes(data), None)
+        return _LEN.pack(len(body)) + body
+
+    def open(self, body: bytes) -> bytes:
+        nonce = _NONCE.pack(self._recv_dir, self._recv_n)
+        self._recv_n += 1
+        try:
+            return self._aead.decrypt(nonce, body, None)
+        except InvalidTag as exc:
+            raise LaneError(f"a record from {self.remote} failed authentication (forged, replayed or reordered)") \
+                from exc
+
+    async def read_record(self) -> bytes | None:
+        """The next record's plaintext, or ``None`` at a clean end of the connection."""
+        while not self._plain:
+            if self._failed is not None:
+                raise self._failed
+            if self._eof:
+                return None
+            try:
+                data = await self.sock.receive_some(RECV_CHUNK)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise StreamClosed(f"lane to {self.remote} failed: {type(exc).__name__}: {exc}") from exc
+            if not data:
+                self._eof = True
+                self._records.finish()  # a record cut off raises TruncatedFrameError
+                return None
+            plain = []
+            for body in self._records.feed(data):
+                try:
+                    plain.append(self.open(body))
+                except LaneError as exc:  # hand out the authentic records before it, then fail for good
+                    self._failed = exc
+                    break
+            plain.reverse()
+            self._plain = plain
+        return self._plain.pop()
+
+    # ---- the py-libp2p stream surface ----------------------------------------------------------------------
+    async def read(self, n: int | None = None) -> bytes:
+        """Up to ``n`` plaintext bytes; ``b""`` at a clean end."""
+        if not self._buf:
+            record = await self.read_record()
+            if record is None:
+                return b""
+            self._buf = record
+        if n is None or n >= len(self._buf):
+            out, self._buf = self._buf, b""
+            return out
+        out, self._buf = self._buf[:n], self._buf[n:]
+        return out
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """One record per write (FramedStream writes whole frames under its lock)."""
+        try:
+            await self.sock.send_all(self.seal(data))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise StreamClosed(f"cannot write to lane {self.remote}: {type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.sock.aclose()
+
+    async def reset(self) -> None:
+        await self.sock.aclose()
+
+
+def _remote(sock: trio.SocketStream) -> str:
+    try:
+        host, port = sock.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# ---- the stage side ----------------------------------------------------------------------------------------
+class LaneListener:
+    """Accept lanes for a stage server: register ``/sangama/lane/1`` on ``node`` and listen on TCP.
+
+    ``on_lane(lane)`` receives each ready :class:`LaneStream` (the server treats it as a new stage stream).
+    ``hosts`` are the IPs to listen on (default: those of the node's listen addresses); ``port`` 0 picks a free
+    port. Run it in a nursery: ``await nursery.start(listener.run)``.
+    """
+
+    def __init__(self, node: Any, on_lane: Callable[[LaneStream], Awaitable[None]], *, port: int = 0,
+                 hosts: tuple[str, ...] | None = None, max_frame: int = DEFAULT_MAX_FRAME, offer_ttl: float = 10.0,
+                 max_offers: int = 256, handshake_timeout: float = 5.0) -> None:
+        self.node = node
+        self.on_lane = on_lane
+        self.port = port
+        self.hosts = hosts
+        self.max_frame = max_frame
+        self.offer_ttl = offer_ttl
+        self.max_offers = max_offers
+        self.handshake_timeout = handshake_timeout
+        self._offers: dict[bytes, tuple[Any, bytes, float]] = {}  # token -> (peer id, key, expiry)
+        self._listeners: list[trio.SocketListener] = []
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def bound_port(self) -> int:
+        """The TCP port lanes are accepted on (after ``__aenter__``)."""
+        return self._listeners[0].socket.getsockname()[1] if self._listeners else 0
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen (``await nursery.start(listener.run)`` returns once bound) and accept lanes until cancelled or
+        :meth:`stop`; raises :class:`LaneError` when the port cannot be bound."""
+        hosts = self.hosts if self.hosts is not None else listen_hosts(self.node)
+        port = self.port
+        try:
+            for host in hosts:
+                # one port for every listen IP: the first bind picks it, the others reuse it
+                self._listeners.extend(await trio.open_tcp_listeners(port, host=host))
+                port = self.bound_port
+        except OSError as exc:
+            await self._close_listeners()
+            raise LaneError(f"cannot listen for lanes on port {self.port} of {', '.join(hosts)}: {exc}") from exc
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for listener in self._listeners:
+                    nursery.start_soon(self._accept_loop, listener)
+                self.node.host.set_stream_handler(LANE_PROTOCOL, self._on_offer_stream)
+                task_status.started()
+        finally:
+            self.stop()
+            self._nursery = None
+            with trio.CancelScope(shield=True):
+                await self._close_listeners()
+
+    def stop(self) -> None:
+        """Stop offering and accepting lanes (lanes already handed over are not affected)."""
+        try:
+            self.node.host.remove_stream_handler(LANE_PROTOCOL)
+        except Exception:  # the host may already be gone
+            pass
+        self._offers.clear()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    async def _close_listeners(self) -> None:
+        for listener in self._listeners:
+            await listener.aclose()
+        self._listeners.clear()
+
+    def offer(self, peer_id: Any) -> LaneOffer:
+        """A fresh single-use offer for ``peer_id`` (oldest offers are dropped beyond ``max_offers``)."""
+        now = time.monotonic()
+        for token in [t for t, (_, _, expiry) in self._offers.items() if expiry < now]:
+            del self._offers[token]
+        while len(self._offers) >= self.max_offers:
+            del self._offers[next(iter(self._offers))]
+        token, key = os.urandom(LANE_TOKEN_BYTES), AESGCM.generate_key(bit_length=256)
+        self._offers[token] = (peer_id, key, now + self.offer_ttl)
+        return LaneOffer(self.bound_port, token, key)
+
+    async def _on_offer_stream(self, stream: Any) -> None:
+        fs = FramedStream(stream, max_frame=4096)
+        try:
+            with trio.move_on_after(self.handshake_timeout):
+                await fs.send(self.offer(stream.muxed_conn.peer_id))
+        except (StreamClosed, WireError) as exc:
+            log.debug("lane offer to %s failed: %s", fs.peer, exc)
+        finally:
+            await fs.aclose()
+
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        """Accept connections until cancelled (trio.serve_listeners would close each when its handler returns; a
+        lane outlives the handshake)."""
+        assert self._nursery is not None
+        while True:
+            try:
+                sock = await listener.accept()
+            except OSError as exc:  # out of file descriptors and the like: wait, as trio's own server does
+                log.warning("accepting a lane failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            self._nursery.start_soon(self._on_tcp, sock)
+
+    async def _on_tcp(self, sock: trio.SocketStream) -> None:
+        lane = None
+        with trio.move_on_after(self.handshake_timeout):
+            try:
+                lane = await self._accept(sock)
+            except (LaneError, WireError, StreamClosed, trio.BrokenResourceError, OSError) as exc:
+                log.debug("lane from %s refused: %s", _remote(sock), exc)
+        if lane is None:
+            with trio.CancelScope(shield=True):
+                await sock.aclose()
+            return
+        await self.on_lane(lane)
+
+    async def _accept(self, sock: trio.SocketStream) -> LaneStream | None:
+        """Read the token and the hello; answer ready. ``None`` (close quietly) for an unknown token."""
+        head = b""
+        while len(head) < LANE_TOKEN_BYTES:
+            chunk = await sock.receive_some(LANE_TOKEN_BYTES - len(head))
+            if not chunk:
+                raise LaneError("connection closed before the lane token")
+            head += chunk
+        entry = self._offers.get(head)
+        if entry is None or entry[2] < time.monotonic():
+            raise LaneError("unknown or expired lane token")
+        peer_id, key, _ = entry
+        lane = LaneStream(sock, key, peer_id, dialer=False, max_frame=self.max_frame,
+                          decoder=FrameDecoder(len(HELLO) + TAG_BYTES))
+        hello = await lane.read_record()  # a wrong key fails here and leaves the offer for its real owner
+        if hello != HELLO:
+            raise LaneError("bad lane hello")
+        if lane._plain or not lane._records.at_boundary:
+            raise LaneError("bytes after the lane hello before ready")  # the dialler must wait for ready
+        self._offers.pop(head, None)
+        lane._records = FrameDecoder(self.max_frame + 4 + TAG_BYTES)
+        await lane.write(READY)
+        return lane
+
+
+def listen_hosts(node: Any) -> tuple[str, ...]:
+    """The IPs of the node's TCP listen addresses (``0.0.0.0`` / ``::`` stay wildcards), in order, unique."""
+    hosts: list[str] = []
+    for addr in node.listen_addrs():
+        for proto in ("ip4", "ip6"):
+            try:
+                value = addr.value_for_protocol(proto)
+            except Exception:  # that protocol is not in the address
+                continue
+            if value and value not in hosts:
+                hosts.append(value)
+    return tuple(hosts) or ("0.0.0.0",)
+
+
+# ---- the upstream side -------------------------------------------------------------------------------------
+async def open_lane(node: Any, peer_id: Any, *, timeout: float = 2.0, max_frame: int = DEFAULT_MAX_FRAME
+                    ) -> LaneStream:
+    """A ready lane to ``peer_id`` over an open direct libp2p connection; :class:`LaneError` when none can be set
+    up within ``timeout`` seconds (no lane protocol there, a relayed link, a port that does not answer)."""
+    with trio.move_on_after(timeout) as scope:
+        return await _open_lane(node, peer_id, max_frame)
+    assert scope.cancelled_caught
+    raise LaneError(f"no lane to {peer_id} within {timeout} s")
+
+
+async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
+    try:
+        stream = await node.host.new_stream(peer_id, [LANE_PROTOCOL])
+    except Exception as exc:  # py-libp2p raises several unrelated types when the protocol is not served
+        raise LaneError(f"{peer_id} offers no lanes: {type(exc).__name__}: {exc}") from exc
+    fs = FramedStream(stream, max_frame=4096)
+    try:
+        link = stream_link(stream)
+        if not link.direct:
+            raise LaneError(f"the link to {peer_id} is {link}: lanes need a direct connection", lasting=False)
+        ip = _ip_of(link.remote_addr)
+        try:
+            msg = await fs.recv()
+        except (WireError, StreamClosed) as exc:
+            raise LaneError(f"bad lane offer from {peer_id}: {exc}") from exc
+    finally:
+        await fs.aclose()
+    if isinstance(msg, ErrorMessage) or not isinstance(msg, LaneOffer):
+        raise LaneError(f"{peer_id} answered the lane request with {type(msg).__name__}")
+    try:
+        sock = await trio.open_tcp_stream(ip, msg.port)
+    except OSError as exc:
+        raise LaneError(f"cannot reach the lane port {ip}:{msg.port}: {exc}") from exc
+    try:
+        lane = LaneStream(sock, msg.key, peer_id, dialer=True, max_frame=max_frame)
+        await sock.send_all(msg.token + lane.seal(HELLO))
+        if await lane.read_record() != READY:
+            raise LaneError(f"{peer_id} did not confirm the lane")
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await sock.aclose()
+        raise
+    return lane
+
+
+class LaneDialer:
+    """Open lanes for one node, remembering peers where a lane failed so that they are not tried again (and the
+    setup timeout is not paid again) for ``retry_after`` seconds. ``enabled=False`` never tries."""
+
+    def __init__(self, node: Any, *, enabled: bool = True, timeout: float = 2.0, retry_after: float = 600.0,
+                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.node = node
+        self.enabled = enabled
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self.max_frame = max_frame
+        self.failed: dict[str, tuple[float, str]] = {}  # peer id -> (when, why)
+
+    async def open(self, peer_id: Any) -> LaneStream | None:
+        """A ready lane to ``peer_id`` (already connected over libp2p), or ``None``: use a libp2p stream."""
+        if not self.enabled:
+            return None
+        key = peer_id.to_base58()
+        failed = self.failed.get(key)
+        if failed is not None and time.monotonic() - failed[0] < self.retry_after:
+            return None
+        try:
+            lane = await open_lane(self.node, peer_id, timeout=self.timeout, max_frame=self.max_frame)
+        except LaneError as exc:
+            log.info("no lane to %s, using libp2p streams: %s", key, exc)
+            if exc.lasting:
+                self.failed[key] = (time.monotonic(), str(exc))
+            return None
+        self.failed.pop(key, None)
+        return lane
+
+
+def _ip_of(remote_addr: str) -> str:
+    """``/ip4/1.2.3.4/tcp/5`` -> ``1.2.3.4`` (validated)."""
+    parts = remote_addr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        raise LaneError(f"no IP in the connection's remote address {remote_addr!r}")
+    try:
+        return str(ipaddress.ip_address(parts[2]))
+    except ValueError as exc:
+        raise LaneError(f"bad IP in {remote_addr!r}") from exc
