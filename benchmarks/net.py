@@ -1,4 +1,5 @@
-"""Network benchmark: tensor frames through our libp2p host vs plain trio TCP, a 4-hop chain, and discovery time.
+"""Network benchmark: tensor frames through our libp2p host, over direct lanes and over plain trio TCP, a 4-hop
+chain, and discovery time.
 
     python benchmarks/net.py [--quick] [--baseline] [--profile]
 
@@ -91,6 +92,30 @@ async def _child_libp2p(next_addr: str | None) -> None:
         await trio.sleep_forever()
 
 
+async def _child_lane(next_addr: str | None) -> None:
+    """As _child_libp2p, over direct lanes (``sangama_p2p.net.lane``): libp2p only keys them."""
+    from sangama_p2p.net.config import HostConfig
+    from sangama_p2p.net.host import open_host
+    from sangama_p2p.net.identity import generate_key_pair
+    from sangama_p2p.net.lane import LaneListener
+
+    async with open_host(HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",)), key_pair=generate_key_pair()) as node:
+        async with trio.open_nursery() as nursery:
+            async def on_lane(lane) -> None:
+                async def serve() -> None:
+                    if next_addr is None:
+                        await _pump(FrameReader(lane.read), lane.write)
+                    else:
+                        out = await _Client.lane(node, next_addr)
+                        await _pump(FrameReader(lane.read), out.send)
+
+                nursery.start_soon(serve)
+
+            await nursery.start(LaneListener(node, on_lane).run)
+            print(node.advertised_addrs()[0], flush=True)
+            await trio.sleep_forever()
+
+
 async def _child_tcp(next_port: int | None) -> None:
     async def handler(stream: trio.SocketStream) -> None:
         if next_port is None:
@@ -143,6 +168,20 @@ class _Client:
         return self
 
     @classmethod
+    async def lane(cls, node, addr: str):
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+        import multiaddr
+
+        from sangama_p2p.net.lane import open_lane
+
+        info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        await node.connect(info.peer_id, info.addrs)
+        lane = await open_lane(node, info.peer_id)
+        self = cls()
+        self.send, self.reader, self.close = lane.write, FrameReader(lane.read), lane.close
+        return self
+
+    @classmethod
     async def tcp(cls, port: int):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         self = cls()
@@ -185,12 +224,14 @@ async def _bench_links(quick: bool) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     tcp_proc, port = _spawn("tcp", None)
     p2p_proc, addr = _spawn("libp2p", None)
+    lane_proc, lane_addr = _spawn("lane", None)
     try:
         cfg = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",))
         async with open_host(cfg, key_pair=generate_key_pair()) as node:
             clients = {
                 "plain trio TCP": (await _Client.tcp(int(port)), tcp_proc.pid),
                 "sangama host (Noise+Yamux)": (await _Client.libp2p(node, addr), p2p_proc.pid),
+                "sangama lane (TCP+AES-GCM)": (await _Client.lane(node, lane_addr), lane_proc.pid),
             }
             for name, (client, pid) in clients.items():
                 for size in SIZES:
@@ -201,7 +242,7 @@ async def _bench_links(quick: bool) -> dict[str, dict[str, float]]:
                     out[name][f"cpu_us_per_trip_{size // 1024}k"] = round(cpu_us)
                 await client.close()
     finally:
-        for proc in (tcp_proc, p2p_proc):
+        for proc in (tcp_proc, p2p_proc, lane_proc):
             proc.kill()
             proc.wait()
     return out
@@ -267,6 +308,22 @@ async def _bench_chain(quick: bool, profile: bool) -> dict[str, float]:
                 procs.append(proc)
             client = await _Client.libp2p(node, hop)
             await run_trips("sangama host (Noise+Yamux)", client.send, recv_ch)
+
+        send_ch, recv_ch = trio.open_memory_channel(1)
+        async with open_host(cfg, key_pair=generate_key_pair()) as node, trio.open_nursery() as nursery:
+            from sangama_p2p.net.lane import LaneListener
+
+            async def lane_inbound(lane) -> None:
+                await send_ch.send(FrameReader(lane.read))
+
+            await nursery.start(LaneListener(node, lane_inbound).run)
+            hop = str(node.advertised_addrs()[0])
+            for _ in range(3):
+                proc, hop = _spawn("lane", hop)
+                procs.append(proc)
+            client = await _Client.lane(node, hop)
+            await run_trips("sangama lane (TCP+AES-GCM)", client.send, recv_ch)
+            nursery.cancel_scope.cancel()
     finally:
         for proc in procs:
             if profile:
@@ -316,7 +373,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true",
                         help="py-libp2p's Yamux defaults: a window update after every read, 256 KiB windows "
                         "(writes results/net_baseline.json)")
-    parser.add_argument("--child", choices=["tcp", "libp2p"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["tcp", "libp2p", "lane"], help=argparse.SUPPRESS)
     parser.add_argument("--next", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline:
@@ -325,12 +382,12 @@ def main() -> None:
     if args.child == "tcp":
         trio.run(_child_tcp, int(args.next) if args.next else None)
         return
-    if args.child == "libp2p":
+    if args.child in ("libp2p", "lane"):
         import logging
 
         logging.disable(logging.CRITICAL)
         try:
-            trio.run(_child_libp2p, args.next)
+            trio.run(_child_libp2p if args.child == "libp2p" else _child_lane, args.next)
         except KeyboardInterrupt:
             pass
         return
