@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 import trio
 
@@ -9,7 +13,7 @@ from sangama_p2p.errors import ErrorCode
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.stage import StageModel, StepInput
 from sangama_p2p.stage.config import StageConfig
-from sangama_p2p.stage.scheduler import Job, Scheduler
+from sangama_p2p.stage.scheduler import ComputeThread, Job, Scheduler
 from sangama_p2p.stage.sessions import SessionTable
 from sangama_p2p.tensors import from_wire
 from sangama_p2p.wire.messages import OpenSession, Step
@@ -81,3 +85,52 @@ def test_worker_runs_off_the_trio_thread_and_delivers_in_order(ckpt):
     trio.run(main)
     assert [g for g in got if g[0] == 0] == [(0, 0, None), (0, 1, None), (0, 2, None)]
     assert [g for g in got if g[0] == 1] == [(1, 0, None), (1, 1, None), (1, 2, None)]
+
+
+def test_compute_thread_runs_calls_in_order_in_one_other_thread_and_raises_their_errors():
+    seen: list[tuple[int, str]] = []
+
+    def work(i: int) -> int:
+        seen.append((i, threading.current_thread().name))
+        if i == 3:
+            raise ValueError("three")
+        return i * i
+
+    async def main():
+        worker = ComputeThread(name="test-compute")
+        try:
+            assert [await worker.run(work, i) for i in range(3)] == [0, 1, 4]
+            with pytest.raises(ValueError, match="three"):
+                await worker.run(work, 3)
+            assert await worker.run(work, 4) == 16  # the thread survives an error
+        finally:
+            worker.stop()
+        return worker
+
+    worker = trio.run(main)
+    assert [i for i, _ in seen] == [0, 1, 2, 3, 4]
+    assert {name for _, name in seen} == {"test-compute"} != {threading.current_thread().name}
+    worker._thread.join(timeout=5)
+    assert not worker._thread.is_alive()
+
+
+def test_a_cancelled_caller_waits_for_the_call_to_finish():
+    """Session state must never be left half-updated: cancellation takes effect after the call, as with
+    trio.to_thread.run_sync."""
+    finished: list[float] = []
+
+    def slow() -> None:
+        time.sleep(0.3)
+        finished.append(time.monotonic())
+
+    async def main():
+        worker = ComputeThread()
+        try:
+            with trio.move_on_after(0.05) as scope:
+                await worker.run(slow)
+            assert scope.cancelled_caught
+            assert finished and time.monotonic() >= finished[0]  # it had finished before we got control back
+        finally:
+            worker.stop()
+
+    trio.run(main)
