@@ -90,3 +90,38 @@ def test_cancelled_generations_leave_the_shared_streams_healthy(ckpt):
     assert res.tokens == want and res.failovers == 0
     assert all(links.values())  # no stream was corrupted by a cancelled write
     assert open_sessions == [0, 0, 0]  # cancelled generations closed their sessions
+
+
+def test_a_peer_that_did_not_answer_is_not_probed_again_until_it_publishes_a_new_record(ckpt):
+    """A dead peer's DHT record outlives it (up to its TTL): surveys must not wait for it every time."""
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [*SPLIT, (3, 5)]) as f:
+                dead = f.stages[3][0].peer_id.to_base58()
+                f.kill(3)
+                await trio.sleep(0.2)
+                config = ClientConfig(MODEL, survey_max_age=0.0, probe_timeout=2.0)
+                async with ChainClient(f.clients[0], config) as client:
+                    asked: list[str] = []
+                    get = client.pool.get
+
+                    async def counting_get(peer, addrs=()):
+                        asked.append(peer)
+                        return await get(peer, addrs)
+
+                    client.pool.get = counting_get
+                    first = await client.generate(PROMPT, 4)
+                    probes_first = asked.count(dead)
+                    assert dead in client.silent
+                    second = await client.generate(PROMPT, 4)
+                    # a newer record (a restart) makes it a candidate again
+                    seq, exp = client.silent[dead]
+                    client.silent[dead] = (seq, exp - 1)
+                    await client.survey(max_age=0.0)
+        return first, second, probes_first, asked.count(dead)
+
+    first, second, probes_first, probes_total = trio.run(main)
+    assert first.tokens == second.tokens
+    assert probes_first == 1
+    assert probes_total == 2  # none in the second generation, one after the "newer" record

@@ -107,6 +107,8 @@ class ChainClient:
         self._nursery_cm: Any = None
         self.offers: list[PeerOffer] = []  # the last survey
         self.surveyed_at = -math.inf  # trio clock time of the last survey
+        self._versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
+        self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
         self._survey_lock = trio.Lock()
         self._depth = 0
         self.active: dict[int, ChainSession] = {}  # the chain session of each running generation
@@ -163,6 +165,8 @@ class ChainClient:
                                            include_self=self.local_stage is not None)
         offers: list[PeerOffer] = []
 
+        self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
+
         async def probe(rec: Any) -> None:
             with trio.move_on_after(self.config.probe_timeout):
                 try:
@@ -170,19 +174,34 @@ class ChainClient:
                     info, rtt = await link.probe()
                 except SangamaError as exc:
                     log.info("peer %s does not answer: %s", rec.peer_id, exc)
+                    self._mark_silent(rec.peer_id)
                     return
                 if info.model_id != self.config.model_id or info.peer != rec.peer_id:
                     return
                 offers.append(PeerOffer(rec.peer_id, info.start, info.end, info.throughput_tps, info.queue,
                                         info.free_sessions, rtt, tuple(rec.addrs)))
+                self.silent.pop(rec.peer_id, None)
+                return
+            self._mark_silent(rec.peer_id)  # no answer within probe_timeout
 
         async with trio.open_nursery() as nursery:
             for rec in records:
-                if rec.peer_id not in exclude:
+                if rec.peer_id not in exclude and not self._still_silent(rec):
                     nursery.start_soon(probe, rec)
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
         self.surveyed_at = trio.current_time()
         return self.offers
+
+    def _mark_silent(self, peer: str) -> None:
+        """Remember that ``peer`` did not answer, with the version of the record it had: surveys skip it (no probe,
+        no ``probe_timeout`` wait) until it publishes a newer record, e.g. after a restart."""
+        version = self._versions.get(peer)
+        if version is not None:
+            self.silent[peer] = version
+
+    def _still_silent(self, rec: Any) -> bool:
+        seen = self.silent.get(rec.peer_id)
+        return seen is not None and (rec.seq, rec.expires_at) <= seen
 
     def _num_layers(self, offers: Sequence[PeerOffer]) -> int:
         """The model's depth: configured, else the deepest range ever announced (a failed last stage must not
@@ -242,6 +261,7 @@ class ChainClient:
                 except SangamaError:
                     pass
             dead.add(offer.peer_id)  # failed, or no answer in time
+            self._mark_silent(offer.peer_id)
 
         async with trio.open_nursery() as nursery:
             for offer in session.route:
