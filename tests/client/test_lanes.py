@@ -30,14 +30,17 @@ def test_links_use_lanes_when_both_sides_allow_and_tokens_do_not_change(ckpt, st
                 async with ChainClient(f.clients[0], config) as client:
                     res = await client.generate(PROMPT, 10, guesses=2)
                     kinds = [_inbound_kinds(server) for _, server, _ in f.stages]
+                    totals = [server.link_kinds() for _, server, _ in f.stages]
                     failed = dict(client.pool.lanes.failed)
-        return res, kinds, failed
+        return res, kinds, failed, totals
 
-    res, kinds, failed = trio.run(main)
+    res, kinds, failed, totals = trio.run(main)
     assert res.tokens == want
     if kind == "lane":  # client -> stage 1, stage 1 -> 2, stage 2 -> 3, and the client's own link to each stage
         assert all(k and set(k) == {"lane"} for k in kinds), kinds
         assert not failed
+        # inbound from the client (+ the previous stage) and the stream to the next stage, all lanes
+        assert [t["lane"] for t in totals] == [2, 3, 2] and not any(t["libp2p"] for t in totals), totals
     elif kind == "libp2p":  # no stage offers lanes: the client tried, failed fast, remembers
         assert all(k and set(k) == {"libp2p"} for k in kinds), kinds
         assert len(failed) == 3

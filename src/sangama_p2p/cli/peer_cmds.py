@@ -171,18 +171,18 @@ def _panel(peer: Any) -> Any:
     from rich.table import Table
 
     table = Table(title=f"sangama peer {peer.peer_id[:12]}…", title_justify="left")
-    for col in ("model", "layers", "sessions", "free", "queue", "steps/s (measured)"):
+    for col in ("model", "layers", "sessions", "free", "queue", "steps/s (measured)", "links"):
         table.add_column(col)
     for server in peer.servers:
         try:
             info = server.info()
         except Exception as exc:  # a panel must never take the peer down
             table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?",
-                          f"error: {exc}")
+                          f"error: {exc}", "?")
             continue
-        sessions = len(getattr(getattr(server, "table", None), "sessions", ()))
-        table.add_row(info.model_id, f"{info.start}:{info.end}", str(sessions),
-                      str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}")
+        links = ", ".join(f"{n} {kind}" for kind, n in server.link_kinds().items() if n) or "-"
+        table.add_row(info.model_id, f"{info.start}:{info.end}", str(server.open_sessions),
+                      str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}", links)
     return table
 
 

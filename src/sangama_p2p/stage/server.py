@@ -35,7 +35,7 @@ import trio
 
 from .. import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
-from ..net.lane import LaneDialer, LaneListener
+from ..net.lane import LaneDialer, LaneListener, LaneStream
 from ..streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
@@ -159,6 +159,21 @@ class StageServer:
     @property
     def free_sessions(self) -> int:
         return self.table.free_sessions
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self.table.sessions)
+
+    def link_kinds(self) -> dict[str, int]:
+        """How many of this stage's streams (from upstream peers and to next hops) are direct lanes, libp2p
+        streams or in-process streams (for status panels)."""
+        kinds = {"lane": 0, "libp2p": 0, "local": 0}
+        streams = [*self._inbound, *(o.stream for o in self._next.values() if o.stream is not None)]
+        for fs in streams:
+            kind = ("lane" if isinstance(fs.stream, LaneStream) else
+                    "local" if isinstance(fs.stream, MemoryStream) else "libp2p")
+            kinds[kind] += 1
+        return kinds
 
     @property
     def queue_length(self) -> int:
