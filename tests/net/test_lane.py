@@ -214,3 +214,15 @@ def test_a_malformed_offer_is_a_lane_error():
                     await open_lane(a, pid)
 
     trio.run(main)
+
+
+def test_offers_are_bounded_per_peer_and_in_all():
+    class NotListening(LaneListener):  # offer() needs nothing but a port
+        bound_port = 4242
+
+    listener = NotListening(None, lambda lane: None, max_offers=5, max_offers_per_peer=2)
+    a = [listener.offer("peer-a") for _ in range(4)]
+    assert [o.token for o in a[2:]] == list(listener._offers)  # a's two newest
+    b = [listener.offer(f"peer-{i}") for i in range(4)]
+    assert list(listener._offers) == [a[3].token, *(o.token for o in b)]  # 5 in all: the oldest went first
+    assert len({o.key for o in a + b}) == 8 and len({o.token for o in a + b}) == 8  # fresh every time

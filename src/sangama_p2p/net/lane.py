@@ -188,7 +188,8 @@ class LaneListener:
 
     def __init__(self, node: Any, on_lane: Callable[[LaneStream], Awaitable[None]], *, port: int = 0,
                  hosts: tuple[str, ...] | None = None, max_frame: int = DEFAULT_MAX_FRAME, offer_ttl: float = 10.0,
-                 max_offers: int = 256, handshake_timeout: float = 5.0) -> None:
+                 max_offers: int = 256, max_offers_per_peer: int = 4, max_handshakes: int = 64,
+                 handshake_timeout: float = 5.0) -> None:
         self.node = node
         self.on_lane = on_lane
         self.port = port
@@ -196,6 +197,9 @@ class LaneListener:
         self.max_frame = max_frame
         self.offer_ttl = offer_ttl
         self.max_offers = max_offers
+        self.max_offers_per_peer = max_offers_per_peer
+        self.max_handshakes = max_handshakes
+        self._handshakes = 0
         self.handshake_timeout = handshake_timeout
         self._offers: dict[bytes, tuple[Any, bytes, float]] = {}  # token -> (peer id, key, expiry)
         self._listeners: list[trio.SocketListener] = []
@@ -248,9 +252,14 @@ class LaneListener:
         self._listeners.clear()
 
     def offer(self, peer_id: Any) -> LaneOffer:
-        """A fresh single-use offer for ``peer_id`` (oldest offers are dropped beyond ``max_offers``)."""
+        """A fresh single-use offer for ``peer_id``. At most ``max_offers_per_peer`` stay pending per peer and
+        ``max_offers`` in all (the oldest go first), so one peer asking again and again cannot push out the
+        offers of others."""
         now = time.monotonic()
         for token in [t for t, (_, _, expiry) in self._offers.items() if expiry < now]:
+            del self._offers[token]
+        mine = [t for t, (pid, _, _) in self._offers.items() if pid == peer_id]
+        for token in mine[: max(0, len(mine) - self.max_offers_per_peer + 1)]:
             del self._offers[token]
         while len(self._offers) >= self.max_offers:
             del self._offers[next(iter(self._offers))]
@@ -283,11 +292,15 @@ class LaneListener:
 
     async def _on_tcp(self, sock: trio.SocketStream) -> None:
         lane = None
-        with trio.move_on_after(self.handshake_timeout):
+        if self._handshakes < self.max_handshakes:  # else: too many half-open lanes, close this one at once
+            self._handshakes += 1
             try:
-                lane = await self._accept(sock)
+                with trio.move_on_after(self.handshake_timeout):
+                    lane = await self._accept(sock)
             except (LaneError, WireError, StreamClosed, trio.BrokenResourceError, OSError) as exc:
                 log.debug("lane from %s refused: %s", _remote(sock), exc)
+            finally:
+                self._handshakes -= 1
         if lane is None:
             with trio.CancelScope(shield=True):
                 await sock.aclose()
