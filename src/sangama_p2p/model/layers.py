@@ -27,6 +27,11 @@ Loader = Callable[[str], Weight]
 # transformers does for a prefill), unless the session keeps a rollback ring, which needs every position's state.
 _STEPWISE_MAX = 1
 
+# The MoE computes every expert on every row (three batched products, see MoE._dense) instead of looping over the
+# experts a step's rows reach, when that costs at most this many flops: small models, where per-call overhead and not
+# arithmetic is the cost. 397B-sized experts never qualify.
+_DENSE_FLOPS = 1 << 23
+
 
 # Batch-invariant numerics. BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows, and
 # vectorised elementwise kernels compute a tensor's tail elements with scalar code, so the same row can differ in its
@@ -238,6 +243,30 @@ class MoE:
         self.experts = [DenseMLP(load, f"mlp.experts.{e}") for e in range(spec.num_experts)]
         self.shared = DenseMLP(load, "mlp.shared_expert") if spec.shared_expert_intermediate_size else None
         self.shared_gate = load("mlp.shared_expert_gate.weight") if self.shared else None
+        self.stacked = self._stack_experts()
+
+    def _stack_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All experts' weights as two stacked tensors, ``[E, 2I, H]`` and ``[E, H, I]``, for the dense path.
+
+        Only for dense, bias-free weights whose products are small enough to be overhead-bound (``_DENSE_FLOPS``);
+        each expert's weights then become views into the stacks, so nothing is held twice.
+        """
+        spec = self.spec
+        parts = [e.gate_up.parts for e in self.experts]
+        downs = [e.down for e in self.experts]
+        if not all(len(p) == 1 and isinstance(p[0], torch.Tensor) for p in parts) or \
+                not all(isinstance(d, torch.Tensor) for d in downs) or \
+                any(b is not None for e in self.experts for b in (*e.gate_up.biases, e.down_bias)):
+            return None
+        if len({p[0].dtype for p in parts} | {d.dtype for d in downs}) != 1:  # type: ignore[union-attr]
+            return None
+        if spec.num_experts * 6 * spec.hidden_size * spec.moe_intermediate_size > _DENSE_FLOPS:
+            return None
+        gate_up = torch.stack([p[0] for p in parts])  # type: ignore[misc]  # [E, 2I, H]
+        down = torch.stack(downs)  # type: ignore[arg-type]  # [E, H, I]
+        for i, e in enumerate(self.experts):
+            e.gate_up.parts[0], e.down = gate_up[i], down[i]
+        return gate_up, down
 
     def weights(self) -> Iterator[Weight]:
         yield self.router
@@ -259,6 +288,10 @@ class MoE:
                 out = y if out is None else out + y
             assert out is not None
             return self._add_shared(x, out)
+        n, k = x.shape[0], self.spec.num_experts_per_tok
+        if self.stacked is not None and not MIN_ROWS.get() and n * k >= len(self.experts) and \
+                n * len(self.experts) * 6 * x.shape[1] * self.stacked[1].shape[-1] <= _DENSE_FLOPS:
+            return self._add_shared(x, self._dense(x, top_w, top_i))
         out = torch.zeros_like(x)
         # group (token, slot) pairs by expert in Python: cheaper than torch.unique + where for the few rows of a step
         groups: dict[int, tuple[list[int], list[int]]] = {}
@@ -273,6 +306,19 @@ class MoE:
             y = self.experts[e].forward(x[token]) * top_w[token, slot, None]
             out.index_add_(0, token, y)
         return self._add_shared(x, out)
+
+    def _dense(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row in three batched products, mixed by the routing weights (zero where unrouted).
+
+        When a step's rows reach most experts anyway, this replaces a Python loop of gather/product/scatter per
+        expert (the cost of small models on CPU) with a few large calls. Not batch-invariant: rounding depends on N.
+        """
+        gate_up, down = self.stacked  # type: ignore[misc]
+        weights = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        weights.scatter_(1, top_i, top_w)  # [N, E]
+        gate, up = torch.matmul(x, gate_up.to(x.dtype).transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+        y = torch.bmm(F.silu(gate) * up, down.to(x.dtype).transpose(1, 2))  # [E, N, H]
+        return torch.bmm(weights[:, None, :], y.transpose(0, 1))[:, 0]  # [N, 1, E] @ [N, E, H] -> [N, H]
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is None:
