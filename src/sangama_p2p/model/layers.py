@@ -189,9 +189,8 @@ class GatedDeltaNet:
             width = st.conv.shape[1]
             seq = torch.cat((st.conv, mixed[rows].t()), dim=-1)  # [C, K-1+T]: the window, then the new inputs
             mixed_t = causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get()))
-            if keep_ring:  # the window after every position, for rollback
-                for i in range(seg.length):
-                    st.ring_conv[i].copy_(seq[:, i + 1:i + 1 + width])
+            if keep_ring:  # the window after every position, for rollback, in one copy
+                st.ring_conv[:seg.length].copy_(seq.unfold(1, width, 1)[:, 1:seg.length + 1].transpose(0, 1))
             st.conv.copy_(seq[:, -width:])
             q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
                                   dim=-1)

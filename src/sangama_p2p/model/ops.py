@@ -82,16 +82,21 @@ def delta_rule_steps(
     updated in place. ``keep`` [T, H, Dk, Dv], if given, receives the state after every position (for rollback).
     Returns the outputs [T, H, Dv] fp32.
     """
+    # per-position views made once; the state of every position is written in place into ``keep`` (no copies)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    decay = g.exp()
+    decay = g.exp()[..., None, None]  # [T, H, 1, 1]
+    k_col, q_col, beta_col = k[..., None], q[..., None], beta[..., None]  # [T, H, Dk, 1], [T, H, Dk, 1], [T, H, 1]
+    prev = state
     for t in range(q.shape[0]):
-        state.mul_(decay[t][:, None, None])
-        kv_mem = (state * k[t][:, :, None]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here)
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        state.add_(k[t][:, :, None] * delta[:, None, :])
-        out[t] = (state * q[t][:, :, None]).sum(1)
-        if keep is not None:
-            keep[t].copy_(state)
+        cur = keep[t] if keep is not None else state
+        torch.mul(prev, decay[t], out=cur)
+        kv_mem = (cur * k_col[t]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here, and closest to HF)
+        delta = (v[t] - kv_mem) * beta_col[t]
+        cur.add_(k_col[t] * delta[:, None, :])
+        torch.sum(cur * q_col[t], 1, out=out[t])
+        prev = cur
+    if keep is not None and q.shape[0]:
+        state.copy_(prev)
     return out
 
 
