@@ -73,7 +73,8 @@ class GuessPolicy:
     ``E(k) / cost(k)``, where
 
     - ``E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i`` from ``c_j``, the measured rate at which guess ``j`` is kept when
-      guesses ``1..j-1`` were (counts that decay by ``decay`` per step, so the policy follows the text);
+      guesses ``1..j-1`` were (counts that decay by ``decay`` per step where position j is checked, and 5x slower
+      where it is not, so the policy follows the text and slowly comes back to positions it stopped trying);
     - ``cost(k)`` is the measured time of a step that carried ``k`` guesses, drafting included
       (:meth:`observe_cost`, exponential average). A ``k`` not yet measured is extrapolated from the measured ones
       (the mean cost per guess over measured ``k``), or, with no measurement, from ``prior_cost_per_guess`` (a
@@ -134,10 +135,13 @@ class GuessPolicy:
         """Record a checked step: ``accepted`` of its ``proposed`` guesses were kept."""
         if not self.adaptive or proposed == 0:
             return
+        checked = min(accepted + 1, proposed)
         for j in range(self.max_guesses):
-            self.tried[j] *= self.decay
-            self.kept[j] *= self.decay
-        for j in range(min(accepted + 1, proposed)):
+            # a position checked now forgets at ``decay``; one not checked keeps its estimate longer
+            d = self.decay if j < checked else self.decay ** 0.2
+            self.tried[j] *= d
+            self.kept[j] *= d
+        for j in range(checked):
             self.tried[j] += 1.0
             self.kept[j] += j < accepted
 
@@ -152,14 +156,14 @@ class GuessPolicy:
 
     def acceptance(self, optimistic: bool = False) -> list[float]:
         """Estimated ``c_j``: guess j kept given 1..j-1 kept; a position with few measurements leans on the one
-        before (two pseudo-observations at its rate).
+        before (one pseudo-observation at its rate).
 
         ``optimistic``: one pseudo-observation of a kept guess instead (an unmeasured position counts as always
         kept), for choosing probes, so that deeper positions get measured.
         """
         out, prev = [], 0.5
         for t, k in zip(self.tried, self.kept):
-            prev = (k + 1.0) / (t + 1.0) if optimistic else (k + 2.0 * prev) / (t + 2.0)
+            prev = (k + 1.0) / (t + 1.0) if optimistic else (k + prev) / (t + 1.0)
             out.append(prev)
         return out
 
