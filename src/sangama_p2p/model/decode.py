@@ -29,7 +29,7 @@ from .state import Segment, SessionState
 
 __all__ = ["Decoder", "PENDING_MAX", "StepOutcome", "LastStep", "finish_steps"]
 
-PENDING_MAX = 16  # accepted rows a session that drafts nothing may hold back from the MTP layer
+PENDING_MAX = 64  # accepted rows a session that drafts nothing may hold back from the MTP layer
 
 
 class Decoder:

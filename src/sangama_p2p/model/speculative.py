@@ -81,9 +81,10 @@ class GuessPolicy:
       fraction of a plain step: small, because a step's time is mostly the network when nobody reports times).
 
     ``k = 0`` wins when nothing pays; then after ``probe_every`` plain steps (doubling up to 4x while probes do not
-    pay) the policy probes for two steps with the ``k > 0`` that would be best if unmeasured guesses were kept, so that acceptance and cost stay measured and guessing resumes when
-    the text becomes predictable; while guessing, one plain step every ``2 * probe_every`` keeps ``cost(0)`` current.
-    The first two steps are plain (the first one pays the MTP catch-up of the prompt and is not measured).
+    pay) the policy probes for two steps with one guess (the cheapest probe), so that acceptance and cost stay
+    measured and guessing resumes when the text becomes predictable; while guessing, one plain step every
+    ``2 * probe_every`` keeps ``cost(0)`` current. The first two steps are plain (the first one pays the MTP catch-up
+    of the prompt and is not measured).
     ``min_confidence`` > 0 also stops drafting at a guess whose own draft probability is below it (off by
     default: the costs and acceptance rates above are then measured per drafted rather than per planned guess, and
     ``E(k)`` overestimates what a plan of k yields). The choice never changes greedy
@@ -154,23 +155,19 @@ class GuessPolicy:
             seconds = min(seconds, 2.0 * old)  # one step descheduled by a busy machine moves the average little
         self.cost[guesses] = seconds if old is None else old + self.cost_smoothing * (seconds - old)
 
-    def acceptance(self, optimistic: bool = False) -> list[float]:
+    def acceptance(self) -> list[float]:
         """Estimated ``c_j``: guess j kept given 1..j-1 kept; a position with few measurements leans on the one
-        before (one pseudo-observation at its rate).
-
-        ``optimistic``: one pseudo-observation of a kept guess instead (an unmeasured position counts as always
-        kept), for choosing probes, so that deeper positions get measured.
-        """
+        before (one pseudo-observation at its rate), so deeper plans get tried once shallow guesses are kept."""
         out, prev = [], 0.5
         for t, k in zip(self.tried, self.kept):
-            prev = (k + 1.0) / (t + 1.0) if optimistic else (k + prev) / (t + 1.0)
+            prev = (k + prev) / (t + 1.0)
             out.append(prev)
         return out
 
-    def expected_tokens(self, optimistic: bool = False) -> list[float]:
+    def expected_tokens(self) -> list[float]:
         """``E(k)`` for k = 0..max_guesses."""
         out, run, total = [1.0], 1.0, 1.0
-        for c in self.acceptance(optimistic):
+        for c in self.acceptance():
             run *= c
             total += run
             out.append(total)
@@ -208,15 +205,12 @@ class GuessPolicy:
             self._plain_first -= 1
             self.planned = 0
             return 0
-        costs = self.step_costs()
-        rate = [e / c for e, c in zip(self.expected_tokens(), costs)]
+        rate = [e / c for e, c in zip(self.expected_tokens(), self.step_costs())]
         best = max(range(len(rate)), key=lambda k: (rate[k], -k))
         if best == 0:
             self._since_probe += 1
             if self._since_probe >= self._probe_every:  # probe for two steps: the first pays the held-back catch-up
-                hope = [e / c for e, c in zip(self.expected_tokens(optimistic=True), costs)]
-                best = max(range(1, len(hope)), key=lambda k: (hope[k], -k))
-                self._probe_left = 1
+                best, self._probe_left = 1, 1  # one guess: the cheapest probe, and it measures the first position
                 self._probe_every = min(2 * self._probe_every, 4 * self.probe_every)  # back off while nothing pays
             elif self._probe_left:
                 best, self._probe_left = self.planned, 0
