@@ -175,7 +175,7 @@ def test_local_chain_feeds_step_costs_to_auto(checkpoints):
     assert all(s > 0 for _, s in seen)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
 def test_dense_moe_equals_the_expert_loop(checkpoints, rows):
     ck = open_checkpoint(checkpoints["made-qwen"])
     stage = StageModel.load(ck.spec, ck.source, 0, 1)
@@ -191,3 +191,4 @@ def test_dense_moe_equals_the_expert_loop(checkpoints, rows):
     assert (dense - loop).abs().max() <= 1e-5
     # the experts' weights are views of the stacks: nothing is held twice
     assert moe.experts[1].down.data_ptr() == stacked[1][1].data_ptr()
+    assert moe.fold_shared and moe.shared is not None and moe.shared.down.data_ptr() == stacked[1][-1].data_ptr()
