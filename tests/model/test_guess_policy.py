@@ -192,3 +192,12 @@ def test_dense_moe_equals_the_expert_loop(checkpoints, rows):
     # the experts' weights are views of the stacks: nothing is held twice
     assert moe.experts[1].down.data_ptr() == stacked[1][1].data_ptr()
     assert moe.fold_shared and moe.shared is not None and moe.shared.down.data_ptr() == stacked[1][-1].data_ptr()
+
+
+def test_sampling_with_auto_guesses_runs_end_to_end(checkpoints):
+    """Temperature sampling with the cost-aware policy: plain stretches hold the MTP rows back, guesses resume."""
+    ck = open_checkpoint(checkpoints["made-qwen-v16"])
+    chain = LocalChain.load(ck, parse_stages("0:8", ck.spec.num_layers))
+    res = chain.generate([3, 1, 2], 48, SamplingParams(temperature=0.9, seed=3), guesses="auto", stop_at_eos=False)
+    assert len(res.tokens) == 48 and all(0 <= t < ck.spec.vocab_size for t in res.tokens)
+    assert res.guesses_proposed > 0
