@@ -181,12 +181,13 @@ def _mtp_and_draft(
         acc, tokens = outcomes[i]
         r_last = len(it.tokens) - it.n_guesses - 1 + acc
         rows = normed[offsets[i]:offsets[i] + r_last + 1]  # [r_last + 1, H]
-        dec.caught_up = (dec.caught_up[0], bool(dec.pending_tokens) or dec.checked is None)  # earlier rows, prompt
+        earlier = bool(dec.pending_tokens) or dec.checked is None  # rows held back before, or the prompt's
         dec.pending_hidden.append(rows)
         dec.pending_tokens.extend([*it.tokens[1:r_last + 1], tokens[-1]])
         k = dec.policy.plan()
         if k == 0 and len(dec.pending_tokens) < PENDING_MAX:
             continue  # nothing to draft: hold the rows back
+        dec.caught_up = (dec.caught_up[0], earlier)  # a catch-up of more than this step's rows: not a step's cost
         segs.append(Segment(dec.state, dec.mtp_position, len(dec.pending_tokens)))
         parts.extend(dec.pending_hidden)
         nexts.extend(dec.pending_tokens)
