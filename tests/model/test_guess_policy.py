@@ -41,7 +41,7 @@ def test_auto_starts_plain_and_picks_the_best_rate():
     cost = {0: 1.0, **{k: 1.4 + 0.1 * k for k in range(1, 7)}}
     p = GuessPolicy(6, adaptive=True)
     plans = _feed(p, 60, {k: min(k, 3) for k in range(7)}, cost)
-    assert plans[:2] == [0, 0], "the first steps measure a plain step"
+    assert plans[:3] == [0, 0, 0], "the first steps measure a plain step"
     e = p.expected_tokens()
     assert e[3] == pytest.approx(4.0, abs=0.35) and e[1] < e[2] < e[3]
     # steady state: 3 guesses (4 tokens for 1.7 s) beats both 0 (1 per 1 s) and deeper plans (no more kept)
@@ -80,8 +80,10 @@ def test_costs_extrapolate_from_measured_steps():
     c = p.step_costs()
     assert c[0] == 1.0 and c[2] == pytest.approx(2.0) and c[4] == pytest.approx(2.2)
     assert c[6] == pytest.approx(2.4) and c[1] == pytest.approx(1.9)  # the line through k = 2 and 4
-    p.observe_cost(0, 100.0)  # a descheduled step: clamped to twice the average before smoothing
-    assert p.cost[0] == pytest.approx(2.0 + 0.2 * (4.0 - 2.0))
+    p.observe_cost(0, 100.0)  # a descheduled step: clamped to twice the average, then a slow rise
+    assert p.cost[0] == pytest.approx(2.0 + 0.1 * (4.0 - 2.0))
+    p.observe_cost(0, 1.0)  # the load went away: a fast drop
+    assert p.cost[0] == pytest.approx(2.2 - 0.5 * (2.2 - 1.0))
     with pytest.raises(ModelError):
         GuessPolicy(-1)
     with pytest.raises(ModelError):

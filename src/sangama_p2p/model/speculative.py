@@ -76,15 +76,14 @@ class GuessPolicy:
       guesses ``1..j-1`` were (counts that decay by ``decay`` per step where position j is checked, and 5x slower
       where it is not, so the policy follows the text and slowly comes back to positions it stopped trying);
     - ``cost(k)`` is the measured time of a step that carried ``k`` guesses, drafting included
-      (:meth:`observe_cost`, exponential average). A ``k`` not yet measured is extrapolated from the measured ones
+      (:meth:`observe_cost`: an exponential average that follows drops faster than rises, since load only adds). A ``k`` not yet measured is extrapolated from the measured ones
       (the mean cost per guess over measured ``k``), or, with no measurement, from ``prior_cost_per_guess`` (a
       fraction of a plain step: small, because a step's time is mostly the network when nobody reports times).
 
     ``k = 0`` wins when nothing pays; then after ``probe_every`` plain steps (doubling up to 4x while probes do not
     pay) the policy probes for two steps with one guess (the cheapest probe), so that acceptance and cost stay
     measured and guessing resumes when the text becomes predictable; while guessing, one plain step every
-    ``2 * probe_every`` keeps ``cost(0)`` current. The first two steps are plain (the first one pays the MTP catch-up
-    of the prompt and is not measured).
+    ``2 * probe_every`` keeps ``cost(0)`` current. The first three steps are plain (they measure ``cost(0)``).
     ``min_confidence`` > 0 also stops drafting at a guess whose own draft probability is below it (off by
     default: the costs and acceptance rates above are then measured per drafted rather than per planned guess, and
     ``E(k)`` overestimates what a plan of k yields). The choice never changes greedy
@@ -112,7 +111,7 @@ class GuessPolicy:
         self.cost: list[float | None] = [None] * (max_guesses + 1)  # seconds per step carrying k guesses
         self.planned = max_guesses if not adaptive else 0  # auto: measure a plain step first
         self._since_probe = 0
-        self._plain_first = 2
+        self._plain_first = 3
         self._guessing = 0
         self._probe_left = 0
         self._probe_every = probe_every
@@ -151,9 +150,13 @@ class GuessPolicy:
         if not 0 <= guesses <= self.max_guesses or not seconds > 0:
             return
         old = self.cost[guesses]
-        if old is not None:
-            seconds = min(seconds, 2.0 * old)  # one step descheduled by a busy machine moves the average little
-        self.cost[guesses] = seconds if old is None else old + self.cost_smoothing * (seconds - old)
+        if old is None:
+            self.cost[guesses] = seconds
+            return
+        # a busy machine only ever adds time (descheduling, shared caches): follow drops fast, rises slowly, and
+        # clamp one outlier
+        rate = min(2.5 * self.cost_smoothing, 1.0) if seconds < old else 0.5 * self.cost_smoothing
+        self.cost[guesses] = old + rate * (min(seconds, 2.0 * old) - old)
 
     def acceptance(self) -> list[float]:
         """Estimated ``c_j``: guess j kept given 1..j-1 kept; a position with few measurements leans on the one
@@ -201,7 +204,7 @@ class GuessPolicy:
         if self.max_guesses == 0:
             self.planned = 0
             return 0
-        if self._plain_first:  # measure plain steps first (the first one pays the prompt's catch-up)
+        if self._plain_first:  # measure plain steps first
             self._plain_first -= 1
             self.planned = 0
             return 0
