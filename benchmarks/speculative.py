@@ -3,8 +3,9 @@
     python benchmarks/speculative.py [--model DIR] [--preset tiny] [--threads 2] [--new 64] [--repeats 3]
 
 For a code prompt and a prose prompt, on the whole model (1 stage) and a 3-stage split in one process, runs greedy
-generation at guesses 0/2/4/6/auto and reports the median decode tokens/s (wall) and new tokens per CPU-second of
-this process (prefill included; steadier than wall time on a shared machine), the speedups over no guesses, tokens per
+generation at guesses 0/2/4/6/auto (repeats interleaved: 0, 2, 4, ..., 0, 2, 4, ...) and reports the median decode
+tokens/s (wall) and new tokens per CPU-second of this process (prefill included; steadier than wall time on a shared
+machine), the speedups over no guesses, tokens per
 step, acceptance per guess position, and whether the tokens equal the no-guess run (they must: greedy acceptance
 keeps only guesses equal to the argmax). Rollback cost is measured two ways on the k=4 runs:
 
@@ -119,13 +120,17 @@ def bench_layout(chain: LocalChain, layout: str, prompts: dict[str, list[int]], 
     rows = []
     for pname, ids in prompts.items():
         base_tokens, base_tps = None, None
-        for k in args.guesses:
-            runs = []
-            for _ in range(args.repeats):
+        # repeats go round the settings (0, 2, 4, ..., 0, 2, 4, ...) so that a shared machine's changing load falls
+        # on every setting alike rather than on whichever one ran in a busy minute
+        by_k: dict = {k: [] for k in args.guesses}
+        for _ in range(args.repeats):
+            for k in args.guesses:
                 c0 = time.process_time()
                 with RollbackTimer() as rt:
                     res = chain.generate(ids, args.new, guesses=k, stop_at_eos=False)
-                runs.append((res, rt.seconds, rt.rollbacks, time.process_time() - c0))
+                by_k[k].append((res, rt.seconds, rt.rollbacks, time.process_time() - c0))
+        for k in args.guesses:
+            runs = by_k[k]
             tps = statistics.median(r[0].decode_tokens_per_s for r in runs)
             cpu_tps = statistics.median(len(r[0].tokens) / r[3] for r in runs)
             res = runs[0][0]

@@ -187,6 +187,7 @@ class LocalChain:
     def _trip(self, reqs: list[_Request], timings: list[StageTiming]) -> None:
         """One batched trip through every stage for ``reqs``; updates each request."""
         x: torch.Tensor | None = None
+        t_trip = time.thread_time()  # the guess policy weighs compute time (Decoder.record_trip)
         for i, stage in enumerate(self.stages):
             t0 = time.perf_counter()
             if stage.is_first:
@@ -200,7 +201,9 @@ class LocalChain:
                 outs = finish_steps(stage, [LastStep(r.decoder, r.start, r.pending, r.n_guesses) for r in reqs], x)
             timings[i].calls += 1
             timings[i].seconds += time.perf_counter() - t0
+        t_trip = time.thread_time() - t_trip
         for r, o in zip(reqs, outs):
+            r.decoder.record_trip(t_trip)
             r.start += len(r.pending) - r.n_guesses + o.accepted
             for tok in o.tokens:
                 if len(r.out) >= r.max_new:

@@ -7,12 +7,16 @@ For a batch of sessions whose step ran through the last stage's layers (``StageM
 3. runs the MTP layer over the step's accepted positions (its KV cache follows the main model's positions);
 4. drafts the next guesses with the MTP layer, one row per drafting session per round.
 
-All sessions share each matrix product; acceptance and the guess policy are per session.
+All sessions share each matrix product; acceptance and the guess policy are per session. A session whose policy
+plans no guesses holds its accepted rows back (``Decoder.pending``) and runs them through the MTP layer in one
+multi-row step when it drafts again or holds ``PENDING_MAX`` of them: a plain step then costs no MTP work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import Sequence
 
 import torch
@@ -23,7 +27,9 @@ from .speculative import GuessPolicy, accept_guesses
 from .stage import StageModel
 from .state import Segment, SessionState
 
-__all__ = ["Decoder", "StepOutcome", "LastStep", "finish_steps"]
+__all__ = ["Decoder", "PENDING_MAX", "StepOutcome", "LastStep", "finish_steps"]
+
+PENDING_MAX = 64  # accepted rows a session that drafts nothing may hold back from the MTP layer
 
 
 class Decoder:
@@ -41,11 +47,47 @@ class Decoder:
         self.guesses: tuple[int, ...] = ()
         self.draft_probs: torch.Tensor | None = None  # [k, V] when sampling
         self.mtp_position = 0  # MTP KV holds positions [0, mtp_position) for accepted tokens
+        # accepted positions [mtp_position, mtp_position + len(pending_tokens)) not yet run through the MTP layer:
+        # their normed hidden rows (views of the step's output) and the token after each
+        self.pending_hidden: list[torch.Tensor] = []
+        self.pending_tokens: list[int] = []
+        self.checked: int | None = None  # guesses the last step checked; None if it was not a decode step
+        self.draft_s = (0.0, 0.0)  # seconds on the MTP layer in the step before the last one, and in the last one
+        self.caught_up = (False, False)  # whether those included rows held back from earlier steps
         self.proposed = 0
         self.accepted = 0
         self.steps = 0
         self.accepted_at = [0] * (policy.max_guesses + 1)  # accepted_at[j]: steps where guess j+1 was kept
         self.proposed_at = [0] * (policy.max_guesses + 1)
+
+    @property
+    def mtp_end(self) -> int:
+        """The position after the last accepted one the MTP layer knows of (run or pending)."""
+        return self.mtp_position + len(self.pending_tokens)
+
+    def record_trip(self, seconds: float) -> None:
+        """The compute time of the whole trip (every stage and the finish) that carried this session's last step,
+        as the calling thread's CPU time (``time.thread_time``, as the drafting here is timed: steadier than wall
+        time on a shared machine).
+
+        The cost of a step with g guesses is the drafting of them (in the trip before) plus its own trip minus the
+        drafting done in it; the policy weighs guesses against it. Drivers that cannot time the whole trip skip
+        this and the policy keeps its prior costs.
+        """
+        if self.checked is not None and not self.caught_up[0]:  # a held-back catch-up is no steady-state cost
+            before, last = self.draft_s
+            self.policy.observe_cost(self.checked, before + seconds - last)
+
+    def _drop_pending_from(self, pos: int) -> None:
+        """Forget accepted rows at positions >= ``pos`` (a step that starts earlier rewrites them)."""
+        if pos <= self.mtp_position:
+            self.mtp_position = pos
+            self.pending_hidden, self.pending_tokens = [], []
+            return
+        keep = pos - self.mtp_position
+        if keep < len(self.pending_tokens):
+            rows = torch.cat(self.pending_hidden)[:keep]
+            self.pending_hidden, self.pending_tokens = [rows], self.pending_tokens[:keep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +147,7 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
             dec.proposed_at[j] += 1
             dec.accepted_at[j] += j < res.accepted
         dec.policy.update(k, res.accepted)
+        dec.checked = k if len(it.tokens) == k + 1 else None
         outcomes.append((res.accepted, res.tokens))
     # 3. + 4. keep the MTP layer current and draft
     drafts = _mtp_and_draft(stage, items, offsets, normed, outcomes)
@@ -119,66 +162,95 @@ def _mtp_and_draft(
     outcomes: list[tuple[int, tuple[int, ...]]],
 ) -> list[tuple[int, ...]]:
     drafts: list[tuple[int, ...]] = [()] * len(items)
-    if stage.mtp is None:
-        for it in items:
-            it.decoder.guesses, it.decoder.draft_probs = (), None
-        return drafts
-    active = [i for i, it in enumerate(items) if it.decoder.policy.max_guesses > 0]
-    for i in set(range(len(items))) - set(active):
-        items[i].decoder.guesses, items[i].decoder.draft_probs = (), None
-    if not active:
-        return drafts
-    # catch-up: rows 0..r_last of each step, whose next token is now known
-    segs, rows, nexts = [], [], []
-    for i in active:
-        it, (acc, tokens) = items[i], outcomes[i]
+    for it in items:
         dec = it.decoder
-        if it.start > dec.mtp_position:
-            raise SessionStateError(f"the MTP layer holds {dec.mtp_position} positions; step starts at {it.start}")
+        dec.guesses, dec.draft_probs = (), None
+        dec.draft_s, dec.caught_up = (dec.draft_s[1], 0.0), (dec.caught_up[1], False)
+    if stage.mtp is None:
+        return drafts
+    t0 = time.thread_time()
+    # catch-up: rows 0..r_last of each step (their next token is now known), plus the rows held back before
+    segs, parts, nexts, run, plans = [], [], [], [], []
+    for i, it in enumerate(items):
+        dec = it.decoder
+        if dec.policy.max_guesses == 0:
+            continue
+        if it.start > dec.mtp_end:
+            raise SessionStateError(f"the MTP layer holds {dec.mtp_end} positions; step starts at {it.start}")
+        dec._drop_pending_from(it.start)
+        acc, tokens = outcomes[i]
         r_last = len(it.tokens) - it.n_guesses - 1 + acc
-        segs.append(Segment(dec.state, it.start, r_last + 1))
-        rows.append(torch.arange(offsets[i], offsets[i] + r_last + 1))
-        nexts.extend(list(it.tokens[1:r_last + 1]) + [tokens[-1]])
-        dec.mtp_position = it.start + r_last + 1
-    u = stage.mtp_forward(normed[torch.cat(rows)], torch.tensor(nexts), segs)
-    ends = torch.tensor([s.length for s in segs]).cumsum(0) - 1
-    cur = u[ends]  # [B, H] the MTP state of each active session's last accepted position
-    positions = [items[i].decoder.mtp_position for i in active]  # next draft writes here (new token's position)
-    drafting = list(range(len(active)))
-    got: list[list[int]] = [[] for _ in active]
-    probs: list[list[torch.Tensor]] = [[] for _ in active]
-    while drafting:
+        rows = normed[offsets[i]:offsets[i] + r_last + 1]  # [r_last + 1, H]
+        earlier = bool(dec.pending_tokens) or dec.checked is None  # rows held back before, or the prompt's
+        dec.pending_hidden.append(rows)
+        dec.pending_tokens.extend([*it.tokens[1:r_last + 1], tokens[-1]])
+        k = dec.policy.plan()
+        if k == 0 and len(dec.pending_tokens) < PENDING_MAX:
+            continue  # nothing to draft: hold the rows back
+        dec.caught_up = (dec.caught_up[0], earlier)  # a catch-up of more than this step's rows: not a step's cost
+        segs.append(Segment(dec.state, dec.mtp_position, len(dec.pending_tokens)))
+        parts.extend(dec.pending_hidden)
+        nexts.extend(dec.pending_tokens)
+        dec.mtp_position = dec.mtp_end
+        dec.pending_hidden, dec.pending_tokens = [], []
+        run.append(i)
+        plans.append(k)
+    if not run:
+        return drafts
+    u = stage.mtp_forward(torch.cat(parts), torch.tensor(nexts), segs)
+    live = [a for a, k in enumerate(plans) if k > 0]  # indices into run
+    if live:
+        ends = torch.tensor([segs[a].length for a in range(len(run))]).cumsum(0) - 1
+        cur = u[ends[live]]  # [B, H] the MTP state of each drafting session's last accepted position
+        _draft(stage, [items[run[a]].decoder for a in live], cur)
+        for a in live:
+            drafts[run[a]] = items[run[a]].decoder.guesses
+    spent = time.thread_time() - t0
+    for i in run:
+        dec = items[i].decoder
+        dec.draft_s = (dec.draft_s[0], spent)
+    return drafts
+
+
+def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
+    """Draft guesses autoregressively with the MTP layer for ``decs``, from their MTP states ``cur`` [B, H]."""
+    positions = [d.mtp_position for d in decs]  # the first draft round writes here (the new token's position)
+    got: list[list[int]] = [[] for _ in decs]
+    probs: list[list[torch.Tensor]] = [[] for _ in decs]
+    live = list(range(len(decs)))
+    while live:
         lg = stage.head_logits(cur)  # [B', V]
-        conf = torch.softmax(lg, dim=-1)
+        best = lg.argmax(-1).tolist()
+        # the draft's own probability of its guess, only where a policy looks at it: no full-vocabulary softmax
+        lse = torch.logsumexp(lg, -1).tolist() if any(decs[a].policy.wants_confidence for a in live) \
+            else None
         keep = []
-        for b, a in enumerate(drafting):
-            dec = items[active[a]].decoder
-            cap_left = dec.state.capacity - positions[a] - 1  # verification needs room for token + guesses
-            if len(got[a]) >= cap_left:
+        for b, a in enumerate(live):
+            dec = decs[a]
+            if len(got[a]) >= dec.state.capacity - positions[a] - 1:  # verification needs room for token + guesses
                 continue
             if dec.sampling.greedy:
-                g = int(lg[b].argmax())
+                g, q = best[b], None
             else:
                 q = token_probs(lg[b], dec.sampling)
                 g = int(torch.multinomial(q, 1, generator=dec.generator))
-                probs[a].append(q)
-            if not dec.policy.keep_drafting(len(got[a]), float(conf[b, g])):
-                if probs[a] and not dec.sampling.greedy:
-                    probs[a].pop()
+            conf = math.exp(float(lg[b, g]) - lse[b]) if lse is not None else 1.0
+            if not dec.policy.keep_drafting(len(got[a]), conf):
                 continue
             got[a].append(g)
+            if q is not None:
+                probs[a].append(q)
             keep.append(b)
-        still_b = [b for b in keep if len(got[drafting[b]]) < items[active[drafting[b]]].decoder.policy.limit()]
+        still_b = [b for b in keep if len(got[live[b]]) < decs[live[b]].policy.limit()]
         if not still_b:
             break
         # one more MTP step for the sessions that keep drafting: input (their MTP state, their last guess)
-        still = [drafting[b] for b in still_b]
-        segs = [Segment(items[active[a]].decoder.state, positions[a] + len(got[a]) - 1, 1) for a in still]
-        cur = stage.mtp_forward(cur[torch.tensor(still_b)], torch.tensor([got[a][-1] for a in still]), segs)
-        drafting = still
-    for a, i in enumerate(active):
-        dec = items[i].decoder
+        still = [live[b] for b in still_b]
+        segs = [Segment(decs[a].state, positions[a] + len(got[a]) - 1, 1) for a in still]
+        if len(still_b) < len(live):
+            cur = cur[torch.tensor(still_b)]
+        cur = stage.mtp_forward(cur, torch.tensor([got[a][-1] for a in still]), segs)
+        live = still
+    for a, dec in enumerate(decs):
         dec.guesses = tuple(got[a])
-        dec.draft_probs = torch.stack(probs[a]) if (probs[a] and not dec.sampling.greedy) else None
-        drafts[i] = dec.guesses
-    return drafts
+        dec.draft_probs = torch.stack(probs[a]) if probs[a] else None

@@ -22,10 +22,13 @@ __all__ = [
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in fp32; ``weight`` is the effective scale (1 + w already folded in for zero-centred norms)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    """RMSNorm in fp32; ``weight`` is the effective scale (1 + w already folded in for zero-centred norms).
+
+    torch's ``rms_norm`` does the same operations in the same order (bit-identical) in one call from Python.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -82,16 +85,21 @@ def delta_rule_steps(
     updated in place. ``keep`` [T, H, Dk, Dv], if given, receives the state after every position (for rollback).
     Returns the outputs [T, H, Dv] fp32.
     """
+    # per-position views made once; the state of every position is written in place into ``keep`` (no copies)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    decay = g.exp()
+    decay = g.exp()[..., None, None]  # [T, H, 1, 1]
+    k_col, q_col, beta_col = k[..., None], q[..., None], beta[..., None]  # [T, H, Dk, 1], [T, H, Dk, 1], [T, H, 1]
+    prev = state
     for t in range(q.shape[0]):
-        state.mul_(decay[t][:, None, None])
-        kv_mem = (state * k[t][:, :, None]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here)
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        state.add_(k[t][:, :, None] * delta[:, None, :])
-        out[t] = (state * q[t][:, :, None]).sum(1)
-        if keep is not None:
-            keep[t].copy_(state)
+        cur = keep[t] if keep is not None else state
+        torch.mul(prev, decay[t], out=cur)
+        kv_mem = (cur * k_col[t]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here, and closest to HF)
+        delta = (v[t] - kv_mem) * beta_col[t]
+        cur.add_(k_col[t] * delta[:, None, :])
+        torch.sum(cur * q_col[t], 1, out=out[t])
+        prev = cur
+    if keep is not None and q.shape[0]:
+        state.copy_(prev)
     return out
 
 
