@@ -12,8 +12,11 @@ SPLIT = [(0, 3), (3, 5), (5, 8)]
 PROMPT = [3, 1, 4, 1, 5, 9]
 
 
-def _kill_test(ckpt, victim_range, guesses, **options):
-    want = local_chain(ckpt, SPLIT, batch_invariant=True).generate(PROMPT, 20, guesses=guesses).tokens
+def _kill_test(ckpt, victim_range, guesses, temperature=0.0, **options):
+    from sangama_p2p.model.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, seed=11)
+    want = local_chain(ckpt, SPLIT, batch_invariant=True).generate(PROMPT, 20, sampling, guesses=guesses).tokens
 
     async def main():
         with trio.fail_after(90):
@@ -33,7 +36,8 @@ def _kill_test(ckpt, victim_range, guesses, **options):
                                 return
 
                     seen: list[int] = []
-                    res = await client.generate(PROMPT, 20, guesses=guesses, on_tokens=on_tokens)
+                    res = await client.generate(PROMPT, 20, guesses=guesses, on_tokens=on_tokens,
+                                                temperature=temperature, seed=11)
         return res, killed
 
     res, killed = trio.run(main)
@@ -49,6 +53,12 @@ def test_middle_stage_killed_mid_generation_completes_with_identical_tokens(ckpt
 
 def test_last_stage_killed_with_guesses_completes_with_identical_tokens(ckpt):
     _kill_test(ckpt, (5, 8), 2)
+
+
+def test_last_stage_killed_while_sampling_completes_with_identical_tokens(ckpt):
+    """Each sampled token's randomness is keyed by (seed, position), not by a generator's history that dies with the
+    last stage: the replacement draws what the dead stage would have drawn."""
+    _kill_test(ckpt, (5, 8), 0, temperature=1.0)
 
 
 def test_no_spare_for_a_dead_stage_raises_route_error(ckpt):

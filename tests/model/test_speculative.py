@@ -258,3 +258,20 @@ def test_sampling_with_guesses_through_the_model(checkpoints):
     a = chain.generate([3, 1, 2], 32, params, guesses=3, stop_at_eos=False)
     b = chain.generate([3, 1, 2], 32, params, guesses=3, stop_at_eos=False)
     assert a.tokens == b.tokens and len(a.tokens) == 32
+
+
+def test_position_keyed_seeds_are_distinct_and_sample_the_distribution():
+    """Each sampled position gets its own generator seed from (seed, position): distinct for neighbouring pairs,
+    and draws across seeds still follow the distribution (chi-square, as for the acceptance rule)."""
+    from sangama_p2p.model.sampling import position_seed
+
+    keys = {position_seed(s, p) for s in range(64) for p in range(64)}
+    assert len(keys) == 64 * 64 and all(0 <= k < 2**63 for k in keys)
+    assert position_seed(3, 9) == position_seed(3, 9)
+    p = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    gen = torch.Generator()
+    counts = torch.zeros(5)
+    for seed in range(4000):
+        gen.manual_seed(position_seed(seed, 17))
+        counts[int(torch.multinomial(p, 1, generator=gen))] += 1
+    assert _chi2(counts, p) < CHI2_4DOF_P001

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelError, SessionStateError, TooManyGuessesError
-from .sampling import SamplingParams, token_probs
+from .sampling import SamplingParams, position_seed, token_probs
 from .speculative import GuessPolicy, accept_guesses
 from .stage import StageModel
 from .state import Segment, SessionState
@@ -138,6 +138,8 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
             if guesses != dec.guesses or dec.draft_probs is None:
                 raise SessionStateError("sampled guesses must be the ones this stage drafted for the session")
             probs = dec.draft_probs
+        if not dec.sampling.greedy:  # this step's draws (acceptance, new token, drafts) keyed by where they start
+            dec.generator.manual_seed(position_seed(dec.sampling.seed, it.start + len(it.tokens) - k))
         res = accept_guesses(logits[row:row + k + 1], guesses, probs, dec.sampling, dec.generator)
         row += k + 1
         dec.steps += 1

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ModelError
 
-__all__ = ["SamplingParams", "token_probs"]
+__all__ = ["SamplingParams", "position_seed", "token_probs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the draws that decide the token at ``position`` of a session seeded ``seed``
+    (splitmix64 of the pair): randomness keyed by position, not by a generator's history, so a replacement last
+    stage that replays a session draws what the failed one would have drawn."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
