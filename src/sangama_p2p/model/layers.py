@@ -167,45 +167,90 @@ class GatedDeltaNet:
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         spec = self.spec
-        n = x.shape[0]
-        nk, nv, dk, dv = (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
-                          spec.linear_value_head_dim)
+        n, nv, dv = x.shape[0], spec.linear_num_value_heads, spec.linear_value_head_dim
         mixed, z, b, a = self.in_proj(x)  # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]
         beta = torch.sigmoid(b.float())
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
-        conv_w = self.conv.to(x.dtype)
+        # steps run position by position are batched across sessions, one group per step length; long steps without
+        # a rollback ring (prefills) run chunked, one session at a time
+        groups: dict[int, list[tuple[LinearLayerState, int, bool]]] = {}
+        chunked: list[tuple[LinearLayerState, int, int]] = []
         row = 0
         for seg in segments:
             st = seg.state.layers[self.key]
             assert isinstance(st, LinearLayerState)
-            rows = slice(row, row + seg.length)
-            keep_ring = seg.state.ring >= seg.length
-            width = st.conv.shape[1]
-            seq = torch.cat((st.conv, mixed[rows].t()), dim=-1)  # [C, K-1+T]: the window, then the new inputs
-            mixed_t = causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get()))
-            if keep_ring:  # the window after every position, for rollback
-                for i in range(seg.length):
-                    st.ring_conv[i].copy_(seq[:, i + 1:i + 1 + width])
-            st.conv.copy_(seq[:, -width:])
-            q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
-                                  dim=-1)
-            t = seg.length
-            q = q.reshape(t, nk, dk).repeat_interleave(nv // nk, dim=1)
-            k = k.reshape(t, nk, dk).repeat_interleave(nv // nk, dim=1)
-            q = l2norm(q) * dk ** -0.5
-            k = l2norm(k)
-            v = v.reshape(t, nv, dv)
-            if keep_ring:
-                core[rows] = delta_rule_steps(q, k, v, g[rows], beta[rows], st.rec, keep=st.ring_rec[:t])
-            elif t <= _STEPWISE_MAX:
-                core[rows] = delta_rule_steps(q, k, v, g[rows], beta[rows], st.rec)
+            keep_ring = seg.length > 1 and seg.state.ring >= seg.length  # a 1-token step is never rolled back into
+            if keep_ring or seg.length <= _STEPWISE_MAX:
+                groups.setdefault(seg.length, []).append((st, row, keep_ring))
             else:
-                core[rows] = delta_rule_chunked(q, k, v, g[rows], beta[rows], st.rec)
+                chunked.append((st, row, seg.length))
             row += seg.length
+        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
+        conv_w = self.conv.to(x.dtype)
+        if groups:
+            decay = g.exp()
+            for t, items in groups.items():
+                self._stepwise(items, t, mixed, decay, beta, core, conv_w)
+        for st, row, t in chunked:
+            rows = slice(row, row + t)
+            seq = torch.cat((st.conv, mixed[rows].t()), dim=-1)  # [C, K-1+T]: the window, then the new inputs
+            st.conv.copy_(seq[:, -st.conv.shape[1]:])
+            q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))
+            core[rows] = delta_rule_chunked(q, k, v, g[rows], beta[rows], st.rec)
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
+
+    def _qkv(self, mixed_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [..., C] -> q, k (L2-normed, q scaled, repeated to the value heads) [..., Hv, Dk], v."""
+        spec = self.spec
+        nk, nv, dk = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim
+        lead = mixed_t.shape[:-1]
+        q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
+                              dim=-1)
+        # repeat first: it makes q and k contiguous, so that each head's norm sums its terms in the same order
+        # whatever T (a norm over a strided view would not)
+        q = l2norm(q.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2)) * dk ** -0.5
+        k = l2norm(k.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2))
+        return q, k, v.reshape(*lead, nv, spec.linear_value_head_dim)
+
+    def _stepwise(
+        self, items: list[tuple[LinearLayerState, int, bool]], t: int, mixed: torch.Tensor, decay: torch.Tensor,
+        beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor,
+    ) -> None:
+        """Steps of ``t`` positions of B sessions as one batched conv + delta rule over their stacked states.
+
+        The B windows and recurrent states are gathered into one temporary [B, ...] tensor each and written back
+        after the step (and into the rollback rings of the sessions that keep one); the session's own tensors stay
+        where they are. ``items``: (layer state, first row, keep ring) per session.
+        """
+        states = [st for st, _, _ in items]
+        first = items[0][1]
+        if all(r == first + i * t for i, (_, r, _) in enumerate(items)):  # consecutive rows: slices, no gather
+            rows: slice | torch.Tensor = slice(first, first + len(items) * t)
+        else:
+            rows = torch.tensor([r + i for _, r, _ in items for i in range(t)], device=mixed.device)
+        bsz, width = len(items), states[0].conv.shape[1]
+        new = mixed[rows].reshape(bsz, t, -1).transpose(1, 2)  # [B, C, T]
+        seq = torch.cat((torch.stack([st.conv for st in states]), new), dim=-1)  # [B, C, K-1+T]
+        q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=True))  # [B, T, Hv, D] each
+        torch._foreach_copy_([st.conv for st in states], list(seq[:, :, -width:].unbind(0)))
+        ringed = [i for i, (_, _, keep) in enumerate(items) if keep]
+        keep = None
+        if ringed:
+            ring_states = [states[i] for i in ringed]
+            for i in range(t):  # the window after every position, for rollback
+                torch._foreach_copy_([st.ring_conv[i] for st in ring_states],
+                                     [seq[j, :, i + 1:i + 1 + width] for j in ringed])
+
+            def keep(i: int, rec: torch.Tensor) -> None:
+                torch._foreach_copy_([st.ring_rec[i] for st in ring_states], [rec[j] for j in ringed])
+
+        rec = torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
+        nv = self.spec.linear_num_value_heads
+        out = delta_rule_steps(q, k, v, decay[rows].reshape(bsz, t, nv), beta[rows].reshape(bsz, t, nv), rec, keep)
+        torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
+        core[rows] = out.reshape(bsz * t, nv, -1)
 
 
 class DenseMLP:

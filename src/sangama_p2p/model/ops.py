@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,36 +63,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """Depthwise causal conv + SiLU over the new inputs of ``seq``.
 
-    seq: [C, K-1+T], the previous ``K-1`` inputs (oldest first) followed by the T new ones; weight: [C, K].
-    Returns [T, C]. ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
+    seq: [..., C, K-1+T], the previous ``K-1`` inputs (oldest first) followed by the T new ones (a leading batch dim
+    holds one window per session); weight: [C, K]. Returns [..., T, C]. ``invariant``: compute with elementwise
+    products (batch-invariant mode) instead of conv1d.
     """
-    if invariant or seq.shape[1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for any T, and
-        out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # cheaper than conv1d for short steps
-    else:  # what transformers does, for the closest match
+    if invariant or seq.dim() > 2 or seq.shape[-1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for
+        out = (seq.unfold(-1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # any T, cheaper than conv1d for
+    else:  # what transformers does, for the closest match                        # short steps
         out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
-    return F.silu(out).t()
+    return F.silu(out).transpose(-1, -2)
 
 
 def delta_rule_steps(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    keep: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    keep: Callable[[int, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """Gated delta rule, one position at a time (decode and short verify steps).
+    """Gated delta rule, one position at a time, for B sessions at once (decode and short verify steps).
 
-    q, k: [T, H, Dk] (already L2-normed, q scaled); v: [T, H, Dv]; g, beta: [T, H]; state: [H, Dk, Dv] fp32,
-    updated in place. ``keep`` [T, H, Dk, Dv], if given, receives the state after every position (for rollback).
-    Returns the outputs [T, H, Dv] fp32.
+    q, k: [B, T, H, Dk] (already L2-normed, q scaled); v: [B, T, H, Dv]; decay (= exp(g)), beta: [B, T, H];
+    state: [B, H, Dk, Dv] fp32, updated in place. ``keep(t, state)``, if given, is called with the state after every
+    position (to fill the rollback rings). Returns the outputs [B, T, H, Dv] fp32.
     """
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    decay = g.exp()
-    for t in range(q.shape[0]):
-        state.mul_(decay[t][:, None, None])
-        kv_mem = (state * k[t][:, :, None]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here)
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        state.add_(k[t][:, :, None] * delta[:, None, :])
-        out[t] = (state * q[t][:, :, None]).sum(1)
+    for t in range(q.shape[1]):
+        kt = k[:, t, :, :, None]  # [B, H, Dk, 1]
+        state.mul_(decay[:, t, :, None, None])
+        kv_mem = (state * kt).sum(-2)  # [B, H, Dv] (products + sum: cheaper than einsum here)
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state.add_(kt * delta[:, :, None, :])
+        out[:, t] = (state * q[:, t, :, :, None]).sum(-2)
         if keep is not None:
-            keep[t].copy_(state)
+            keep(t, state)
     return out
 
 

@@ -214,7 +214,7 @@ class StageModel:
         for s in segments:
             st = s.state
             st.position = s.start + s.length
-            if st.ring >= s.length and st.has_linear():
+            if st.ring >= s.length > 1 and st.has_linear():  # a 1-token step keeps no snapshot (layers.py)
                 st.ring_base, st.ring_len = s.start, s.length
             else:
                 st.ring_base, st.ring_len = -1, 0
