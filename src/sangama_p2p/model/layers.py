@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from .experts import DENSE_MAX, StackedExperts
 from .ops import apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
@@ -283,6 +284,7 @@ class MoE:
         self.experts = [DenseMLP(load, f"mlp.experts.{e}") for e in range(spec.num_experts)]
         self.shared = DenseMLP(load, "mlp.shared_expert") if spec.shared_expert_intermediate_size else None
         self.shared_gate = load("mlp.shared_expert_gate.weight") if self.shared else None
+        self.stacked = StackedExperts.build(self.experts)  # many-row steps in a few products (model/experts.py)
 
     def weights(self) -> Iterator[Weight]:
         yield self.router
@@ -304,6 +306,12 @@ class MoE:
                 out = y if out is None else out + y
             assert out is not None
             return self._add_shared(x, out)
+        if self.stacked is not None:
+            n, st = x.shape[0], self.stacked
+            if st.dense_ok and (MIN_ROWS.get() or n * st.per_row <= DENSE_MAX):
+                return self._add_shared(x, st.dense(x, top_i, top_w))
+            if not MIN_ROWS.get() and (out := st.grouped(x, top_i, top_w)) is not None:
+                return self._add_shared(x, out)
         out = torch.zeros_like(x)
         # group (token, slot) pairs by expert in Python: cheaper than torch.unique + where for the few rows of a step
         groups: dict[int, tuple[list[int], list[int]]] = {}
