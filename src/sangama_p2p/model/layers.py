@@ -27,6 +27,7 @@ Loader = Callable[[str], Weight]
 # Steps up to this many positions run the delta rule position by position; longer ones run it in chunks (as
 # transformers does for a prefill), unless the session keeps a rollback ring, which needs every position's state.
 _STEPWISE_MAX = 1
+_CHUNK = 64  # positions per chunk of the chunked delta rule
 
 
 # Batch-invariant numerics. BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows, and
@@ -172,32 +173,28 @@ class GatedDeltaNet:
         mixed, z, b, a = self.in_proj(x)  # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]
         beta = torch.sigmoid(b.float())
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        # steps run position by position are batched across sessions, one group per step length; long steps without
-        # a rollback ring (prefills) run chunked, one session at a time
-        groups: dict[int, list[tuple[LinearLayerState, int, bool]]] = {}
-        chunked: list[tuple[LinearLayerState, int, int]] = []
+        # sessions run as groups, each one batched conv + delta rule over the group's stacked states: steps run
+        # position by position (decode, verify) grouped by length; chunked steps (prefills without a rollback ring)
+        # by chunk count, shorter ones padded (one session per group in batch-invariant mode)
+        invariant = bool(MIN_ROWS.get())
+        groups: dict[tuple, list[tuple[LinearLayerState, int, int, bool]]] = {}
         row = 0
         for seg in segments:
             st = seg.state.layers[self.key]
             assert isinstance(st, LinearLayerState)
-            keep_ring = seg.length > 1 and seg.state.ring >= seg.length  # a 1-token step is never rolled back into
-            if keep_ring or seg.length <= _STEPWISE_MAX:
-                groups.setdefault(seg.length, []).append((st, row, keep_ring))
+            t = seg.length
+            keep_ring = t > 1 and seg.state.ring >= t  # a 1-token step is never rolled back into
+            if keep_ring or t <= _STEPWISE_MAX:
+                key: tuple = (False, t)
             else:
-                chunked.append((st, row, seg.length))
-            row += seg.length
+                key = (True, id(st) if invariant else -(-t // _CHUNK))
+            groups.setdefault(key, []).append((st, row, t, keep_ring))
+            row += t
         core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
         conv_w = self.conv.to(x.dtype)
-        if groups:
-            decay = g.exp()
-            for t, items in groups.items():
-                self._stepwise(items, t, mixed, decay, beta, core, conv_w)
-        for st, row, t in chunked:
-            rows = slice(row, row + t)
-            seq = torch.cat((st.conv, mixed[rows].t()), dim=-1)  # [C, K-1+T]: the window, then the new inputs
-            st.conv.copy_(seq[:, -st.conv.shape[1]:])
-            q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))
-            core[rows] = delta_rule_chunked(q, k, v, g[rows], beta[rows], st.rec)
+        decay = g.exp() if any(not chunked for chunked, _ in groups) else g
+        for (chunked, _), items in groups.items():
+            self._group(items, chunked, mixed, g if chunked else decay, beta, core, conv_w)
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
@@ -215,30 +212,43 @@ class GatedDeltaNet:
         k = l2norm(k.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2))
         return q, k, v.reshape(*lead, nv, spec.linear_value_head_dim)
 
-    def _stepwise(
-        self, items: list[tuple[LinearLayerState, int, bool]], t: int, mixed: torch.Tensor, decay: torch.Tensor,
-        beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor,
+    def _group(
+        self, items: list[tuple[LinearLayerState, int, int, bool]], chunked: bool, mixed: torch.Tensor,
+        g: torch.Tensor, beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor,
     ) -> None:
-        """Steps of ``t`` positions of B sessions as one batched conv + delta rule over their stacked states.
+        """Steps of B sessions as one batched conv + delta rule over their stacked states.
 
-        The B windows and recurrent states are gathered into one temporary [B, ...] tensor each and written back
-        after the step (and into the rollback rings of the sessions that keep one); the session's own tensors stay
-        where they are. ``items``: (layer state, first row, keep ring) per session.
+        ``items``: (layer state, first row, length, keep ring) per session; ``g`` is the log-decay for a chunked
+        group, the decay itself (exp g) for a stepwise one. A chunked group's shorter steps are padded at the end
+        with positions of zero gate and zero beta, which leave the state as it is. The B windows and recurrent states
+        are gathered into one temporary [B, ...] tensor each and written back after the step (and into the rollback
+        rings of the sessions that keep one); the sessions' own tensors stay where they are.
         """
-        states = [st for st, _, _ in items]
+        spec = self.spec
+        nv, bsz = spec.linear_num_value_heads, len(items)
+        t = max(n for _, _, n, _ in items)
+        states = [st for st, _, _, _ in items]
+        width = states[0].conv.shape[1]
         first = items[0][1]
-        if all(r == first + i * t for i, (_, r, _) in enumerate(items)):  # consecutive rows: slices, no gather
-            rows: slice | torch.Tensor = slice(first, first + len(items) * t)
+        if all(r == first + i * t and n == t for i, (_, r, n, _) in enumerate(items)):  # no gather, no padding
+            rows: slice | torch.Tensor = slice(first, first + bsz * t)
+            place = None
+            new = mixed[rows]
+            gb = torch.stack((g[rows], beta[rows]))  # [2, B*T, Hv]
         else:
-            rows = torch.tensor([r + i for _, r, _ in items for i in range(t)], device=mixed.device)
-        bsz, width = len(items), states[0].conv.shape[1]
-        new = mixed[rows].reshape(bsz, t, -1).transpose(1, 2)  # [B, C, T]
-        seq = torch.cat((torch.stack([st.conv for st in states]), new), dim=-1)  # [B, C, K-1+T]
-        q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=True))  # [B, T, Hv, D] each
-        torch._foreach_copy_([st.conv for st in states], list(seq[:, :, -width:].unbind(0)))
-        ringed = [i for i, (_, _, keep) in enumerate(items) if keep]
+            rows = torch.tensor([r + i for _, r, n, _ in items for i in range(n)], device=mixed.device)
+            place = torch.tensor([b * t + i for b, (_, _, n, _) in enumerate(items) for i in range(n)],
+                                 device=mixed.device)
+            new = mixed.new_zeros(bsz * t, mixed.shape[1]).index_copy_(0, place, mixed[rows])
+            gb = g.new_zeros(2, bsz * t, nv).index_copy_(1, place, torch.stack((g[rows], beta[rows])))
+        gb = gb.reshape(2, bsz, t, nv)
+        seq = torch.cat((torch.stack([st.conv for st in states]), new.reshape(bsz, t, -1).transpose(1, 2)), dim=-1)
+        q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))  # [B, T, Hv, D] each
+        torch._foreach_copy_([st.conv for st in states], [seq[b, :, n:n + width] for b, (_, _, n, _) in
+                                                          enumerate(items)])
+        ringed = [i for i, (_, _, _, keep) in enumerate(items) if keep]
         keep = None
-        if ringed:
+        if ringed:  # stepwise groups only (their steps all have length t)
             ring_states = [states[i] for i in ringed]
             for i in range(t):  # the window after every position, for rollback
                 torch._foreach_copy_([st.ring_conv[i] for st in ring_states],
@@ -248,10 +258,18 @@ class GatedDeltaNet:
                 torch._foreach_copy_([st.ring_rec[i] for st in ring_states], [rec[j] for j in ringed])
 
         rec = torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
-        nv = self.spec.linear_num_value_heads
-        out = delta_rule_steps(q, k, v, decay[rows].reshape(bsz, t, nv), beta[rows].reshape(bsz, t, nv), rec, keep)
+        if chunked:  # the sessions' heads side by side: [T, B*Hv, D]
+            def fold(x: torch.Tensor) -> torch.Tensor:
+                return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
+
+            out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gb[0]), fold(gb[1]),
+                                     rec.view(bsz * nv, *rec.shape[2:]), chunk=_CHUNK)
+            out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
+        else:
+            out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, keep)
         torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
-        core[rows] = out.reshape(bsz * t, nv, -1)
+        out = out.reshape(bsz * t, nv, -1)
+        core[rows] = out if place is None else out[place]
 
 
 class DenseMLP:

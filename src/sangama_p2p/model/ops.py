@@ -67,10 +67,11 @@ def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False
     holds one window per session); weight: [C, K]. Returns [..., T, C]. ``invariant``: compute with elementwise
     products (batch-invariant mode) instead of conv1d.
     """
-    if invariant or seq.dim() > 2 or seq.shape[-1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for
-        out = (seq.unfold(-1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # any T, cheaper than conv1d for
-    else:  # what transformers does, for the closest match                        # short steps
-        out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
+    if invariant or seq.shape[-1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for any T, and
+        out = (seq.unfold(-1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # cheaper than conv1d for short steps
+    else:  # what transformers does, for the closest match
+        out = F.conv1d(seq.reshape(-1, *seq.shape[-2:]), weight[:, None, :], groups=seq.shape[-2])  # [B, C, T]
+        out = out.reshape(*seq.shape[:-1], -1)
     return F.silu(out).transpose(-1, -2)
 
 
