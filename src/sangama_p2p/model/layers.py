@@ -263,7 +263,7 @@ class GatedDeltaNet:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
 
             out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gb[0]), fold(gb[1]),
-                                     rec.view(bsz * nv, *rec.shape[2:]), chunk=_CHUNK)
+                                     rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
         else:
             out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, keep)
