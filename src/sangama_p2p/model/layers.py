@@ -123,26 +123,38 @@ class Attention:
         v = v.reshape(n, spec.num_kv_heads, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        out = torch.zeros(n, spec.num_heads, hd, dtype=x.dtype, device=x.device)
-        row = 0
-        for seg in segments:
+        kv, rep = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+        invariant = MIN_ROWS.get()
+        # Without the batch-invariant mode, the `rep` query heads that share a KV head go in as `rep` times the rows
+        # of that head (no enable_gqa, which expands K and V on every call: 5x the cost of a small call here).
+        qg = q.reshape(n, kv, rep, hd).permute(1, 2, 0, 3)  # [kv, rep, N, hd]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv, N, hd]
+        lengths = [seg.length for seg in segments]
+        if sum(lengths) < n:  # batch-invariant mode's padding rows
+            lengths.append(n - sum(lengths))
+        outs, row = [], 0
+        # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
+        for seg, qs, ks, vs in zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2)):
             st = seg.state.layers[self.key]
             assert isinstance(st, AttentionLayerState)
-            end = seg.start + seg.length
-            st.k[:, seg.start:end] = k[row:row + seg.length].transpose(0, 1)
-            st.v[:, seg.start:end] = v[row:row + seg.length].transpose(0, 1)
-            qs = q[row:row + seg.length].transpose(0, 1)  # [heads, T, hd]
-            if MIN_ROWS.get():
-                o = attend_invariant(qs, st.k[:, :end], st.v[:, :end], seg.start)
+            t, end = seg.length, seg.start + seg.length
+            st.k.narrow(2, seg.start, t).copy_(ks)
+            st.v.narrow(2, seg.start, t).copy_(vs)
+            keys, values = st.k.narrow(2, 0, end), st.v.narrow(2, 0, end)
+            if invariant:
+                o = attend_invariant(q[row:row + t].transpose(0, 1), keys[0], values[0], seg.start)  # [heads, T, hd]
+                outs.append(o.reshape(kv, rep, t, hd))
             else:
                 mask = None
-                if seg.length > 1:  # causal within the step; every cached position before it is visible
-                    mask = torch.ones(seg.length, end, dtype=torch.bool, device=x.device).tril(seg.start)
-                o = F.scaled_dot_product_attention(
-                    qs[None], st.k[None, :, :end], st.v[None, :, :end], attn_mask=mask, enable_gqa=True
-                )[0]
-            out[row:row + seg.length] = o.transpose(0, 1)
-            row += seg.length
+                if t > 1:  # causal within the step; every cached position before it is visible
+                    mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(seg.start).repeat(rep, 1)
+                o = F.scaled_dot_product_attention(qs.reshape(1, kv, rep * t, hd), keys, values,
+                                                   attn_mask=mask)
+                outs.append(o.reshape(kv, rep, t, hd))
+            row += t
+        out = torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(row, spec.num_heads, hd)  # [N', heads, hd]
+        if row < n:  # batch-invariant mode's padding rows
+            out = torch.cat((out, out.new_zeros(n - row, *out.shape[1:])))
         out = out.reshape(n, spec.num_heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
