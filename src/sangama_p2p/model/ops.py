@@ -147,14 +147,14 @@ def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     its own visible keys with elementwise products and sums: BLAS picks different kernels for 1 row and for many,
     and masked softmax sums over a longer row group their terms differently. Used in batch-invariant mode.
     """
-    rep = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(rep, dim=0)
-    v = v.repeat_interleave(rep, dim=0)
-    scale = q.shape[-1] ** -0.5
-    out = torch.empty_like(q)
-    for t in range(q.shape[1]):
+    kv, (heads, t_len, dim) = k.shape[0], q.shape
+    qg = q.reshape(kv, heads // kv, t_len, dim)  # the query heads that share a KV head, without copying K and V
+    k, v = k[:, None], v[:, None]  # [Hkv, 1, L, D]
+    scale = dim ** -0.5
+    out = torch.empty_like(qg)
+    for t in range(t_len):
         n = start + t + 1
-        scores = (q[:, t, None, :] * k[:, :n, :]).sum(-1) * scale  # [H, n]
+        scores = (qg[:, :, t, None, :] * k[:, :, :n, :]).sum(-1) * scale  # [Hkv, rep, n]
         probs = torch.softmax(scores, dim=-1)
-        out[:, t] = (probs[..., None] * v[:, :n, :]).sum(-2)
-    return out
+        out[:, :, t] = (probs[..., None] * v[:, :, :n, :]).sum(-2)
+    return out.reshape(heads, t_len, dim)
