@@ -266,4 +266,4 @@ class StageModel:
 
 def _positions(segments: list[Segment]) -> torch.Tensor:
     """Absolute positions of a batched step's rows, in row order."""
-    return torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+    return torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)])
