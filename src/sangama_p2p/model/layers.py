@@ -259,17 +259,8 @@ class GatedDeltaNet:
         torch._foreach_copy_([st.conv for st in states], [seq[b, :, n:n + width] for b, (_, _, n, _) in
                                                           enumerate(items)])
         ringed = [i for i, (_, _, _, keep) in enumerate(items) if keep]
-        keep = None
-        if ringed:  # stepwise groups only (their steps all have length t)
-            ring_states = [states[i] for i in ringed]
-            for i in range(t):  # the window after every position, for rollback
-                torch._foreach_copy_([st.ring_conv[i] for st in ring_states],
-                                     [seq[j, :, i + 1:i + 1 + width] for j in ringed])
-
-            def keep(i: int, rec: torch.Tensor) -> None:
-                torch._foreach_copy_([st.ring_rec[i] for st in ring_states], [rec[j] for j in ringed])
-
         rec = torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
+        after = rec.new_empty(bsz, t, *rec.shape[1:]) if ringed else None  # the state after every position
         if chunked:  # the sessions' heads side by side: [T, B*Hv, D]
             def fold(x: torch.Tensor) -> torch.Tensor:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
@@ -278,8 +269,12 @@ class GatedDeltaNet:
                                      rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
         else:
-            out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, keep)
+            out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
         torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
+        if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
+            windows = seq.unfold(-1, width, 1)[:, :, 1:t + 1].transpose(1, 2)  # [B, T, C, K-1] after each position
+            torch._foreach_copy_([states[j].ring_conv[:t] for j in ringed] + [states[j].ring_rec[:t] for j in ringed],
+                                 [windows[j] for j in ringed] + [after[j] for j in ringed])  # type: ignore[index]
         out = out.reshape(bsz * t, nv, -1)
         core[rows] = out if place is None else out[place]
 

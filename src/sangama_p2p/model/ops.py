@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +76,13 @@ def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False
 
 def delta_rule_steps(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    keep: Callable[[int, torch.Tensor], None] | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule, one position at a time, for B sessions at once (decode and short verify steps).
 
     q, k: [B, T, H, Dk] (already L2-normed, q scaled); v: [B, T, H, Dv]; decay (= exp(g)), beta: [B, T, H];
-    state: [B, H, Dk, Dv] fp32, updated in place. ``keep(t, state)``, if given, is called with the state after every
-    position (to fill the rollback rings). Returns the outputs [B, T, H, Dv] fp32.
+    state: [B, H, Dk, Dv] fp32, updated in place. ``keep`` [B, T, H, Dk, Dv], if given, receives the state after
+    every position (for the rollback rings). Returns the outputs [B, T, H, Dv] fp32.
     """
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for t in range(q.shape[1]):
@@ -94,7 +93,7 @@ def delta_rule_steps(
         state.add_(kt * delta[:, :, None, :])
         out[:, t] = (state * q[:, t, :, :, None]).sum(-2)
         if keep is not None:
-            keep(t, state)
+            keep[:, t].copy_(state)
     return out
 
 
