@@ -1,8 +1,9 @@
 """Decoder layers that read the real checkpoint names: attention (plain and gated), Gated DeltaNet, MLP and MoE.
 
 Every layer works on a batched step: ``x`` is ``[N, hidden]``, the concatenated new positions of several sessions,
-described by ``segments``. Dense work (projections, experts) runs on all N rows at once; attention and the
-recurrence run per segment on that session's own state.
+described by ``segments``. Dense work (projections, experts) runs on all N rows at once. The Gated DeltaNet conv
+and recurrence run once per group of sessions (equal step length, or equal chunk count for prefills) over their
+states stacked for the step; attention runs per session over that session's own KV cache, with one call each.
 """
 
 from __future__ import annotations
