@@ -135,7 +135,8 @@ class Attention:
             lengths.append(n - sum(lengths))
         outs, row = [], 0
         # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
-        for seg, qs, ks, vs in zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2)):
+        per_session = zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
+        for seg, qs, ks, vs in per_session:
             st = seg.state.layers[self.key]
             assert isinstance(st, AttentionLayerState)
             t, end = seg.length, seg.start + seg.length
