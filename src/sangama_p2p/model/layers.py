@@ -258,8 +258,9 @@ class GatedDeltaNet:
         gb = gb.reshape(2, bsz, t, nv)
         seq = torch.cat((torch.stack([st.conv for st in states]), new.reshape(bsz, t, -1).transpose(1, 2)), dim=-1)
         q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))  # [B, T, Hv, D] each
-        torch._foreach_copy_([st.conv for st in states], [seq[b, :, n:n + width] for b, (_, _, n, _) in
-                                                          enumerate(items)])
+        windows = list(seq[:, :, t:t + width].unbind(0)) if place is None else \
+            [seq[b, :, n:n + width] for b, (_, _, n, _) in enumerate(items)]  # the last K-1 inputs of each session
+        torch._foreach_copy_([st.conv for st in states], windows)
         ringed = [i for i, (_, _, _, keep) in enumerate(items) if keep]
         rec = torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
         after = rec.new_empty(bsz, t, *rec.shape[1:]) if ringed else None  # the state after every position
@@ -274,9 +275,9 @@ class GatedDeltaNet:
             out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
         torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
         if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
-            windows = seq.unfold(-1, width, 1)[:, :, 1:t + 1].transpose(1, 2)  # [B, T, C, K-1] after each position
+            every = seq.unfold(-1, width, 1)[:, :, 1:t + 1].transpose(1, 2)  # [B, T, C, K-1] after each position
             torch._foreach_copy_([states[j].ring_conv[:t] for j in ringed] + [states[j].ring_rec[:t] for j in ringed],
-                                 [windows[j] for j in ringed] + [after[j] for j in ringed])  # type: ignore[index]
+                                 [every[j] for j in ringed] + [after[j] for j in ringed])  # type: ignore[index]
         out = out.reshape(bsz * t, nv, -1)
         core[rows] = out if place is None else out[place]
 
