@@ -7,7 +7,8 @@ by path): every trip runs all unfinished requests as one batched step per stage.
 and batch invariance (off: the fast kernels; on: ``batch_invariant=True`` chains, whose results must not depend on
 the batch): aggregate new tokens/s over the wall time of the whole call (prefill included), median per-request
 decode tokens/s, and the aggregate speedup over N=1; also new tokens per CPU-second of this process (steadier than
-wall time on a shared machine). Every request's tokens are compared with its solo run on a
+wall time on a shared machine). Medians over ``--repeats``; each repeat runs every N in turn, so that the load of a
+shared machine changing during the run hits all N alike rather than one row. Every request's tokens are compared with its solo run on a
 batch-invariant chain (greedy): invariant batched runs must match exactly; the count of matches of the default chain
 is reported as information. Writes benchmarks/results/batching.json. Goal: aggregate tokens/s at 16 >= 6x one.
 """
@@ -48,17 +49,20 @@ def stdlib_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     raise SystemExit(f"found only {len(out)} stdlib modules for {n} prompts")
 
 
-def run(chain: LocalChain, prompts, new: int, guesses, repeats: int) -> tuple[list, float, float, float]:
-    """(first repeat's results, median wall s, median CPU s, median of the per-request median decode tokens/s)."""
-    walls, cpus, per, first = [], [], [], None
+def run(chain: LocalChain, prompt_sets, new: int, guesses, repeats: int) -> list[tuple[list, float, float, float]]:
+    """Per prompt set: (first repeat's results, median wall s, median CPU s, median of the per-request median decode
+    tokens/s). Each repeat runs every set in turn, so that a change in the machine's load hits all sizes alike."""
+    walls, cpus, per, first = ([[] for _ in prompt_sets] for _ in range(4))
     for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = chain.generate_many(prompts, new, guesses=guesses, stop_at_eos=False)
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-        per.append(statistics.median(r.decode_tokens_per_s for r in res))
-        first = first or res
-    return first, statistics.median(walls), statistics.median(cpus), statistics.median(per)
+        for i, prompts in enumerate(prompt_sets):
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = chain.generate_many(prompts, new, guesses=guesses, stop_at_eos=False)
+            walls[i].append(time.perf_counter() - t0)
+            cpus[i].append(time.process_time() - c0)
+            per[i].append(statistics.median(r.decode_tokens_per_s for r in res))
+            first[i] = first[i] or res
+    return [(first[i], statistics.median(walls[i]), statistics.median(cpus[i]), statistics.median(per[i]))
+            for i in range(len(prompt_sets))]
 
 
 def main() -> None:
@@ -97,8 +101,8 @@ def main() -> None:
     for g in guess_list:
         for inv in (False, True):
             base = base_cpu = None
-            for n in sizes:
-                res, wall, cpu, per = run(chains[inv], prompts[:n], args.new, g, args.repeats)
+            measured = run(chains[inv], [prompts[:n] for n in sizes], args.new, g, args.repeats)
+            for n, (res, wall, cpu, per) in zip(sizes, measured):
                 agg = sum(len(r.tokens) for r in res) / wall
                 agg_cpu = sum(len(r.tokens) for r in res) / cpu
                 base, base_cpu = base or agg, base_cpu or agg_cpu

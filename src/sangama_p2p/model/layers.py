@@ -1,8 +1,9 @@
 """Decoder layers that read the real checkpoint names: attention (plain and gated), Gated DeltaNet, MLP and MoE.
 
 Every layer works on a batched step: ``x`` is ``[N, hidden]``, the concatenated new positions of several sessions,
-described by ``segments``. Dense work (projections, experts) runs on all N rows at once; attention and the
-recurrence run per segment on that session's own state.
+described by ``segments``. Dense work (projections, experts) runs on all N rows at once. The Gated DeltaNet conv
+and recurrence run once per group of sessions (equal step length, or equal chunk count for prefills) over their
+states stacked for the step; attention runs per session over that session's own KV cache, with one call each.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from .experts import DENSE_MAX, StackedExperts
 from .ops import apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
@@ -26,11 +28,7 @@ Loader = Callable[[str], Weight]
 # Steps up to this many positions run the delta rule position by position; longer ones run it in chunks (as
 # transformers does for a prefill), unless the session keeps a rollback ring, which needs every position's state.
 _STEPWISE_MAX = 1
-
-# An MoE step computes every expert on every row (three batched products, see MoE._dense) instead of looping over the
-# experts its rows reach, when that costs at most this many flops: small models, where per-call overhead and not
-# arithmetic is the cost (tiny model: 2 rows 450 -> 145 us, 1 row 200 -> 157 us). 397B-sized experts never qualify.
-_DENSE_FLOPS = 1 << 23
+_CHUNK = 64  # positions per chunk of the chunked delta rule
 
 
 # Batch-invariant numerics. BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows, and
@@ -126,26 +124,39 @@ class Attention:
         v = v.reshape(n, spec.num_kv_heads, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        out = torch.zeros(n, spec.num_heads, hd, dtype=x.dtype, device=x.device)
-        row = 0
-        for seg in segments:
+        kv, rep = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+        invariant = MIN_ROWS.get()
+        # Without the batch-invariant mode, the `rep` query heads that share a KV head go in as `rep` times the rows
+        # of that head (no enable_gqa, which expands K and V on every call: 5x the cost of a small call here).
+        qg = q.reshape(n, kv, rep, hd).permute(1, 2, 0, 3)  # [kv, rep, N, hd]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv, N, hd]
+        lengths = [seg.length for seg in segments]
+        if sum(lengths) < n:  # batch-invariant mode's padding rows
+            lengths.append(n - sum(lengths))
+        outs, row = [], 0
+        # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
+        per_session = zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
+        for seg, qs, ks, vs in per_session:
             st = seg.state.layers[self.key]
             assert isinstance(st, AttentionLayerState)
-            end = seg.start + seg.length
-            st.k[:, seg.start:end] = k[row:row + seg.length].transpose(0, 1)
-            st.v[:, seg.start:end] = v[row:row + seg.length].transpose(0, 1)
-            qs = q[row:row + seg.length].transpose(0, 1)  # [heads, T, hd]
-            if MIN_ROWS.get():
-                o = attend_invariant(qs, st.k[:, :end], st.v[:, :end], seg.start)
+            t, end = seg.length, seg.start + seg.length
+            st.k.narrow(2, seg.start, t).copy_(ks)
+            st.v.narrow(2, seg.start, t).copy_(vs)
+            keys, values = st.k.narrow(2, 0, end), st.v.narrow(2, 0, end)
+            if invariant:
+                o = attend_invariant(q[row:row + t].transpose(0, 1), keys[0], values[0], seg.start)  # [heads, T, hd]
+                outs.append(o.reshape(kv, rep, t, hd))
             else:
                 mask = None
-                if seg.length > 1:  # causal within the step; every cached position before it is visible
-                    mask = torch.ones(seg.length, end, dtype=torch.bool, device=x.device).tril(seg.start)
-                o = F.scaled_dot_product_attention(
-                    qs[None], st.k[None, :, :end], st.v[None, :, :end], attn_mask=mask, enable_gqa=True
-                )[0]
-            out[row:row + seg.length] = o.transpose(0, 1)
-            row += seg.length
+                if t > 1:  # causal within the step; every cached position before it is visible
+                    mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(seg.start).repeat(rep, 1)
+                o = F.scaled_dot_product_attention(qs.reshape(1, kv, rep * t, hd), keys, values,
+                                                   attn_mask=mask)
+                outs.append(o.reshape(kv, rep, t, hd))
+            row += t
+        out = torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(row, spec.num_heads, hd)  # [N', heads, hd]
+        if row < n:  # batch-invariant mode's padding rows
+            out = torch.cat((out, out.new_zeros(n - row, *out.shape[1:])))
         out = out.reshape(n, spec.num_heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -172,44 +183,103 @@ class GatedDeltaNet:
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         spec = self.spec
-        n = x.shape[0]
-        nk, nv, dk, dv = (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
-                          spec.linear_value_head_dim)
+        n, nv, dv = x.shape[0], spec.linear_num_value_heads, spec.linear_value_head_dim
         mixed, z, b, a = self.in_proj(x)  # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]
         beta = torch.sigmoid(b.float())
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
-        conv_w = self.conv.to(x.dtype)
+        # sessions run as groups, each one batched conv + delta rule over the group's stacked states: steps run
+        # position by position (decode, verify) grouped by length; chunked steps (prefills without a rollback ring)
+        # by chunk count, shorter ones padded (one session per group in batch-invariant mode)
+        invariant = bool(MIN_ROWS.get())
+        groups: dict[tuple, list[tuple[LinearLayerState, int, int, bool]]] = {}
         row = 0
         for seg in segments:
             st = seg.state.layers[self.key]
             assert isinstance(st, LinearLayerState)
-            rows = slice(row, row + seg.length)
-            keep_ring = seg.state.ring >= seg.length
-            width = st.conv.shape[1]
-            seq = torch.cat((st.conv, mixed[rows].t()), dim=-1)  # [C, K-1+T]: the window, then the new inputs
-            mixed_t = causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get()))
-            if keep_ring:  # the window after every position, for rollback, in one copy
-                st.ring_conv[:seg.length].copy_(seq.unfold(1, width, 1)[:, 1:seg.length + 1].transpose(0, 1))
-            st.conv.copy_(seq[:, -width:])
-            q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
-                                  dim=-1)
             t = seg.length
-            q = q.reshape(t, nk, dk).repeat_interleave(nv // nk, dim=1)
-            k = k.reshape(t, nk, dk).repeat_interleave(nv // nk, dim=1)
-            q = l2norm(q) * dk ** -0.5
-            k = l2norm(k)
-            v = v.reshape(t, nv, dv)
-            if keep_ring:
-                core[rows] = delta_rule_steps(q, k, v, g[rows], beta[rows], st.rec, keep=st.ring_rec[:t])
-            elif t <= _STEPWISE_MAX:
-                core[rows] = delta_rule_steps(q, k, v, g[rows], beta[rows], st.rec)
+            keep_ring = t > 1 and seg.state.ring >= t  # a 1-token step is never rolled back into
+            if keep_ring or t <= _STEPWISE_MAX:
+                key: tuple = (False, t)
             else:
-                core[rows] = delta_rule_chunked(q, k, v, g[rows], beta[rows], st.rec)
-            row += seg.length
+                key = (True, id(st) if invariant else -(-t // _CHUNK))
+            groups.setdefault(key, []).append((st, row, t, keep_ring))
+            row += t
+        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
+        conv_w = self.conv.to(x.dtype)
+        decay = g.exp() if any(not chunked for chunked, _ in groups) else g
+        for (chunked, _), items in groups.items():
+            self._group(items, chunked, mixed, g if chunked else decay, beta, core, conv_w)
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
+
+    def _qkv(self, mixed_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [..., C] -> q, k (L2-normed, q scaled, repeated to the value heads) [..., Hv, Dk], v."""
+        spec = self.spec
+        nk, nv, dk = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim
+        lead = mixed_t.shape[:-1]
+        q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
+                              dim=-1)
+        # repeat first: it makes q and k contiguous, so that each head's norm sums its terms in the same order
+        # whatever T (a norm over a strided view would not)
+        q = l2norm(q.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2)) * dk ** -0.5
+        k = l2norm(k.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2))
+        return q, k, v.reshape(*lead, nv, spec.linear_value_head_dim)
+
+    def _group(
+        self, items: list[tuple[LinearLayerState, int, int, bool]], chunked: bool, mixed: torch.Tensor,
+        g: torch.Tensor, beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor,
+    ) -> None:
+        """Steps of B sessions as one batched conv + delta rule over their stacked states.
+
+        ``items``: (layer state, first row, length, keep ring) per session; ``g`` is the log-decay for a chunked
+        group, the decay itself (exp g) for a stepwise one. A chunked group's shorter steps are padded at the end
+        with positions of zero gate and zero beta, which leave the state as it is. The B windows and recurrent states
+        are gathered into one temporary [B, ...] tensor each and written back after the step (and into the rollback
+        rings of the sessions that keep one); the sessions' own tensors stay where they are.
+        """
+        spec = self.spec
+        nv, bsz = spec.linear_num_value_heads, len(items)
+        t = max(n for _, _, n, _ in items)
+        states = [st for st, _, _, _ in items]
+        width = states[0].conv.shape[1]
+        first = items[0][1]
+        if all(r == first + i * t and n == t for i, (_, r, n, _) in enumerate(items)):  # no gather, no padding
+            rows: slice | torch.Tensor = slice(first, first + bsz * t)
+            place = None
+            new = mixed[rows]
+            gb = torch.stack((g[rows], beta[rows]))  # [2, B*T, Hv]
+        else:
+            rows = torch.tensor([r + i for _, r, n, _ in items for i in range(n)], device=mixed.device)
+            place = torch.tensor([b * t + i for b, (_, _, n, _) in enumerate(items) for i in range(n)],
+                                 device=mixed.device)
+            new = mixed.new_zeros(bsz * t, mixed.shape[1]).index_copy_(0, place, mixed[rows])
+            gb = g.new_zeros(2, bsz * t, nv).index_copy_(1, place, torch.stack((g[rows], beta[rows])))
+        gb = gb.reshape(2, bsz, t, nv)
+        seq = torch.cat((torch.stack([st.conv for st in states]), new.reshape(bsz, t, -1).transpose(1, 2)), dim=-1)
+        q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))  # [B, T, Hv, D] each
+        windows = list(seq[:, :, t:t + width].unbind(0)) if place is None else \
+            [seq[b, :, n:n + width] for b, (_, _, n, _) in enumerate(items)]  # the last K-1 inputs of each session
+        torch._foreach_copy_([st.conv for st in states], windows)
+        ringed = [i for i, (_, _, _, keep) in enumerate(items) if keep]
+        rec = torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
+        after = rec.new_empty(bsz, t, *rec.shape[1:]) if ringed else None  # the state after every position
+        if chunked:  # the sessions' heads side by side: [T, B*Hv, D]
+            def fold(x: torch.Tensor) -> torch.Tensor:
+                return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
+
+            out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gb[0]), fold(gb[1]),
+                                     rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
+            out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
+        else:
+            out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
+        torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
+        if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
+            every = seq.unfold(-1, width, 1)[:, :, 1:t + 1].transpose(1, 2)  # [B, T, C, K-1] after each position
+            torch._foreach_copy_([states[j].ring_conv[:t] for j in ringed] + [states[j].ring_rec[:t] for j in ringed],
+                                 [every[j] for j in ringed] + [after[j] for j in ringed])  # type: ignore[index]
+        out = out.reshape(bsz * t, nv, -1)
+        core[rows] = out if place is None else out[place]
 
 
 class DenseMLP:
@@ -242,37 +312,7 @@ class MoE:
         self.experts = [DenseMLP(load, f"mlp.experts.{e}") for e in range(spec.num_experts)]
         self.shared = DenseMLP(load, "mlp.shared_expert") if spec.shared_expert_intermediate_size else None
         self.shared_gate = load("mlp.shared_expert_gate.weight") if self.shared else None
-        self.fold_shared = False  # the shared expert is the last slice of the stacks
-        self.stacked = self._stack_experts()
-
-    def _stack_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """All experts' weights as two stacked tensors, ``[E, 2I, H]`` and ``[E, H, I]``, for the dense path.
-
-        Only for dense, bias-free weights whose products are small enough to be overhead-bound (``_DENSE_FLOPS``);
-        each expert's weights then become views into the stacks, so nothing is held twice. A shared expert of the
-        same shape joins the stacks as expert ``E`` (gated by its sigmoid instead of a routing weight).
-        """
-        spec = self.spec
-        mlps = list(self.experts)
-        if self.shared is not None and isinstance(self.shared_gate, torch.Tensor) and \
-                spec.shared_expert_intermediate_size == spec.moe_intermediate_size:
-            mlps.append(self.shared)
-        parts = [e.gate_up.parts for e in mlps]
-        downs = [e.down for e in mlps]
-        if not all(len(p) == 1 and isinstance(p[0], torch.Tensor) for p in parts) or \
-                not all(isinstance(d, torch.Tensor) for d in downs) or \
-                any(b is not None for e in mlps for b in (*e.gate_up.biases, e.down_bias)):
-            return None
-        if len({p[0].dtype for p in parts} | {d.dtype for d in downs}) != 1:  # type: ignore[union-attr]
-            return None
-        if len(mlps) * 6 * spec.hidden_size * spec.moe_intermediate_size > _DENSE_FLOPS:
-            return None
-        gate_up = torch.stack([p[0] for p in parts])  # type: ignore[misc]  # [E(+1), 2I, H]
-        down = torch.stack(downs)  # type: ignore[arg-type]  # [E(+1), H, I]
-        for i, e in enumerate(mlps):
-            e.gate_up.parts[0], e.down = gate_up[i], down[i]
-        self.fold_shared = len(mlps) > len(self.experts)
-        return gate_up, down
+        self.stacked = StackedExperts.build(self.experts)  # many-row steps in a few products (model/experts.py)
 
     def weights(self) -> Iterator[Weight]:
         yield self.router
@@ -287,16 +327,19 @@ class MoE:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.spec.num_experts_per_tok, dim=-1)  # [N, k]
         top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
-        n = x.shape[0]
-        if self.stacked is not None and not MIN_ROWS.get() and \
-                n * self.stacked[0].shape[0] * 6 * x.shape[1] * self.stacked[1].shape[-1] <= _DENSE_FLOPS:
-            return self._dense(x, top_w, top_i)
+        n, st = x.shape[0], self.stacked
+        if st is not None and st.dense_ok and (MIN_ROWS.get() or n * st.per_row <= DENSE_MAX):
+            # small experts: every expert on every row in a few products, one row included (cheaper than the loop
+            # below: 46 vs 95 us per layer for one row of the tiny model); the batch-invariant mode always
+            return self._add_shared(x, st.dense(x, top_i, top_w))
         if n == 1 and not MIN_ROWS.get():  # one token (decode): no gathering or scattering at all
             out = None
             for slot, e in sorted(enumerate(top_i[0].tolist()), key=lambda se: se[1]):
                 y = self.experts[e].forward(x) * top_w[0, slot]
                 out = y if out is None else out + y
             assert out is not None
+            return self._add_shared(x, out)
+        if st is not None and not MIN_ROWS.get() and (out := st.grouped(x, top_i, top_w)) is not None:
             return self._add_shared(x, out)
         out = torch.zeros_like(x)
         # group (token, slot) pairs by expert in Python: cheaper than torch.unique + where for the few rows of a step
@@ -312,23 +355,6 @@ class MoE:
             y = self.experts[e].forward(x[token]) * top_w[token, slot, None]
             out.index_add_(0, token, y)
         return self._add_shared(x, out)
-
-    def _dense(self, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        """Every expert (and the folded shared expert) on every row in three batched products, mixed by the routing
-        weights (zero where unrouted; the shared expert's sigmoid gate in column E).
-
-        For small experts this replaces a Python loop of gather/product/scatter per expert reached (the cost of
-        small models on CPU) with a few calls, wasted arithmetic included. Not batch-invariant: rounding depends on N.
-        """
-        gate_up, down = self.stacked  # type: ignore[misc]
-        weights = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
-        weights.scatter_(1, top_i, top_w)  # [N, E(+1)]
-        if self.fold_shared:
-            weights[:, -1] = torch.sigmoid(linear(x, self.shared_gate))[:, 0]  # type: ignore[arg-type]
-        gate, up = torch.matmul(x, gate_up.to(x.dtype).transpose(1, 2)).chunk(2, dim=-1)  # [E(+1), N, I] each
-        y = torch.bmm(F.silu(gate) * up, down.to(x.dtype).transpose(1, 2))  # [E(+1), N, H]
-        out = torch.bmm(weights[:, None, :], y.transpose(0, 1))[:, 0]  # [N, 1, E] @ [N, E, H] -> [N, H]
-        return out if self.fold_shared else self._add_shared(x, out)
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is None:

@@ -65,40 +65,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """Depthwise causal conv + SiLU over the new inputs of ``seq``.
 
-    seq: [C, K-1+T], the previous ``K-1`` inputs (oldest first) followed by the T new ones; weight: [C, K].
-    Returns [T, C]. ``invariant``: compute with elementwise products (batch-invariant mode) instead of conv1d.
+    seq: [..., C, K-1+T], the previous ``K-1`` inputs (oldest first) followed by the T new ones (a leading batch dim
+    holds one window per session); weight: [C, K]. Returns [..., T, C]. ``invariant``: compute with elementwise
+    products (batch-invariant mode) instead of conv1d.
     """
-    if invariant or seq.shape[1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for any T, and
-        out = (seq.unfold(1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # cheaper than conv1d for short steps
+    if invariant or seq.shape[-1] - weight.shape[-1] + 1 <= 8:  # products and sums: the same for any T, and
+        out = (seq.unfold(-1, weight.shape[-1], 1) * weight[:, None, :]).sum(-1)  # cheaper than conv1d for short steps
     else:  # what transformers does, for the closest match
-        out = F.conv1d(seq[None], weight[:, None, :], groups=seq.shape[0])[0]  # [C, T]
-    return F.silu(out).t()
+        out = F.conv1d(seq.reshape(-1, *seq.shape[-2:]), weight[:, None, :], groups=seq.shape[-2])  # [B, C, T]
+        out = out.reshape(*seq.shape[:-1], -1)
+    return F.silu(out).transpose(-1, -2)
 
 
 def delta_rule_steps(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gated delta rule, one position at a time (decode and short verify steps).
+    """Gated delta rule, one position at a time, for B sessions at once (decode and short verify steps).
 
-    q, k: [T, H, Dk] (already L2-normed, q scaled); v: [T, H, Dv]; g, beta: [T, H]; state: [H, Dk, Dv] fp32,
-    updated in place. ``keep`` [T, H, Dk, Dv], if given, receives the state after every position (for rollback).
-    Returns the outputs [T, H, Dv] fp32.
+    q, k: [B, T, H, Dk] (already L2-normed, q scaled); v: [B, T, H, Dv]; decay (= exp(g)), beta: [B, T, H];
+    state: [B, H, Dk, Dv] fp32, updated in place. ``keep`` [B, T, H, Dk, Dv], if given, receives the state after
+    every position (for the rollback rings). Returns the outputs [B, T, H, Dv] fp32.
     """
-    # per-position views made once; the state of every position is written in place into ``keep`` (no copies)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    decay = g.exp()[..., None, None]  # [T, H, 1, 1]
-    k_col, q_col, beta_col = k[..., None], q[..., None], beta[..., None]  # [T, H, Dk, 1], [T, H, Dk, 1], [T, H, 1]
     prev = state
-    for t in range(q.shape[0]):
-        cur = keep[t] if keep is not None else state
-        torch.mul(prev, decay[t], out=cur)
-        kv_mem = (cur * k_col[t]).sum(1)  # [H, Dv] (products + sum: cheaper than einsum here, and closest to HF)
-        delta = (v[t] - kv_mem) * beta_col[t]
-        cur.add_(k_col[t] * delta[:, None, :])
-        torch.sum(cur * q_col[t], 1, out=out[t])
+    for t in range(q.shape[1]):
+        kt = k[:, t, :, :, None]  # [B, H, Dk, 1]
+        cur = keep[:, t] if keep is not None else state  # each position's state written in place (no copies)
+        torch.mul(prev, decay[:, t, :, None, None], out=cur)
+        kv_mem = (cur * kt).sum(-2)  # [B, H, Dv] (products + sum: cheaper than einsum here)
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        cur.add_(kt * delta[:, :, None, :])
+        torch.sum(cur * q[:, t, :, :, None], -2, out=out[:, t])
         prev = cur
-    if keep is not None and q.shape[0]:
+    if keep is not None and q.shape[1]:
         state.copy_(prev)
     return out
 
@@ -152,14 +152,14 @@ def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     its own visible keys with elementwise products and sums: BLAS picks different kernels for 1 row and for many,
     and masked softmax sums over a longer row group their terms differently. Used in batch-invariant mode.
     """
-    rep = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(rep, dim=0)
-    v = v.repeat_interleave(rep, dim=0)
-    scale = q.shape[-1] ** -0.5
-    out = torch.empty_like(q)
-    for t in range(q.shape[1]):
+    kv, (heads, t_len, dim) = k.shape[0], q.shape
+    qg = q.reshape(kv, heads // kv, t_len, dim)  # the query heads that share a KV head, without copying K and V
+    k, v = k[:, None], v[:, None]  # [Hkv, 1, L, D]
+    scale = dim ** -0.5
+    out = torch.empty_like(qg)
+    for t in range(t_len):
         n = start + t + 1
-        scores = (q[:, t, None, :] * k[:, :n, :]).sum(-1) * scale  # [H, n]
+        scores = (qg[:, :, t, None, :] * k[:, :, :n, :]).sum(-1) * scale  # [Hkv, rep, n]
         probs = torch.softmax(scores, dim=-1)
-        out[:, t] = (probs[..., None] * v[:, :n, :]).sum(-2)
-    return out
+        out[:, :, t] = (probs[..., None] * v[:, :, :n, :]).sum(-2)
+    return out.reshape(heads, t_len, dim)

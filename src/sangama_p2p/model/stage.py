@@ -214,7 +214,7 @@ class StageModel:
         for s in segments:
             st = s.state
             st.position = s.start + s.length
-            if st.ring >= s.length and st.has_linear():
+            if st.ring >= s.length > 1 and st.has_linear():  # a 1-token step keeps no snapshot (layers.py)
                 st.ring_base, st.ring_len = s.start, s.length
             else:
                 st.ring_base, st.ring_len = -1, 0
@@ -266,4 +266,4 @@ class StageModel:
 
 def _positions(segments: list[Segment]) -> torch.Tensor:
     """Absolute positions of a batched step's rows, in row order."""
-    return torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+    return torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)])

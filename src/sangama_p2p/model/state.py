@@ -2,7 +2,7 @@
 
 A session's memory is fixed when it opens and accounted in :attr:`SessionState.nbytes`:
 
-- attention layers: K and V ``[kv_heads, capacity, head_dim]`` each; rolling back is moving ``position``;
+- attention layers: K and V ``[1, kv_heads, capacity, head_dim]`` each; rolling back is moving ``position``;
 - Gated DeltaNet layers: the conv window ``[conv_dim, K-1]`` and the fp32 recurrent state ``[Hv, Dk, Dv]``, plus a
   ring of ``ring`` snapshots of both, written during multi-token steps, so that a rollback to any of the last
   ``ring`` positions selects a snapshot instead of recomputing (nothing is cloned before a step).
@@ -22,8 +22,8 @@ __all__ = ["LinearLayerState", "AttentionLayerState", "SessionState", "Segment"]
 
 @dataclasses.dataclass
 class AttentionLayerState:
-    k: torch.Tensor  # [kv_heads, capacity, head_dim]
-    v: torch.Tensor  # [kv_heads, capacity, head_dim]
+    k: torch.Tensor  # [1, kv_heads, capacity, head_dim]: a batch of one, as attention takes it
+    v: torch.Tensor  # [1, kv_heads, capacity, head_dim]
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class SessionState:
         self.ring_base = -1
         self.ring_len = 0
         self.layers: dict[int, AttentionLayerState | LinearLayerState] = {}
-        kv_shape = (spec.num_kv_heads, capacity, spec.head_dim)
+        kv_shape = (1, spec.num_kv_heads, capacity, spec.head_dim)
         for i in range(start, end):
             if spec.layer_types[i] == FULL:
                 self.layers[i] = AttentionLayerState(
