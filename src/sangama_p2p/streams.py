@@ -26,7 +26,7 @@ from .wire.codec import decode, encode_message_frame
 from .wire.framing import DEFAULT_MAX_FRAME, FrameReader
 from .wire.messages import Message
 
-__all__ = ["FramedStream", "MemoryStream", "StreamClosed", "memory_stream_pair"]
+__all__ = ["FramedStream", "MemoryStream", "PeerConn", "StreamClosed", "memory_stream_pair"]
 
 
 class StreamClosed(NetworkError):
@@ -97,8 +97,9 @@ class FramedStream:
                 pass
 
 
-class _Conn:
-    """What FramedStream reads from ``stream.muxed_conn``: the remote peer id."""
+class PeerConn:
+    """What FramedStream reads from ``stream.muxed_conn``: the remote peer id (for streams that are not py-libp2p's:
+    in-process streams, direct lanes)."""
 
     def __init__(self, peer_id: Any) -> None:
         self.peer_id = peer_id
@@ -108,7 +109,7 @@ class MemoryStream:
     """One end of an in-process stream with py-libp2p's stream surface: ``read``, ``write``, ``close``, ``reset``."""
 
     def __init__(self, remote: Any, send: trio.MemorySendChannel[bytes], recv: trio.MemoryReceiveChannel[bytes]):
-        self.muxed_conn = _Conn(remote)
+        self.muxed_conn = PeerConn(remote)
         self._send = send
         self._recv = recv
         self._buf = b""

@@ -27,6 +27,17 @@ async def _closed_on_us(sock) -> bool:
         return True
 
 
+def _offer_port(port: int):
+    """A /sangama/lane/1 handler that offers ``port`` (with a token and key nobody listens for)."""
+
+    async def handler(stream) -> None:
+        fs = FramedStream(stream)
+        await fs.send(LaneOffer(port, b"t" * 16, b"k" * 32))
+        await fs.aclose()
+
+    return handler
+
+
 async def _pair(a, b):
     """Connect node ``a`` to node ``b`` over libp2p."""
     info = info_from_p2p_addr(b.advertised_addrs()[0])
@@ -156,12 +167,7 @@ def test_no_lane_protocol_or_a_dead_port_falls_back_and_is_remembered():
                     await s.bind(("127.0.0.1", 0))
                     dead_port = s.getsockname()[1]
 
-                async def lying_offer(stream) -> None:
-                    fs = FramedStream(stream)
-                    await fs.send(LaneOffer(dead_port, b"t" * 16, b"k" * 32))
-                    await fs.aclose()
-
-                b.host.set_stream_handler(LANE_PROTOCOL, lying_offer)
+                b.host.set_stream_handler(LANE_PROTOCOL, _offer_port(dead_port))
                 with pytest.raises(LaneError, match="cannot reach the lane port"):
                     await open_lane(a, pid)
                 dialer = LaneDialer(a, timeout=2.0)
@@ -183,12 +189,7 @@ def test_a_silent_lane_port_times_out():
                 silent = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
                 port = silent.socket.getsockname()[1]  # accepts (backlog) but never answers the hello
 
-                async def offer(stream) -> None:
-                    fs = FramedStream(stream)
-                    await fs.send(LaneOffer(port, b"t" * 16, b"k" * 32))
-                    await fs.aclose()
-
-                b.host.set_stream_handler(LANE_PROTOCOL, offer)
+                b.host.set_stream_handler(LANE_PROTOCOL, _offer_port(port))
                 t0 = trio.current_time()
                 with pytest.raises(LaneError, match="within 0.5 s"):
                     await open_lane(a, pid, timeout=0.5)

@@ -43,7 +43,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import NetworkError, WireError
-from ..streams import FramedStream, StreamClosed
+from ..streams import FramedStream, PeerConn, StreamClosed
 from ..wire.framing import DEFAULT_MAX_FRAME, FrameDecoder
 from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
 from ..wire.protocols import LANE_PROTOCOL
@@ -73,20 +73,13 @@ class LaneError(NetworkError):
         self.lasting = lasting
 
 
-class _Conn:
-    """What :class:`~sangama_p2p.streams.FramedStream` reads from ``stream.muxed_conn``."""
-
-    def __init__(self, peer_id: Any) -> None:
-        self.peer_id = peer_id
-
-
 class LaneStream:
     """One end of a lane: plaintext ``read``/``write`` over AES-GCM records on a trio TCP stream."""
 
     def __init__(self, sock: trio.SocketStream, key: bytes, peer_id: Any, *, dialer: bool,
                  max_frame: int = DEFAULT_MAX_FRAME, decoder: FrameDecoder | None = None) -> None:
         self.sock = sock
-        self.muxed_conn = _Conn(peer_id)
+        self.muxed_conn = PeerConn(peer_id)
         self._aead = AESGCM(key)
         self._send_dir, self._recv_dir = (UP, DOWN) if dialer else (DOWN, UP)
         self._send_n = 0
