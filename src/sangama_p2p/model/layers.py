@@ -234,9 +234,10 @@ class GatedDeltaNet:
 
         ``items``: (layer state, first row, length, keep ring) per session; ``g`` is the log-decay for a chunked
         group, the decay itself (exp g) for a stepwise one. A chunked group's shorter steps are padded at the end
-        with positions of zero gate and zero beta, which leave the state as it is. The B windows and recurrent states
-        are gathered into one temporary [B, ...] tensor each and written back after the step (and into the rollback
-        rings of the sessions that keep one); the sessions' own tensors stay where they are.
+        with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
+        are gathered into one temporary [B, ...] tensor and written back after the step (and into the rollback rings
+        of the sessions that keep one); a session alone is updated in place, its ring written directly. The
+        sessions' own tensors stay where they are.
         """
         spec = self.spec
         nv, bsz = spec.linear_num_value_heads, len(items)
@@ -262,8 +263,12 @@ class GatedDeltaNet:
             [seq[b, :, n:n + width] for b, (_, _, n, _) in enumerate(items)]  # the last K-1 inputs of each session
         torch._foreach_copy_([st.conv for st in states], windows)
         ringed = [i for i, (_, _, _, keep) in enumerate(items) if keep]
-        rec = torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
-        after = rec.new_empty(bsz, t, *rec.shape[1:]) if ringed else None  # the state after every position
+        alone = bsz == 1  # one session: its own state and ring, updated in place (no gather, no write-back)
+        rec = states[0].rec.unsqueeze(0) if alone else torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
+        if not ringed:
+            after = None
+        else:  # the state after every position
+            after = states[0].ring_rec[:t].unsqueeze(0) if alone else rec.new_empty(bsz, t, *rec.shape[1:])
         if chunked:  # the sessions' heads side by side: [T, B*Hv, D]
             def fold(x: torch.Tensor) -> torch.Tensor:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
@@ -273,11 +278,16 @@ class GatedDeltaNet:
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
         else:
             out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
-        torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
+        if not alone:
+            torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
         if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
             every = seq.unfold(-1, width, 1)[:, :, 1:t + 1].transpose(1, 2)  # [B, T, C, K-1] after each position
-            torch._foreach_copy_([states[j].ring_conv[:t] for j in ringed] + [states[j].ring_rec[:t] for j in ringed],
-                                 [every[j] for j in ringed] + [after[j] for j in ringed])  # type: ignore[index]
+            dst = [states[j].ring_conv[:t] for j in ringed]
+            src = [every[j] for j in ringed]
+            if not alone:  # (alone, the states went straight into the ring)
+                dst += [states[j].ring_rec[:t] for j in ringed]
+                src += [after[j] for j in ringed]  # type: ignore[index]
+            torch._foreach_copy_(dst, src)
         out = out.reshape(bsz * t, nv, -1)
         core[rows] = out if place is None else out[place]
 
