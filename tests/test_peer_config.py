@@ -31,6 +31,7 @@ def test_datacenter_layout_is_three_contiguous_stages_of_twenty() -> None:
         assert c.model_path == Path("/srv/models/qwen3.5-moe")
         assert c.host.announce_addrs and c.host.announce_addrs[0].startswith("/ip4/203.0.113.")
     assert len({c.host.announce_addrs for c in configs}) == 3
+    assert [c.stage.lane_port for c in configs] == [4201, 4202, 4203] and all(c.stage.lanes for c in configs)
 
 
 def test_local_fleet_covers_the_tiny_model() -> None:
