@@ -11,7 +11,7 @@ import trio
 
 from sangama_p2p import Peer, PeerConfig
 from sangama_p2p.client.config import ClientConfig
-from sangama_p2p.errors import ModelError, SangamaError
+from sangama_p2p.errors import ModelError, SangamaError, StageError
 from sangama_p2p.model.chain import LocalChain
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.make import make_model
@@ -99,6 +99,9 @@ def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:
             console.print(_panel(p))  # join's live panel, from a real server's figures
             text = console.export_text()
             assert "peer-tiny" in text and "2:5" in text
+            with pytest.raises(StageError, match="already serves peer-tiny 2:5"):
+                await p.serve(tiny, "5:8")  # one stage per peer: a second would take the first one's streams
+            assert len(p.servers) == 1
             return s.start, s.end, s.model_id
 
     assert trio.run(main) == (2, 5, "peer-tiny")

@@ -8,8 +8,9 @@ Under trio::
         async for token_id in peer.stream([1, 2, 3], 16):
             ...
 
-A peer is a libp2p node (:func:`sangama_p2p.net.open_host`) plus any number of stage servers
-(:class:`sangama_p2p.stage.StageServer`) and one chain client per model (:class:`sangama_p2p.client.ChainClient`).
+A peer is a libp2p node (:func:`sangama_p2p.net.open_host`) plus at most one stage server
+(:class:`sangama_p2p.stage.StageServer`: a node has one handler per protocol id, so a second stage would take the
+first one's streams; run another peer for another range) and one chain client per model (:class:`sangama_p2p.client.ChainClient`).
 Each server and client lives in a task of the peer's own nursery, whichever task asked for it, so the asyncio face
 (:mod:`sangama_p2p.aio`) can call ``serve`` from any job; ``aclose`` cancels them all, then closes the host.
 """
@@ -27,7 +28,7 @@ from typing import Any
 import trio
 
 from .client.config import ClientConfig
-from .errors import LayerRangeError, ModelError, SangamaError
+from .errors import LayerRangeError, ModelError, SangamaError, StageError
 from .net.config import HostConfig
 from .stage.config import StageConfig
 
@@ -270,6 +271,10 @@ class Peer:
         from .stage.server import StageServer
 
         nursery = self._running()
+        if self.servers:
+            s = self.servers[0].config
+            raise StageError(f"this peer already serves {s.model_id} {s.start}:{s.end}; a peer serves one stage "
+                             "(its node has one /sangama/stage/1 handler): run another peer for another range")
         ckpt = await trio.to_thread.run_sync(open_checkpoint, model)
         num_layers = ckpt.spec.num_layers
         if self._tokenizer is None and ckpt.tokenizer is not None:
