@@ -22,7 +22,6 @@ from ..errors import NetworkError, SangamaError
 from ..net.lane import LaneDialer
 from ..streams import FramedStream
 from ..wire.messages import InfoRequest, InfoResponse, Message
-from ..wire.protocols import STAGE_PROTOCOL
 
 __all__ = ["Link", "LinkLost", "LinkPool"]
 
@@ -152,13 +151,7 @@ class LinkPool:
             raise NetworkError(f"bad peer id or address for {peer!r}: {exc}") from exc
         with trio.move_on_after(self.connect_timeout) as scope:
             await self.node.connect(pid, maddrs)
-            lane = await self.lanes.open(pid)
-            if lane is not None:
-                return FramedStream(lane, max_frame=self.max_frame)
-            try:
-                stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
-            except Exception as exc:
-                raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
+            stream = await self.lanes.stage_stream(pid)
         if scope.cancelled_caught:
             raise NetworkError(f"connecting to {peer} took over {self.connect_timeout} s")
         return FramedStream(stream, max_frame=self.max_frame)

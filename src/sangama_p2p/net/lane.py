@@ -46,7 +46,7 @@ from ..errors import NetworkError, WireError
 from ..streams import FramedStream, PeerConn, StreamClosed
 from ..wire.framing import DEFAULT_MAX_FRAME, FrameDecoder
 from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
-from ..wire.protocols import LANE_PROTOCOL
+from ..wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 from .holepunch import stream_link
 
 __all__ = ["LaneDialer", "LaneError", "LaneListener", "LaneStream", "open_lane"]
@@ -415,6 +415,17 @@ class LaneDialer:
             return None
         self.failed.pop(key, None)
         return lane
+
+    async def stage_stream(self, peer_id: Any) -> Any:
+        """The stream for ``/sangama/stage/1`` frames to ``peer_id`` (already connected): a lane where one can be
+        set up, else a libp2p stream; raises :class:`NetworkError` when neither opens."""
+        lane = await self.open(peer_id)
+        if lane is not None:
+            return lane
+        try:
+            return await self.node.host.new_stream(peer_id, [STAGE_PROTOCOL])
+        except Exception as exc:  # py-libp2p raises several unrelated types
+            raise NetworkError(f"cannot open a stage stream to {peer_id}: {exc}") from exc
 
 
 def _ip_of(remote_addr: str) -> str:

@@ -377,12 +377,7 @@ class StageServer:
                 if info is None:
                     raise
                 await self.node.connect(pid, info.addrs)
-            stream = await self.lanes.open(pid)
-            if stream is None:
-                try:
-                    stream = await self.node.host.new_stream(pid, [STAGE_PROTOCOL])
-                except Exception as exc:
-                    raise NetworkError(f"cannot open a stage stream to {peer}: {exc}") from exc
+            stream = await self.lanes.stage_stream(pid)
         if stream is None:
             raise NetworkError(f"next hop {peer} not reached in {self.config.next_hop_timeout} s")
         fs = FramedStream(stream, max_frame=self.config.max_frame)
