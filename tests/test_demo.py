@@ -66,7 +66,8 @@ def test_demo_ctrl_c_stops_the_whole_fleet(tmp_path: Path) -> None:
         pids = _pids(seen)
         assert len(pids) == 4 and not any(_gone(p) for p in pids)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers, mid-generation
-        assert proc.wait(timeout=60) == 130
+        rc = proc.wait(timeout=60)
+        assert rc == 130, (proc.stderr.read() if proc.stderr else "")[-6000:]
         time.sleep(0.5)
         assert all(_gone(p) for p in pids), "a fleet process outlived the interrupted demo"
     finally:

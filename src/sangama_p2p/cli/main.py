@@ -48,6 +48,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BaseExceptionGroup as group:
+        # trio raises Ctrl-C in whichever task runs when it lands: from a background task it crosses nurseries
+        # wrapped in a group (alone, or beside the errors it caused), and it is still an interrupt
+        if group.subgroup(KeyboardInterrupt) is not None:
+            return 130
+        errors, rest = group.split(SangamaError)
+        if errors is not None and rest is None:  # only typed errors: report them like a single one
+            for exc in _leaves(errors):
+                print(f"sangama-peer: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 if __name__ == "__main__":  # pragma: no cover
