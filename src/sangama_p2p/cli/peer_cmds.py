@@ -319,4 +319,5 @@ def _chat(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
+    _quiet()  # the demo's client sees routine churn too (dials to departed peers) that py-libp2p logs as errors
     return run_demo(args)
