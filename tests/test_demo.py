@@ -74,3 +74,41 @@ def test_demo_ctrl_c_stops_the_whole_fleet(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_split_covers_every_layer_in_three_stages() -> None:
+    from sangama_p2p.cli.demo import DEMO_SPLIT, demo_split
+    from sangama_p2p.errors import ModelError
+
+    assert demo_split(8) == DEMO_SPLIT
+    assert demo_split(3) == ("0:1", "1:2", "2:3")
+    assert demo_split(4) == ("0:2", "2:3", "3:4")
+    assert demo_split(60) == ("0:20", "20:40", "40:60")
+    with pytest.raises(ModelError, match="at least 3 layers"):
+        demo_split(2)
+
+
+def test_demo_refuses_guesses_on_a_model_without_mtp_before_starting_anything(tmp_path: Path) -> None:
+    from sangama_p2p.model.make import make_model
+
+    llama = make_model(tmp_path / "llama", "llama", "tiny")
+    out = subprocess.run([*DEMO, "--model", str(llama), "--guesses", "0,2", "--workdir", str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no MTP layer" in out.stderr and "fleet up" not in out.stdout
+
+
+def test_demo_runs_a_model_of_your_own(tmp_path: Path) -> None:
+    # e.g. one that benchmarks/train_tiny.py trained; here the small llama, split 0:2 2:4 4:6, without guesses
+    from sangama_p2p.model.make import make_model
+
+    llama = make_model(tmp_path / "llama", "llama", "tiny")
+    out = subprocess.run([*DEMO, "--model", str(llama), "--guesses", "0", "--requests", "1,2", "--tokens", "8",
+                          "--workdir", str(tmp_path / "w"), "--json", str(tmp_path / "d.json")],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "stages 0:2, 2:4, 4:6" in out.stdout
+    results = json.loads((tmp_path / "d.json").read_text())
+    assert results["model"] == "llama" and results["split"] == ["0:2", "2:4", "4:6"]
+    assert all(r["same_tokens"] for r in results["guesses"] + results["requests"])
+    assert llama.exists()  # the user's model is never deleted with the demo's work dir

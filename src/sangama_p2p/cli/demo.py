@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEMO_SPLIT", "local_references", "measure_network", "run_demo"]
+__all__ = ["DEMO_SPLIT", "demo_split", "local_references", "measure_network", "run_demo"]
 
 DEMO_SPLIT = ("0:3", "3:6", "6:8")
 DEMO_PROMPT = "def fibonacci(n):"
@@ -32,6 +32,31 @@ def _int_list(text: str) -> list[int]:
         from ..errors import SangamaError
 
         raise SangamaError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def demo_split(num_layers: int) -> tuple[str, ...]:
+    """Three contiguous stages over ``num_layers`` layers, the earlier ones one layer longer where it does not divide
+    (8 layers: 0:3, 3:6, 6:8, the tiny model's :data:`DEMO_SPLIT`)."""
+    from ..errors import ModelError
+
+    if num_layers < 3:
+        raise ModelError(f"the demo runs three stages and needs a model of at least 3 layers, this one has {num_layers}")
+    q, r = divmod(num_layers, 3)
+    bounds = [0]
+    for i in range(3):
+        bounds.append(bounds[-1] + q + (i < r))
+    return tuple(f"{a}:{b}" for a, b in zip(bounds, bounds[1:]))
+
+
+def _own_model(path: Path, guesses: list[int]) -> tuple[Path, tuple[str, ...]]:
+    """Check a ``--model`` checkpoint before any process starts: it opens, has 3+ layers, and drafts if asked to."""
+    from ..errors import ModelError
+    from ..model.checkpoint import open_checkpoint
+
+    spec = open_checkpoint(path).spec
+    if any(guesses) and spec.mtp_num_layers == 0:
+        raise ModelError(f"{path} has no MTP layer to draft guesses with: run the demo with --guesses 0")
+    return path, demo_split(spec.num_layers)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -51,17 +76,23 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="sangama-demo-")) if own_dir else Path(args.workdir)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        print(f"making the tiny qwen3_5_moe model in {workdir} ...", flush=True)
-        model_dir = make_model(workdir / "sangama-tiny", "qwen3_5_moe", "tiny")
+        if args.model is not None:
+            model_dir, split = _own_model(args.model.resolve(), guesses)
+            label = args.model.name
+            print(f"using the model in {model_dir}", flush=True)
+        else:
+            print(f"making the tiny qwen3_5_moe model in {workdir} ...", flush=True)
+            model_dir, split, label = make_model(workdir / "sangama-tiny", "qwen3_5_moe", "tiny"), DEMO_SPLIT, None
         torch.set_num_threads(1)  # this process only drives the client once the fleet runs
         refs = local_references(model_dir, guesses=guesses, requests=requests, new_tokens=args.tokens)
         print("one-process reference runs done", flush=True)
         t0 = time.monotonic()
-        with LocalFleet(model_dir, DEMO_SPLIT, workdir / "fleet") as fleet:
-            print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(DEMO_SPLIT)} "
+        with LocalFleet(model_dir, split, workdir / "fleet") as fleet:
+            print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(split)} "
                   f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
             results = measure_network(model_dir, fleet.bootstrap_addr, refs, guesses=guesses, requests=requests,
-                                      new_tokens=args.tokens)
+                                      new_tokens=args.tokens, split=split,
+                                      **({"label": label} if label else {}))
         print_tables(
             guesses_table(results["guesses"]),
             requests_table(results["requests"]),

@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", default="1,4,16", help="concurrent request counts (default 1,4,16)")
     p.add_argument("--guesses", default="0,2,4,6", help="guess counts to compare (default 0,2,4,6)")
     p.add_argument("--workdir", type=Path, default=None, help="keep the model and logs here (default: a temp dir)")
+    p.add_argument("--model", type=Path, default=None, metavar="DIR",
+                   help="run this checkpoint (split into three even stages) instead of a random tiny model, e.g. one "
+                   "that benchmarks/train_tiny.py trained, so that guesses get accepted")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     p.set_defaults(handler=_demo)
 
