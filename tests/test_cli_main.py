@@ -46,3 +46,17 @@ def test_typed_errors_exit_2_also_in_a_group(monkeypatch: pytest.MonkeyPatch, ca
 def test_other_errors_in_a_group_are_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ExceptionGroup):
         _run_raising(monkeypatch, ExceptionGroup("mixed", [SangamaError("typed"), ValueError("bug")]))
+
+
+def test_quiet_libp2p_holds_when_libp2p_is_imported_later() -> None:
+    # the demo imports libp2p only once its fleet runs; py-libp2p's import-time logging setup used to undo the quiet
+    import subprocess
+    import sys
+
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+            "assert 'libp2p' not in sys.modules\n"
+            "from sangama_p2p.cli.net_cmds import _quiet_libp2p; _quiet_libp2p()\n"
+            "import libp2p.network.swarm as swarm; swarm.logger.error('fail to upgrade mux for peer X')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "fail to upgrade mux" not in out.stderr

@@ -64,6 +64,8 @@ def _id(args: argparse.Namespace) -> int:
 def _quiet_libp2p() -> None:
     import logging
 
+    import libp2p  # noqa: F401  its import resets the "libp2p" logger to WARNING: let that happen before, not after
+
     if logging.getLogger().level > logging.DEBUG:
         for name in ("libp2p", "root"):  # py-libp2p logs routine stream resets as warnings, some on the root
             logging.getLogger(name).setLevel(logging.CRITICAL)
