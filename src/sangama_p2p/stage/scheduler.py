@@ -231,9 +231,21 @@ class Scheduler:
                 out.error = (res.code, str(res))
             elif isinstance(res, StepOutcome):
                 out.last = res
+                self._record_trip(batch[i], res, t1 / 1e9)
             else:
                 out.hidden = res
         return outcomes
+
+    @staticmethod
+    def _record_trip(job: Job, res: StepOutcome, now: float) -> None:
+        """Last stage, ``auto`` guesses: the session's whole trip, timed between the ends of its steps here
+        (:class:`~sangama_p2p.stage.sessions.TripClock`), prices its guesses (``Decoder.record_trip``, wall clock)."""
+        dec, m = job.session.decoder, job.msg
+        if dec is None or not dec.policy.adaptive:
+            return
+        seconds = job.session.trips.lap(m.start_pos, len(m.token_ids), len(m.guesses), res.accepted, now)
+        if seconds is not None:
+            dec.record_trip(seconds, wall=True)
 
     def _run(self, jobs: list[Job]) -> list[Tensor | StepOutcome]:
         model = self.model
