@@ -6,6 +6,10 @@ runs them as ONE batched ``StageModel.forward`` in the stage's compute thread (:
 the last stage by ``decode.finish_steps``. Positions are checked per job first, so one session's bad ``start_pos``
 fails only that job; if the batched step still fails, each job is retried alone to find the culprit.
 
+On the last stage the end of each step also clocks the trips of sessions with ``auto`` guesses: the wall time
+between the ends of a session's consecutive steps is the whole trip of the later one (``Scheduler._record_trip``,
+``sessions.TripClock``), and prices its guesses (``Decoder.record_trip``).
+
 The worker hands each finished job to ``deliver(job, outcome)`` on the trio thread; delivery must not block (it
 queues frames on the right stream).
 """
