@@ -49,6 +49,36 @@ def test_guesses_fixed_and_auto_equal_local_chain(ckpt):
         assert got[g].steps == want[g].steps < 15  # accepted guesses save trips
 
 
+def test_auto_guesses_on_the_network_price_guesses_with_measured_trips(ckpt):
+    chain = local_chain(ckpt, SPLIT)
+    want = chain.generate(PROMPT, 40, guesses="auto")
+
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                last = f.stages[-1][1]
+                opened = []
+                table_open = last.table.open
+                last.table.open = lambda *a: opened.append(table_open(*a)) or opened[-1]
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    t0 = trio.current_time()
+                    res = await client.generate(PROMPT, 40, guesses="auto")
+                    wall = trio.current_time() - t0
+        return res, opened, wall
+
+    res, opened, wall = trio.run(main)
+    assert res.tokens == want.tokens
+    assert res.guesses_accepted > 0
+    (session,) = opened
+    cost = session.decoder.policy.cost
+    # the last stage measured what steps cost (the prior would leave every cost None): a plain step and a step
+    # with guesses, each a whole trip (three stages and four hops): about the client's trip times, not one stage's
+    assert cost[0] is not None and any(c is not None for c in cost[1:]), cost
+    fastest = min(t.trip_s for t in res.trips[1:])
+    for c in cost:
+        assert c is None or 0.5 * fastest < c < wall, (cost, fastest, wall)
+
+
 def test_eight_concurrent_requests_are_batched_and_equal_local_chain(ckpt):
     prompts = [[1 + i, 3, (5 * i) % 16, 2] for i in range(8)]
     chain = local_chain(ckpt, SPLIT, batch_invariant=True)

@@ -177,6 +177,25 @@ def test_local_chain_feeds_step_costs_to_auto(checkpoints):
     assert all(s > 0 for _, s in seen)
 
 
+def test_record_trip_takes_the_drafting_on_the_clock_of_the_trip(checkpoints, monkeypatch):
+    ck = open_checkpoint(checkpoints["made-qwen-v16"])
+    stage = StageModel.load(ck.spec, ck.source, 0, ck.spec.num_layers)
+    dec = Decoder(stage.new_session(64, ring=3), SamplingParams(), GuessPolicy(2, adaptive=True))
+    # drafting's CPU time (thread_time) stands still while its wall time runs: the two clocks must stay apart
+    import sangama_p2p.model.decode as decode
+
+    monkeypatch.setattr(decode.time, "thread_time", lambda: 5.0)
+    _drive(stage, dec, [3, 1, 2], 4, plan=lambda i: 2)
+    assert dec.checked == 2 and dec.draft_s == (0.0, 0.0) and all(w > 0 for w in dec.draft_wall_s)
+    dec.caught_up = (False, False)
+    dec.draft_s, dec.draft_wall_s = (0.01, 0.02), (0.1, 0.3)
+    dec.record_trip(1.0)  # LocalChain: CPU time of the trip, drafting in CPU time
+    assert dec.policy.cost[2] == pytest.approx(1.0 + 0.01 - 0.02)
+    dec.policy.cost[2] = None
+    dec.record_trip(1.0, wall=True)  # the network's last stage: wall time of the cycle, drafting in wall time
+    assert dec.policy.cost[2] == pytest.approx(1.0 + 0.1 - 0.3)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])
 def test_dense_moe_equals_the_expert_loop(checkpoints, rows):
     ck = open_checkpoint(checkpoints["made-qwen"])

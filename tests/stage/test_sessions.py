@@ -86,3 +86,21 @@ def test_memory_budget_refuses_new_sessions_and_frees_on_close(stages):
     cap = SessionTable(first, StageConfig(MODEL, 0, 4, max_sessions=1))
     cap.open(_open(b"a" * 16), "A", None)
     assert _code(lambda: cap.open(_open(b"b" * 16), "A", None)) == ErrorCode.CAPACITY
+
+
+def test_trip_clock_times_only_steady_decode_trips():
+    from sangama_p2p.stage.sessions import TripClock
+
+    c = TripClock()
+    assert c.lap(0, 6, 0, 0, now=1.0) is None  # the prefill (positions 0..5): nothing before it
+    assert c.lap(6, 1, 0, 0, now=1.5) is None  # the first decode step: its cycle is only the reference
+    assert c.lap(7, 1, 0, 0, now=1.9) == pytest.approx(0.4)  # a trip: the end of step 7 minus the end of step 6
+    assert c.lap(8, 3, 2, 1, now=2.4) == pytest.approx(0.5)  # 2 guesses, 1 kept: the next step starts at 10
+    assert c.lap(9, 1, 0, 0, now=2.8) is None  # does not continue (start 9, not 10): a rollback or replay
+    assert c.lap(10, 1, 0, 0, now=3.2) is None  # continues, but has no cycle before it to compare with
+    assert c.lap(11, 1, 0, 0, now=3.5) == pytest.approx(0.3)
+    assert c.lap(12, 1, 0, 0, now=3.5 + 5.0) is None  # 5 s after a 0.3 s cycle: a pause, not a trip
+    assert c.lap(13, 1, 0, 0, now=8.5 + 4.0) == pytest.approx(4.0)  # a lasting slowdown counts from the next cycle
+    assert c.lap(14, 4, 0, 0, now=13.0) is None  # a prefill chunk (a chat's next turn) ...
+    assert c.lap(18, 1, 0, 0, now=13.3) is None  # ... and the first decode step after it
+    assert c.lap(19, 1, 0, 0, now=13.6) == pytest.approx(0.3)

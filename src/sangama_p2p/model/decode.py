@@ -53,6 +53,7 @@ class Decoder:
         self.pending_tokens: list[int] = []
         self.checked: int | None = None  # guesses the last step checked; None if it was not a decode step
         self.draft_s = (0.0, 0.0)  # seconds on the MTP layer in the step before the last one, and in the last one
+        self.draft_wall_s = (0.0, 0.0)  # the same on the wall clock (for drivers that time trips on the wall)
         self.caught_up = (False, False)  # whether those included rows held back from earlier steps
         self.proposed = 0
         self.accepted = 0
@@ -65,17 +66,22 @@ class Decoder:
         """The position after the last accepted one the MTP layer knows of (run or pending)."""
         return self.mtp_position + len(self.pending_tokens)
 
-    def record_trip(self, seconds: float) -> None:
-        """The compute time of the whole trip (every stage and the finish) that carried this session's last step,
-        as the calling thread's CPU time (``time.thread_time``, as the drafting here is timed: steadier than wall
-        time on a shared machine).
+    def record_trip(self, seconds: float, *, wall: bool = False) -> None:
+        """The time of the whole trip (every stage and the finish) that carried this session's last step.
+
+        By default ``seconds`` is the calling thread's CPU time (``time.thread_time``, as the drafting here is timed:
+        steadier than wall time on a shared machine); that is what ``LocalChain`` reports, the compute of every
+        stage in one thread. With ``wall=True`` it is wall time (``time.perf_counter``/``monotonic``) and the
+        drafting is taken on the wall clock too, so the two never mix: the network's last stage reports the wall
+        time between finishing the session's previous step and finishing this one, a whole cycle (its own compute,
+        the return hop, the client, the other stages, the hops and the queues), which no CPU clock can see.
 
         The cost of a step with g guesses is the drafting of them (in the trip before) plus its own trip minus the
         drafting done in it; the policy weighs guesses against it. Drivers that cannot time the whole trip skip
         this and the policy keeps its prior costs.
         """
         if self.checked is not None and not self.caught_up[0]:  # a held-back catch-up is no steady-state cost
-            before, last = self.draft_s
+            before, last = self.draft_wall_s if wall else self.draft_s
             self.policy.observe_cost(self.checked, before + seconds - last)
 
     def _drop_pending_from(self, pos: int) -> None:
@@ -168,9 +174,10 @@ def _mtp_and_draft(
         dec = it.decoder
         dec.guesses, dec.draft_probs = (), None
         dec.draft_s, dec.caught_up = (dec.draft_s[1], 0.0), (dec.caught_up[1], False)
+        dec.draft_wall_s = (dec.draft_wall_s[1], 0.0)
     if stage.mtp is None:
         return drafts
-    t0 = time.thread_time()
+    t0, w0 = time.thread_time(), time.perf_counter()
     # catch-up: rows 0..r_last of each step (their next token is now known), plus the rows held back before
     segs, parts, nexts, run, plans = [], [], [], [], []
     for i, it in enumerate(items):
@@ -207,10 +214,11 @@ def _mtp_and_draft(
         _draft(stage, [items[run[a]].decoder for a in live], cur)
         for a in live:
             drafts[run[a]] = items[run[a]].decoder.guesses
-    spent = time.thread_time() - t0
+    spent, spent_wall = time.thread_time() - t0, time.perf_counter() - w0
     for i in run:
         dec = items[i].decoder
         dec.draft_s = (dec.draft_s[0], spent)
+        dec.draft_wall_s = (dec.draft_wall_s[0], spent_wall)
     return drafts
 
 

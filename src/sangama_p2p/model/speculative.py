@@ -78,7 +78,7 @@ class GuessPolicy:
     - ``cost(k)`` is the measured time of a step that carried ``k`` guesses, drafting included
       (:meth:`observe_cost`: an exponential average that follows drops faster than rises, since load only adds). A ``k`` not yet measured is extrapolated from the measured ones
       (the mean cost per guess over measured ``k``), or, with no measurement, from ``prior_cost_per_guess`` (a
-      fraction of a plain step: small, because a step's time is mostly the network when nobody reports times).
+      fraction of a plain step: small, because a guess only adds rows to a step whose time is mostly fixed costs).
 
     ``k = 0`` wins when nothing pays; then after ``probe_every`` plain steps (doubling up to 4x while probes do not
     pay) the policy probes for two steps with one guess (the cheapest probe), so that acceptance and cost stay

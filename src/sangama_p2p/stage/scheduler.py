@@ -6,6 +6,10 @@ runs them as ONE batched ``StageModel.forward`` in the stage's compute thread (:
 the last stage by ``decode.finish_steps``. Positions are checked per job first, so one session's bad ``start_pos``
 fails only that job; if the batched step still fails, each job is retried alone to find the culprit.
 
+On the last stage the end of each step also clocks the trips of sessions with ``auto`` guesses: the wall time
+between the ends of a session's consecutive steps is the whole trip of the later one (``Scheduler._record_trip``,
+``sessions.TripClock``), and prices its guesses (``Decoder.record_trip``).
+
 The worker hands each finished job to ``deliver(job, outcome)`` on the trio thread; delivery must not block (it
 queues frames on the right stream).
 """
@@ -231,9 +235,21 @@ class Scheduler:
                 out.error = (res.code, str(res))
             elif isinstance(res, StepOutcome):
                 out.last = res
+                self._record_trip(batch[i], res, t1 / 1e9)
             else:
                 out.hidden = res
         return outcomes
+
+    @staticmethod
+    def _record_trip(job: Job, res: StepOutcome, now: float) -> None:
+        """Last stage, ``auto`` guesses: the session's whole trip, timed between the ends of its steps here
+        (:class:`~sangama_p2p.stage.sessions.TripClock`), prices its guesses (``Decoder.record_trip``, wall clock)."""
+        dec, m = job.session.decoder, job.msg
+        if dec is None or not dec.policy.adaptive:
+            return
+        seconds = job.session.trips.lap(m.start_pos, len(m.token_ids), len(m.guesses), res.accepted, now)
+        if seconds is not None:
+            dec.record_trip(seconds, wall=True)
 
     def _run(self, jobs: list[Job]) -> list[Tensor | StepOutcome]:
         model = self.model

@@ -13,7 +13,7 @@ session that does not fit, or one over ``max_sessions``, is refused with ``CAPAC
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CapacityError, ErrorCode, StageError
@@ -25,7 +25,45 @@ from ..model.state import SessionState
 from ..wire.messages import OpenSession
 from .config import StageConfig
 
-__all__ = ["SessionTable", "StageSession"]
+__all__ = ["SessionTable", "StageSession", "TripClock"]
+
+GAP_FACTOR = 4.0  # a cycle this many times longer than the one before it was a pause, not a trip
+
+
+class TripClock:
+    """The last stage's view of a session's trips, on its own monotonic clock (pure bookkeeping, no I/O).
+
+    The wall time between finishing (answering) a session's step and finishing its next step is the whole trip
+    that carried the next step: the return hop, the client, the other stages and their hops and queues, and this
+    stage's queue and compute. :meth:`lap` returns that time for a step that is a trip of the steady decode loop,
+    and ``None`` where the interval is something else or has nothing to compare with: the first step of the
+    session; a prefill or prefill chunk; a step whose start position does not continue the previous step (a
+    replay or rollback: the session was not just waiting for its own previous answer); the first decode step after
+    any of these (it also carries the client's start-up work; its cycle is kept only as the reference for the next
+    one); and a cycle more than ``GAP_FACTOR`` times the one before it (the client paused; a lasting slowdown is
+    taken from the next cycle on, since each cycle is compared with the one just before it).
+    """
+
+    def __init__(self, gap_factor: float = GAP_FACTOR) -> None:
+        self.gap_factor = gap_factor
+        self.last_end: float | None = None  # when the previous step finished
+        self.next_start: int | None = None  # where a step continuing it starts
+        self.last_cycle: float | None = None  # the previous step's cycle, if it was a decode step continuing one
+
+    def lap(self, start: int, tokens: int, guesses: int, accepted: int, now: float) -> float | None:
+        """A step of ``tokens`` token ids (the last ``guesses`` of them guesses) starting at ``start`` finished at
+        ``now`` with ``accepted`` guesses kept: the seconds of its trip, or ``None`` if the interval is no trip."""
+        decode = tokens == guesses + 1
+        cycle = None
+        if decode and self.last_end is not None and start == self.next_start:
+            cycle = now - self.last_end
+        out = None
+        if cycle is not None and self.last_cycle is not None and 0 < cycle <= self.gap_factor * self.last_cycle:
+            out = cycle
+        self.last_cycle = cycle
+        self.last_end = now
+        self.next_start = start + tokens - guesses + accepted
+        return out
 
 
 @dataclass(eq=False)
@@ -42,6 +80,7 @@ class StageSession:
     nbytes: int
     upstream: str | None = None
     closed: bool = False
+    trips: TripClock = field(default_factory=TripClock)  # the last stage's trip times, for ``auto`` guesses
 
 
 class SessionTable:
