@@ -221,3 +221,14 @@ def test_sampling_with_auto_guesses_runs_end_to_end(checkpoints):
     res = chain.generate([3, 1, 2], 48, SamplingParams(temperature=0.9, seed=3), guesses="auto", stop_at_eos=False)
     assert len(res.tokens) == 48 and all(0 <= t < ck.spec.vocab_size for t in res.tokens)
     assert res.guesses_proposed > 0
+
+
+def test_auto_climbs_past_a_deeper_plan_measured_once_too_dear():
+    # the first step with 2 guesses was slow (a page fault, a busy neighbour): measured once at 5x its cost, k=2
+    # looks worse than k=1 and would never be measured again; now and then a plan one deeper re-measures it
+    cost = {0: 1.0, 1: 1.4, 2: 1.5, 3: 1.6, 4: 1.7}
+    p = GuessPolicy(4, adaptive=True, probe_every=8)
+    _feed(p, 3, {}, cost)  # the plain steps first
+    p.observe_cost(2, 7.5)
+    plans = _feed(p, 120, {k: k for k in range(5)}, cost)  # every guess is kept
+    assert sum(1 for k in plans[-20:] if k >= 3) >= 15, plans

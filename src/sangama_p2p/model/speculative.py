@@ -83,7 +83,9 @@ class GuessPolicy:
     ``k = 0`` wins when nothing pays; then after ``probe_every`` plain steps (doubling up to 4x while probes do not
     pay) the policy probes for two steps with one guess (the cheapest probe), so that acceptance and cost stay
     measured and guessing resumes when the text becomes predictable; while guessing, one plain step every
-    ``2 * probe_every`` keeps ``cost(0)`` current. The first three steps are plain (they measure ``cost(0)``).
+    ``2 * probe_every`` keeps ``cost(0)`` current, and one step a guess deeper than the best, halfway between,
+    re-measures a deeper plan (one slow first reading would otherwise rule it out for good) and the next position's
+    acceptance. The first three steps are plain (they measure ``cost(0)``).
     ``min_confidence`` > 0 also stops drafting at a guess whose own draft probability is below it (off by
     default: the costs and acceptance rates above are then measured per drafted rather than per planned guess, and
     ``E(k)`` overestimates what a plan of k yields). The choice never changes greedy
@@ -222,6 +224,8 @@ class GuessPolicy:
             self._guessing += 1
             if self._guessing >= 2 * self.probe_every:  # one plain step now and then: keep cost(0) current
                 best, self._guessing = 0, 0
+            elif self._guessing == self.probe_every and best < self.max_guesses:
+                best += 1  # and one step a guess deeper: re-measures a deeper plan's cost and the next acceptance
         if best:
             self._since_probe = 0
         self.planned = best
