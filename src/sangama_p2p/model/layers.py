@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from .experts import DENSE_MAX, StackedExperts
-from .ops import apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
+from .ops import (
+    apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_short, delta_rule_steps, l2norm, rms_norm,
+)
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
 from .weights import Weight, dense
@@ -25,8 +27,10 @@ __all__ = ["DecoderLayer", "Loader", "linear"]
 # A loader returns the weight for a canonical name relative to a prefix.
 Loader = Callable[[str], Weight]
 
-# Steps up to this many positions run the delta rule position by position; longer ones run it in chunks (as
-# transformers does for a prefill), unless the session keeps a rollback ring, which needs every position's state.
+# Steps up to this many positions run the delta rule stepwise; longer ones run it in chunks (as transformers does for
+# a prefill), unless the session keeps a rollback ring, which needs every position's state. Stepwise steps of more
+# than one position (verify steps) compute all their positions' states in closed form, except in batch-invariant
+# mode, which runs them position by position.
 _STEPWISE_MAX = 1
 _CHUNK = 64  # positions per chunk of the chunked delta rule
 
@@ -206,9 +210,12 @@ class GatedDeltaNet:
             row += t
         core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
         conv_w = self.conv.to(x.dtype)
-        decay = g.exp() if any(not chunked for chunked, _ in groups) else g
-        for (chunked, _), items in groups.items():
-            self._group(items, chunked, mixed, g if chunked else decay, beta, core, conv_w)
+        # position by position (one-token steps, and every step in batch-invariant mode) with the decay itself;
+        # chunked and closed-form short steps with the log-decay
+        looped = {key: not key[0] and (key[1] == 1 or invariant) for key in groups}
+        decay = g.exp() if any(looped.values()) else g
+        for key, items in groups.items():
+            self._group(items, key[0], mixed, decay if looped[key] else g, beta, core, conv_w, looped[key])
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
@@ -228,12 +235,14 @@ class GatedDeltaNet:
 
     def _group(
         self, items: list[tuple[LinearLayerState, int, int, bool]], chunked: bool, mixed: torch.Tensor,
-        g: torch.Tensor, beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor,
+        g: torch.Tensor, beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor, looped: bool,
     ) -> None:
         """Steps of B sessions as one batched conv + delta rule over their stacked states.
 
-        ``items``: (layer state, first row, length, keep ring) per session; ``g`` is the log-decay for a chunked
-        group, the decay itself (exp g) for a stepwise one. A chunked group's shorter steps are padded at the end
+        ``items``: (layer state, first row, length, keep ring) per session; ``looped``: a stepwise group that runs
+        position by position (:func:`delta_rule_steps`; one-token steps, and any step in batch-invariant mode), with
+        ``g`` the decay itself (exp g); other stepwise groups (verify steps) run :func:`delta_rule_short`, chunked
+        ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A chunked group's shorter steps are padded at the end
         with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
         are gathered into one temporary [B, ...] tensor and written back after the step (and into the rollback rings
         of the sessions that keep one); a session alone is updated in place, its ring written directly. The
@@ -276,8 +285,10 @@ class GatedDeltaNet:
             out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gb[0]), fold(gb[1]),
                                      rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
-        else:
+        elif looped:
             out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
+        else:
+            out = delta_rule_short(q, k, v, gb[0], gb[1], rec, after)
         if not alone:
             torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
         if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -13,6 +14,7 @@ __all__ = [
     "attend_invariant",
     "causal_conv",
     "delta_rule_chunked",
+    "delta_rule_short",
     "delta_rule_steps",
     "l2norm",
     "rms_norm",
@@ -101,6 +103,46 @@ def delta_rule_steps(
     if keep is not None and q.shape[1]:
         state.copy_(prev)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(t: int, device: torch.device) -> torch.Tensor:
+    """[T, T] bool, True above the diagonal (a constant per step length; shared, never written)."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+
+
+def delta_rule_short(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated delta rule over a short step (verify steps of a few positions) in closed form, for B sessions at once.
+
+    Same maths and arguments as :func:`delta_rule_steps`, except that ``g`` is the log-decay (decay = exp g), and
+    with a fixed number of batched calls whatever T instead of a handful per position. With the UT transform of
+    :func:`delta_rule_chunked` the corrected values of all positions are ``v_new = u - w @ S0``; then the state after
+    position t is ``exp(c_t) S0 + sum_{j<=t} exp(c_t - c_j) k_j v_new_j^T`` (c the cumulative log-decay), all T of
+    them in one product, written into ``keep`` [B, T, H, Dk, Dv] (a temporary if None). ``state`` [B, H, Dk, Dv] is
+    updated in place. Equal to the position-by-position loop up to rounding (not bit-identical: the batch-invariant
+    mode keeps the loop). Returns the outputs [B, T, H, Dv] fp32.
+    """
+    bsz, t, h, dk = k.shape
+    dv = v.shape[-1]
+    kh = k.transpose(1, 2)  # [B, H, T, Dk]
+    cum = g.transpose(1, 2).cumsum(-1)  # [B, H, T]
+    beta_h = beta.transpose(1, 2)[..., None]  # [B, H, T, 1]
+    # pair[t, j] = exp(c_t - c_j) for j <= t, 0 above the diagonal
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(_above_diagonal(t, k.device), float("-inf")).exp()
+    system = (kh @ kh.transpose(-1, -2)) * pair * beta_h  # [B, H, T, T]; the solve reads only below the diagonal
+    rhs = torch.cat((v.transpose(1, 2), kh * cum.exp()[..., None]), dim=-1) * beta_h  # [B, H, T, Dv + Dk]
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
+    v_new = u - w @ state  # [B, H, T, Dv]
+    outer = kh[..., :, None] * v_new[..., None, :]  # [B, H, T, Dk, Dv]
+    states = (pair @ outer.view(bsz, h, t, dk * dv)).addcmul_(cum.exp()[..., None], state.view(bsz, h, 1, dk * dv))
+    if keep is None:
+        keep = states.new_empty(bsz, t, h, dk, dv)
+    keep.copy_(states.view(bsz, h, t, dk, dv).transpose(1, 2))
+    state.copy_(keep[:, -1])
+    return (keep * q[..., None]).sum(-2)
 
 
 def delta_rule_chunked(
