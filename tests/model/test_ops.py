@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sangama_p2p.model.ops import delta_rule_short, delta_rule_steps
+from sangama_p2p.model.ops import apply_rope, delta_rule_short, delta_rule_steps, rope_tables, rotate_half_index
 
 
 def _delta_inputs(bsz: int, t: int, seed: int, heads: int = 4, dk: int = 16, dv: int = 8):
@@ -47,3 +47,22 @@ def test_delta_rule_short_without_ring_and_with_strong_decay():
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
     torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(16, 4), (8, 8), (32, 8)])
+def test_apply_rope_tables_equal_rotate_half(head_dim, rotary_dim):
+    """The table form (sign folded into sin, pass-through dims) gives the rotate-half formula's bits."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    positions = torch.tensor([0, 5, 17, 3, 99])
+    table = rope_tables(inv_freq, head_dim, 100, torch.float32)[:, positions]  # [2, T, 1, D]
+    x = torch.randn(len(positions), 3, head_dim, generator=torch.Generator().manual_seed(1))
+    got = apply_rope(x, table[0], table[1], rotate_half_index(head_dim, rotary_dim, x.device))
+    cos, sin = table[0, :, :, :rotary_dim], table[1, :, :, :rotary_dim].clone()
+    half = rotary_dim // 2
+    sin[..., :half].neg_()  # the plain sin
+    rot = x[..., :rotary_dim]
+    want = torch.cat((rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin, x[..., rotary_dim:]),
+                     dim=-1)
+    assert torch.equal(got, want)
+    freqs = positions[:, None].float() * inv_freq
+    torch.testing.assert_close(cos[:, 0], torch.cat((freqs, freqs), dim=-1).cos(), rtol=0, atol=1e-6)

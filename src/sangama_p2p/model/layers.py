@@ -9,6 +9,7 @@ states stacked for the step; attention runs per session over that session's own 
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from .experts import DENSE_MAX, StackedExperts
 from .ops import (
     apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_short, delta_rule_steps, l2norm, rms_norm,
+    rotate_half_index,
 )
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
@@ -91,6 +93,13 @@ def norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
     return (t + 1.0) if spec.zero_centered_norm else t
 
 
+@functools.lru_cache(maxsize=32)
+def _step_mask(t: int, start: int, rep: int, device: torch.device) -> torch.Tensor:
+    """[rep * T, start + T] bool: causal within a step of T positions from ``start``, every cached position visible
+    (one row per query row of the ``rep`` heads that share a KV head). A constant per shape; shared, never written."""
+    return torch.ones(t, start + t, dtype=torch.bool, device=device).tril(start).repeat(rep, 1)
+
+
 class Attention:
     """Full attention with GQA and partial RoPE; Qwen3.5's variant adds q/k norms and a sigmoid output gate."""
 
@@ -101,70 +110,79 @@ class Attention:
             else None
         self.qkv = FusedLinear([load(f"self_attn.{p}_proj.weight") for p in "qkv"], biases)
         self.o = load("self_attn.o_proj.weight")
-        self.q_norm = self.k_norm = None
+        self.qk_norm = None  # [heads + kv_heads, head_dim]: q's norm scale for every query head, then k's
         if spec.attn_output_gate:
-            self.q_norm = norm_weight(load("self_attn.q_norm.weight"), spec)
-            self.k_norm = norm_weight(load("self_attn.k_norm.weight"), spec)
+            q_norm = norm_weight(load("self_attn.q_norm.weight"), spec)
+            k_norm = norm_weight(load("self_attn.k_norm.weight"), spec)
+            self.qk_norm = torch.cat((q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)))
 
     def weights(self) -> Iterator[Weight]:
         yield from self.qkv.weights()
         yield self.o
-        yield from (n for n in (self.q_norm, self.k_norm) if n is not None)
+        if self.qk_norm is not None:
+            yield self.qk_norm
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden]; cos, sin: [N, 1, head_dim], the rows' RoPE (``StageModel.rope_rows``)."""
         spec = self.spec
-        n, hd = x.shape[0], spec.head_dim
+        n, hd, heads, kv = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
         q, k, v = self.qkv(x)
         gate = None
         if spec.attn_output_gate:
-            q, gate = q.reshape(n, spec.num_heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
-            gate = gate.reshape(n, spec.num_heads * hd)
-            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
-        else:
-            q = q.reshape(n, spec.num_heads, hd)
-        k = k.reshape(n, spec.num_kv_heads, hd)
-        if self.k_norm is not None:
-            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
-        v = v.reshape(n, spec.num_kv_heads, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, gate = q.reshape(n, heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
+            gate = gate.reshape(n, heads * hd)
+        # q and k side by side: one norm call and one rotation for both
+        qk = torch.cat((q.reshape(n, heads, hd), k.reshape(n, kv, hd)), dim=1)  # [N, heads + kv, hd]
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, spec.rms_norm_eps)
+        q, k = apply_rope(qk, cos, sin, rotate_half_index(hd, spec.rotary_dim, x.device)).split((heads, kv), dim=1)
+        v = v.reshape(n, kv, hd)
 
-        kv, rep = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+        rep = heads // kv
         invariant = MIN_ROWS.get()
         # Without the batch-invariant mode, the `rep` query heads that share a KV head go in as `rep` times the rows
         # of that head (no enable_gqa, which expands K and V on every call: 5x the cost of a small call here).
         qg = q.reshape(n, kv, rep, hd).permute(1, 2, 0, 3)  # [kv, rep, N, hd]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv, N, hd]
-        lengths = [seg.length for seg in segments]
-        if sum(lengths) < n:  # batch-invariant mode's padding rows
-            lengths.append(n - sum(lengths))
-        outs, row = [], 0
-        # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
-        per_session = zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
-        for seg, qs, ks, vs in per_session:
-            st = seg.state.layers[self.key]
-            assert isinstance(st, AttentionLayerState)
-            t, end = seg.length, seg.start + seg.length
-            st.k.narrow(2, seg.start, t).copy_(ks)
-            st.v.narrow(2, seg.start, t).copy_(vs)
-            keys, values = st.k.narrow(2, 0, end), st.v.narrow(2, 0, end)
-            if invariant:
-                o = attend_invariant(q[row:row + t].transpose(0, 1), keys[0], values[0], seg.start)  # [heads, T, hd]
-                outs.append(o.reshape(kv, rep, t, hd))
-            else:
-                mask = None
-                if t > 1:  # causal within the step; every cached position before it is visible
-                    mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(seg.start).repeat(rep, 1)
-                o = F.scaled_dot_product_attention(qs.reshape(1, kv, rep * t, hd), keys, values,
-                                                   attn_mask=mask)
-                outs.append(o.reshape(kv, rep, t, hd))
-            row += t
-        out = torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(row, spec.num_heads, hd)  # [N', heads, hd]
-        if row < n:  # batch-invariant mode's padding rows
-            out = torch.cat((out, out.new_zeros(n - row, *out.shape[1:])))
-        out = out.reshape(n, spec.num_heads * hd)
+        if len(segments) == 1 and segments[0].length == n:  # one session, no padding: no split, no concatenation
+            out = self._attend(segments[0], qg, k, v, q, 0, invariant).permute(2, 0, 1, 3)  # [N, kv, rep, hd]
+        else:
+            lengths = [seg.length for seg in segments]
+            if sum(lengths) < n:  # batch-invariant mode's padding rows
+                lengths.append(n - sum(lengths))
+            outs, row = [], 0
+            # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
+            per_session = zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
+            for seg, qs, ks, vs in per_session:
+                outs.append(self._attend(seg, qs, ks, vs, q, row, invariant))
+                row += seg.length
+            out = torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(row, heads, hd)  # [N', heads, hd]
+            if row < n:  # batch-invariant mode's padding rows
+                out = torch.cat((out, out.new_zeros(n - row, *out.shape[1:])))
+        out = out.reshape(n, heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return linear(out, self.o)
+
+    def _attend(
+        self, seg: Segment, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, q: torch.Tensor, row: int,
+        invariant: int,
+    ) -> torch.Tensor:
+        """One session: its new K and V into its cache, then attention over the cache. qs: [kv, rep, T, hd]; ks, vs:
+        [1, kv, T, hd]; q: all rows [N, heads, hd] (the batch-invariant path's layout). Returns [kv, rep, T, hd]."""
+        st = seg.state.layers[self.key]
+        assert isinstance(st, AttentionLayerState)
+        kv, rep, t, hd = qs.shape
+        end = seg.start + t
+        st.k.narrow(2, seg.start, t).copy_(ks)
+        st.v.narrow(2, seg.start, t).copy_(vs)
+        keys, values = st.k.narrow(2, 0, end), st.v.narrow(2, 0, end)
+        if invariant:
+            o = attend_invariant(q[row:row + t].transpose(0, 1), keys[0], values[0], seg.start)  # [heads, T, hd]
+        else:
+            mask = _step_mask(t, seg.start, rep, qs.device) if t > 1 else None  # causal within the step
+            o = F.scaled_dot_product_attention(qs.reshape(1, kv, rep * t, hd), keys, values, attn_mask=mask)
+        return o.reshape(kv, rep, t, hd)
 
 
 class GatedDeltaNet:

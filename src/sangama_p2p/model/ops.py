@@ -19,6 +19,8 @@ __all__ = [
     "l2norm",
     "rms_norm",
     "rope_inv_freq",
+    "rope_tables",
+    "rotate_half_index",
     "apply_rope",
 ]
 
@@ -27,7 +29,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32; ``weight`` is the effective scale (1 + w already folded in for zero-centred norms).
 
     torch's ``rms_norm`` does the same operations in the same order (bit-identical) in one call from Python.
+    ``weight`` may also hold one scale row per slice of the leading dims (e.g. ``[heads, D]`` for ``x`` ``[N, heads,
+    D]``): then the norm runs without a weight and the product follows (the same operations, so the same bits).
     """
+    if weight.dim() > 1:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(x.dtype)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
@@ -53,15 +59,43 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the leading ``cos.shape[-1]`` dims of each head. x: [T, heads, D]; cos/sin: [T, R]."""
-    r = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+def rope_tables(inv_freq: torch.Tensor, head_dim: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sin of positions 0..length-1 over whole heads, as :func:`apply_rope` takes them: [2, length, 1, D].
+
+    Past the rotary dims cos is 1 and sin 0 (those dims pass through unchanged); the sign of the rotate-half is
+    folded into sin.
+    """
+    r = 2 * inv_freq.shape[0]
+    freqs = torch.arange(length, device=inv_freq.device).float()[:, None] * inv_freq[None, :]  # [L, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    table = torch.zeros(2, length, 1, head_dim, dtype=torch.float32, device=inv_freq.device)
+    table[0, :, 0, r:] = 1.0
+    table[0, :, 0, :r] = emb.cos()
+    table[1, :, 0, :r] = emb.sin()
+    table[1, :, 0, :r // 2].neg_()
+    return table.to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def rotate_half_index(head_dim: int, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """[D] indices that swap the two halves of the rotary dims (and keep the others), for :func:`apply_rope`.
+
+    A constant per shape and device; shared, never written."""
+    half = rotary_dim // 2
+    index = torch.arange(head_dim, device=device)
+    index[:half] += half
+    index[half:rotary_dim] -= half
+    return index
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_half: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the leading rotary dims of each head. x: [T, heads, D]; cos/sin: [T, 1, D] rows of
+    :func:`rope_tables`; rotate_half: :func:`rotate_half_index`.
+
+    The same products and sum as ``rot * cos + cat(-rot2, rot1) * sin`` on the rotary dims (the same bits); the
+    other dims come out as ``x * 1 + x' * 0 = x``.
+    """
+    return x * cos + x.index_select(-1, rotate_half) * sin
 
 
 def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
