@@ -226,14 +226,19 @@ class GatedDeltaNet:
                 key = (True, id(st) if invariant else -(-t // _CHUNK))
             groups.setdefault(key, []).append((st, row, t, keep_ring))
             row += t
-        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
         conv_w = self.conv.to(x.dtype)
         # position by position (one-token steps, and every step in batch-invariant mode) with the decay itself;
         # chunked and closed-form short steps with the log-decay
         looped = {key: not key[0] and (key[1] == 1 or invariant) for key in groups}
         decay = g.exp() if any(looped.values()) else g
-        for key, items in groups.items():
-            self._group(items, key[0], mixed, decay if looped[key] else g, beta, core, conv_w, looped[key])
+        parts = [self._group(items, key[0], mixed, decay if looped[key] else g, beta, conv_w, looped[key])
+                 for key, items in groups.items()]
+        if len(parts) == 1 and parts[0][0] == slice(0, n):  # one group, all rows in order
+            core = parts[0][1]
+        else:
+            core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
+            for rows, out in parts:
+                core[rows] = out
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
@@ -242,29 +247,29 @@ class GatedDeltaNet:
         """Conv outputs [..., C] -> q, k (L2-normed, q scaled, repeated to the value heads) [..., Hv, Dk], v."""
         spec = self.spec
         nk, nv, dk = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim
-        lead = mixed_t.shape[:-1]
-        q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
-                              dim=-1)
-        # repeat first: it makes q and k contiguous, so that each head's norm sums its terms in the same order
-        # whatever T (a norm over a strided view would not)
-        q = l2norm(q.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2)) * dk ** -0.5
-        k = l2norm(k.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2))
-        return q, k, v.reshape(*lead, nv, spec.linear_value_head_dim)
+        lead, x = mixed_t.shape[:-1], mixed_t.float()
+        # q's and k's heads side by side in one norm call, made contiguous first, so that each head's norm sums its
+        # terms in the same order whatever T (a norm over a strided view would not); then repeated to the value heads
+        qk = l2norm(x[..., :2 * spec.linear_key_dim].reshape(*lead, 2 * nk, dk).contiguous())
+        qk = qk.repeat_interleave(nv // nk, dim=-2)  # [..., 2 Hv, Dk]: q's heads, then k's
+        v = x[..., 2 * spec.linear_key_dim:].reshape(*lead, nv, spec.linear_value_head_dim)
+        return qk[..., :nv, :] * dk ** -0.5, qk[..., nv:, :], v
 
     def _group(
         self, items: list[tuple[LinearLayerState, int, int, bool]], chunked: bool, mixed: torch.Tensor,
-        g: torch.Tensor, beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor, looped: bool,
-    ) -> None:
+        g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, looped: bool,
+    ) -> tuple[slice | torch.Tensor, torch.Tensor]:
         """Steps of B sessions as one batched conv + delta rule over their stacked states.
 
         ``items``: (layer state, first row, length, keep ring) per session; ``looped``: a stepwise group that runs
         position by position (:func:`delta_rule_steps`; one-token steps, and any step in batch-invariant mode), with
         ``g`` the decay itself (exp g); other stepwise groups (verify steps) run :func:`delta_rule_short`, chunked
-        ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A chunked group's shorter steps are padded at the end
-        with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
+        ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A chunked group's shorter steps are padded at
+        the end with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
         are gathered into one temporary [B, ...] tensor and written back after the step (and into the rollback rings
         of the sessions that keep one); a session alone is updated in place, its ring written directly. The
-        sessions' own tensors stay where they are.
+        sessions' own tensors stay where they are. Returns the step's rows (a slice or indices) and their outputs
+        [rows, Hv, Dv] fp32.
         """
         spec = self.spec
         nv, bsz = spec.linear_num_value_heads, len(items)
@@ -276,14 +281,14 @@ class GatedDeltaNet:
             rows: slice | torch.Tensor = slice(first, first + bsz * t)
             place = None
             new = mixed[rows]
-            gb = torch.stack((g[rows], beta[rows]))  # [2, B*T, Hv]
+            gate, bet = g[rows].view(bsz, t, nv), beta[rows].view(bsz, t, nv)
         else:
             rows = torch.tensor([r + i for _, r, n, _ in items for i in range(n)], device=mixed.device)
             place = torch.tensor([b * t + i for b, (_, _, n, _) in enumerate(items) for i in range(n)],
                                  device=mixed.device)
             new = mixed.new_zeros(bsz * t, mixed.shape[1]).index_copy_(0, place, mixed[rows])
             gb = g.new_zeros(2, bsz * t, nv).index_copy_(1, place, torch.stack((g[rows], beta[rows])))
-        gb = gb.reshape(2, bsz, t, nv)
+            gate, bet = gb.view(2, bsz, t, nv).unbind(0)  # [B, T, Hv] each
         seq = torch.cat((torch.stack([st.conv for st in states]), new.reshape(bsz, t, -1).transpose(1, 2)), dim=-1)
         q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))  # [B, T, Hv, D] each
         windows = list(seq[:, :, t:t + width].unbind(0)) if place is None else \
@@ -300,13 +305,13 @@ class GatedDeltaNet:
             def fold(x: torch.Tensor) -> torch.Tensor:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
 
-            out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gb[0]), fold(gb[1]),
+            out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gate), fold(bet),
                                      rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
         elif looped:
-            out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
+            out = delta_rule_steps(q, k, v, gate, bet, rec, after)
         else:
-            out = delta_rule_short(q, k, v, gb[0], gb[1], rec, after)
+            out = delta_rule_short(q, k, v, gate, bet, rec, after)
         if not alone:
             torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
         if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
@@ -318,7 +323,7 @@ class GatedDeltaNet:
                 src += [after[j] for j in ringed]  # type: ignore[index]
             torch._foreach_copy_(dst, src)
         out = out.reshape(bsz * t, nv, -1)
-        core[rows] = out if place is None else out[place]
+        return rows, out if place is None else out[place]
 
 
 class DenseMLP:

@@ -163,18 +163,20 @@ def delta_rule_short(
     dv = v.shape[-1]
     kh = k.transpose(1, 2)  # [B, H, T, Dk]
     cum = g.transpose(1, 2).cumsum(-1)  # [B, H, T]
+    decay = cum.exp()[..., None]  # [B, H, T, 1] exp(c_t)
     beta_h = beta.transpose(1, 2)[..., None]  # [B, H, T, 1]
     # pair[t, j] = exp(c_t - c_j) for j <= t, 0 above the diagonal
     pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(_above_diagonal(t, k.device), float("-inf")).exp()
     system = (kh @ kh.transpose(-1, -2)) * pair * beta_h  # [B, H, T, T]; the solve reads only below the diagonal
-    rhs = torch.cat((v.transpose(1, 2), kh * cum.exp()[..., None]), dim=-1) * beta_h  # [B, H, T, Dv + Dk]
+    rhs = torch.cat((v.transpose(1, 2), kh * decay), dim=-1) * beta_h  # [B, H, T, Dv + Dk]
     u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
     v_new = u - w @ state  # [B, H, T, Dv]
     outer = kh[..., :, None] * v_new[..., None, :]  # [B, H, T, Dk, Dv]
-    states = (pair @ outer.view(bsz, h, t, dk * dv)).addcmul_(cum.exp()[..., None], state.view(bsz, h, 1, dk * dv))
     if keep is None:
-        keep = states.new_empty(bsz, t, h, dk, dv)
-    keep.copy_(states.view(bsz, h, t, dk, dv).transpose(1, 2))
+        keep = outer.new_empty(bsz, t, h, dk, dv)
+    states = keep.view(bsz, t, h, dk * dv).transpose(1, 2)  # [B, H, T, Dk*Dv], the ring's memory
+    torch.matmul(pair, outer.view(bsz, h, t, dk * dv), out=states)
+    states.addcmul_(decay, state.view(bsz, h, 1, dk * dv))
     state.copy_(keep[:, -1])
     return (keep * q[..., None]).sum(-2)
 
