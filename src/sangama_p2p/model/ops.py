@@ -172,11 +172,10 @@ def delta_rule_short(
     u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
     v_new = u - w @ state  # [B, H, T, Dv]
     outer = kh[..., :, None] * v_new[..., None, :]  # [B, H, T, Dk, Dv]
+    states = (pair @ outer.view(bsz, h, t, dk * dv)).addcmul_(decay, state.view(bsz, h, 1, dk * dv))  # [B, H, T, Dk*Dv]
     if keep is None:
         keep = outer.new_empty(bsz, t, h, dk, dv)
-    states = keep.view(bsz, t, h, dk * dv).transpose(1, 2)  # [B, H, T, Dk*Dv], the ring's memory
-    torch.matmul(pair, outer.view(bsz, h, t, dk * dv), out=states)
-    states.addcmul_(decay, state.view(bsz, h, 1, dk * dv))
+    keep.copy_(states.view(bsz, h, t, dk, dv).transpose(1, 2))  # (matmul's out= into the strided ring view is slower)
     state.copy_(keep[:, -1])
     return (keep * q[..., None]).sum(-2)
 
