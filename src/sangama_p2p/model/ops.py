@@ -168,9 +168,9 @@ def delta_rule_short(
     # pair[t, j] = exp(c_t - c_j) for j <= t, 0 above the diagonal
     pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(_above_diagonal(t, k.device), float("-inf")).exp()
     system = (kh @ kh.transpose(-1, -2)) * pair * beta_h  # [B, H, T, T]; the solve reads only below the diagonal
-    rhs = torch.cat((v.transpose(1, 2), kh * decay), dim=-1) * beta_h  # [B, H, T, Dv + Dk]
-    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
-    v_new = u - w @ state  # [B, H, T, Dv]
+    # v_new = u - w @ S0 = solve(beta * (v - exp(c) k S0)): one solve with S0 already applied
+    rhs = (v.transpose(1, 2) - (kh @ state) * decay) * beta_h  # [B, H, T, Dv]
+    v_new = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, H, T, Dv]
     outer = kh[..., :, None] * v_new[..., None, :]  # [B, H, T, Dk, Dv]
     states = (pair @ outer.view(bsz, h, t, dk * dv)).addcmul_(decay, state.view(bsz, h, 1, dk * dv))  # [B, H, T, Dk*Dv]
     if keep is None:
