@@ -93,10 +93,11 @@ def norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
     return (t + 1.0) if spec.zero_centered_norm else t
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _step_mask(t: int, start: int, rep: int, device: torch.device) -> torch.Tensor:
     """[rep * T, start + T] bool: causal within a step of T positions from ``start``, every cached position visible
-    (one row per query row of the ``rep`` heads that share a KV head). A constant per shape; shared, never written."""
+    (one row per query row of the ``rep`` heads that share a KV head). A constant per shape; shared, never written.
+    Cached so that a step's attention layers build it once (a few recent shapes only: one is start + T bytes long)."""
     return torch.ones(t, start + t, dtype=torch.bool, device=device).tril(start).repeat(rep, 1)
 
 
