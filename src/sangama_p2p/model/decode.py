@@ -15,6 +15,7 @@ multi-row step when it drafts again or holds ``PENDING_MAX`` of them: a plain st
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from typing import Sequence
@@ -129,9 +130,13 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
         raise SessionStateError(f"{hidden.shape[0]} hidden rows for steps of {sum(lengths)} tokens")
     offsets = [sum(lengths[:i]) for i in range(len(items))]
     # 1. logits for the last k+1 rows of every step, in one product
-    rows = [torch.arange(o + n - it.n_guesses - 1, o + n) for it, o, n in zip(items, offsets, lengths)]
     normed = stage.final_normed(hidden)
-    logits = stage.head_logits(normed[torch.cat(rows)])
+    if len(items) == 1:
+        wanted = normed[lengths[0] - items[0].n_guesses - 1:]
+    else:
+        wanted = normed[torch.cat([torch.arange(o + n - it.n_guesses - 1, o + n)
+                                   for it, o, n in zip(items, offsets, lengths)])]
+    logits = stage.head_logits(wanted)
     # 2. acceptance per session
     outcomes: list[tuple[int, tuple[int, ...]]] = []
     row = 0
@@ -209,8 +214,10 @@ def _mtp_and_draft(
     u = stage.mtp_forward(torch.cat(parts), torch.tensor(nexts), segs)
     live = [a for a, k in enumerate(plans) if k > 0]  # indices into run
     if live:
-        ends = torch.tensor([segs[a].length for a in range(len(run))]).cumsum(0) - 1
-        cur = u[ends[live]]  # [B, H] the MTP state of each drafting session's last accepted position
+        row_ends = list(itertools.accumulate(s.length for s in segs))
+        ends = [row_ends[a] - 1 for a in live]
+        # [B, H] the MTP state of each drafting session's last accepted position
+        cur = u[ends[0]:ends[0] + 1] if len(ends) == 1 else u[torch.tensor(ends)]
         _draft(stage, [items[run[a]].decoder for a in live], cur)
         for a in live:
             drafts[run[a]] = items[run[a]].decoder.guesses

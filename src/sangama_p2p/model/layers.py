@@ -9,13 +9,17 @@ states stacked for the step; attention runs per session over that session's own 
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from .experts import DENSE_MAX, StackedExperts
-from .ops import apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_steps, l2norm, rms_norm
+from .ops import (
+    apply_rope, attend_invariant, causal_conv, delta_rule_chunked, delta_rule_short, delta_rule_steps, l2norm, rms_norm,
+    rotate_half_index,
+)
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
 from .weights import Weight, dense
@@ -25,8 +29,10 @@ __all__ = ["DecoderLayer", "Loader", "linear"]
 # A loader returns the weight for a canonical name relative to a prefix.
 Loader = Callable[[str], Weight]
 
-# Steps up to this many positions run the delta rule position by position; longer ones run it in chunks (as
-# transformers does for a prefill), unless the session keeps a rollback ring, which needs every position's state.
+# Steps up to this many positions run the delta rule stepwise; longer ones run it in chunks (as transformers does for
+# a prefill), unless the session keeps a rollback ring, which needs every position's state. Stepwise steps of more
+# than one position (verify steps) compute all their positions' states in closed form, except in batch-invariant
+# mode, which runs them position by position.
 _STEPWISE_MAX = 1
 _CHUNK = 64  # positions per chunk of the chunked delta rule
 
@@ -87,6 +93,14 @@ def norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
     return (t + 1.0) if spec.zero_centered_norm else t
 
 
+@functools.lru_cache(maxsize=8)
+def _step_mask(t: int, start: int, rep: int, device: torch.device) -> torch.Tensor:
+    """[rep * T, start + T] bool: causal within a step of T positions from ``start``, every cached position visible
+    (one row per query row of the ``rep`` heads that share a KV head). A constant per shape; shared, never written.
+    Cached so that a step's attention layers build it once (a few recent shapes only: one is start + T bytes long)."""
+    return torch.ones(t, start + t, dtype=torch.bool, device=device).tril(start).repeat(rep, 1)
+
+
 class Attention:
     """Full attention with GQA and partial RoPE; Qwen3.5's variant adds q/k norms and a sigmoid output gate."""
 
@@ -97,70 +111,79 @@ class Attention:
             else None
         self.qkv = FusedLinear([load(f"self_attn.{p}_proj.weight") for p in "qkv"], biases)
         self.o = load("self_attn.o_proj.weight")
-        self.q_norm = self.k_norm = None
+        self.qk_norm = None  # [heads + kv_heads, head_dim]: q's norm scale for every query head, then k's
         if spec.attn_output_gate:
-            self.q_norm = norm_weight(load("self_attn.q_norm.weight"), spec)
-            self.k_norm = norm_weight(load("self_attn.k_norm.weight"), spec)
+            q_norm = norm_weight(load("self_attn.q_norm.weight"), spec)
+            k_norm = norm_weight(load("self_attn.k_norm.weight"), spec)
+            self.qk_norm = torch.cat((q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)))
 
     def weights(self) -> Iterator[Weight]:
         yield from self.qkv.weights()
         yield self.o
-        yield from (n for n in (self.q_norm, self.k_norm) if n is not None)
+        if self.qk_norm is not None:
+            yield self.qk_norm
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden]; cos, sin: [N, 1, head_dim], the rows' RoPE (``StageModel.rope_rows``)."""
         spec = self.spec
-        n, hd = x.shape[0], spec.head_dim
+        n, hd, heads, kv = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
         q, k, v = self.qkv(x)
         gate = None
         if spec.attn_output_gate:
-            q, gate = q.reshape(n, spec.num_heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
-            gate = gate.reshape(n, spec.num_heads * hd)
-            q = rms_norm(q, self.q_norm, spec.rms_norm_eps)
-        else:
-            q = q.reshape(n, spec.num_heads, hd)
-        k = k.reshape(n, spec.num_kv_heads, hd)
-        if self.k_norm is not None:
-            k = rms_norm(k, self.k_norm, spec.rms_norm_eps)
-        v = v.reshape(n, spec.num_kv_heads, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, gate = q.reshape(n, heads, 2 * hd).chunk(2, dim=-1)  # [N, heads, hd] each
+            gate = gate.reshape(n, heads * hd)
+        # q and k side by side: one norm call and one rotation for both
+        qk = torch.cat((q.reshape(n, heads, hd), k.reshape(n, kv, hd)), dim=1)  # [N, heads + kv, hd]
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, spec.rms_norm_eps)
+        q, k = apply_rope(qk, cos, sin, rotate_half_index(hd, spec.rotary_dim, x.device)).split((heads, kv), dim=1)
+        v = v.reshape(n, kv, hd)
 
-        kv, rep = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+        rep = heads // kv
         invariant = MIN_ROWS.get()
         # Without the batch-invariant mode, the `rep` query heads that share a KV head go in as `rep` times the rows
         # of that head (no enable_gqa, which expands K and V on every call: 5x the cost of a small call here).
         qg = q.reshape(n, kv, rep, hd).permute(1, 2, 0, 3)  # [kv, rep, N, hd]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv, N, hd]
-        lengths = [seg.length for seg in segments]
-        if sum(lengths) < n:  # batch-invariant mode's padding rows
-            lengths.append(n - sum(lengths))
-        outs, row = [], 0
-        # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
-        per_session = zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
-        for seg, qs, ks, vs in per_session:
-            st = seg.state.layers[self.key]
-            assert isinstance(st, AttentionLayerState)
-            t, end = seg.length, seg.start + seg.length
-            st.k.narrow(2, seg.start, t).copy_(ks)
-            st.v.narrow(2, seg.start, t).copy_(vs)
-            keys, values = st.k.narrow(2, 0, end), st.v.narrow(2, 0, end)
-            if invariant:
-                o = attend_invariant(q[row:row + t].transpose(0, 1), keys[0], values[0], seg.start)  # [heads, T, hd]
-                outs.append(o.reshape(kv, rep, t, hd))
-            else:
-                mask = None
-                if t > 1:  # causal within the step; every cached position before it is visible
-                    mask = torch.ones(t, end, dtype=torch.bool, device=x.device).tril(seg.start).repeat(rep, 1)
-                o = F.scaled_dot_product_attention(qs.reshape(1, kv, rep * t, hd), keys, values,
-                                                   attn_mask=mask)
-                outs.append(o.reshape(kv, rep, t, hd))
-            row += t
-        out = torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(row, spec.num_heads, hd)  # [N', heads, hd]
-        if row < n:  # batch-invariant mode's padding rows
-            out = torch.cat((out, out.new_zeros(n - row, *out.shape[1:])))
-        out = out.reshape(n, spec.num_heads * hd)
+        if len(segments) == 1 and segments[0].length == n:  # one session, no padding: no split, no concatenation
+            out = self._attend(segments[0], qg, k, v, q, 0, invariant).permute(2, 0, 1, 3)  # [N, kv, rep, hd]
+        else:
+            lengths = [seg.length for seg in segments]
+            if sum(lengths) < n:  # batch-invariant mode's padding rows
+                lengths.append(n - sum(lengths))
+            outs, row = [], 0
+            # one split call for all sessions' rows, then narrow and copy_ (the cheapest per-session calls)
+            per_session = zip(segments, qg.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
+            for seg, qs, ks, vs in per_session:
+                outs.append(self._attend(seg, qs, ks, vs, q, row, invariant))
+                row += seg.length
+            out = torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(row, heads, hd)  # [N', heads, hd]
+            if row < n:  # batch-invariant mode's padding rows
+                out = torch.cat((out, out.new_zeros(n - row, *out.shape[1:])))
+        out = out.reshape(n, heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return linear(out, self.o)
+
+    def _attend(
+        self, seg: Segment, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, q: torch.Tensor, row: int,
+        invariant: int,
+    ) -> torch.Tensor:
+        """One session: its new K and V into its cache, then attention over the cache. qs: [kv, rep, T, hd]; ks, vs:
+        [1, kv, T, hd]; q: all rows [N, heads, hd] (the batch-invariant path's layout). Returns [kv, rep, T, hd]."""
+        st = seg.state.layers[self.key]
+        assert isinstance(st, AttentionLayerState)
+        kv, rep, t, hd = qs.shape
+        end = seg.start + t
+        st.k.narrow(2, seg.start, t).copy_(ks)
+        st.v.narrow(2, seg.start, t).copy_(vs)
+        keys, values = st.k.narrow(2, 0, end), st.v.narrow(2, 0, end)
+        if invariant:
+            o = attend_invariant(q[row:row + t].transpose(0, 1), keys[0], values[0], seg.start)  # [heads, T, hd]
+        else:
+            mask = _step_mask(t, seg.start, rep, qs.device) if t > 1 else None  # causal within the step
+            o = F.scaled_dot_product_attention(qs.reshape(1, kv, rep * t, hd), keys, values, attn_mask=mask)
+        return o.reshape(kv, rep, t, hd)
 
 
 class GatedDeltaNet:
@@ -204,11 +227,19 @@ class GatedDeltaNet:
                 key = (True, id(st) if invariant else -(-t // _CHUNK))
             groups.setdefault(key, []).append((st, row, t, keep_ring))
             row += t
-        core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
         conv_w = self.conv.to(x.dtype)
-        decay = g.exp() if any(not chunked for chunked, _ in groups) else g
-        for (chunked, _), items in groups.items():
-            self._group(items, chunked, mixed, g if chunked else decay, beta, core, conv_w)
+        # position by position (one-token steps, and every step in batch-invariant mode) with the decay itself;
+        # chunked and closed-form short steps with the log-decay
+        looped = {key: not key[0] and (key[1] == 1 or invariant) for key in groups}
+        decay = g.exp() if any(looped.values()) else g
+        parts = [self._group(items, key[0], mixed, decay if looped[key] else g, beta, conv_w, looped[key])
+                 for key, items in groups.items()]
+        if len(parts) == 1 and parts[0][0] == slice(0, n):  # one group, all rows in order
+            core = parts[0][1]
+        else:
+            core = torch.zeros(n, nv, dv, dtype=torch.float32, device=x.device)
+            for rows, out in parts:
+                core[rows] = out
         # gated RMSNorm over each value head, then the output projection
         core = rms_norm(core, self.norm, spec.rms_norm_eps) * F.silu(z.float().reshape(n, nv, dv))
         return linear(core.reshape(n, nv * dv).to(x.dtype), self.out)
@@ -217,27 +248,29 @@ class GatedDeltaNet:
         """Conv outputs [..., C] -> q, k (L2-normed, q scaled, repeated to the value heads) [..., Hv, Dk], v."""
         spec = self.spec
         nk, nv, dk = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim
-        lead = mixed_t.shape[:-1]
-        q, k, v = torch.split(mixed_t.float(), [spec.linear_key_dim, spec.linear_key_dim, spec.linear_value_dim],
-                              dim=-1)
-        # repeat first: it makes q and k contiguous, so that each head's norm sums its terms in the same order
-        # whatever T (a norm over a strided view would not)
-        q = l2norm(q.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2)) * dk ** -0.5
-        k = l2norm(k.reshape(*lead, nk, dk).repeat_interleave(nv // nk, dim=-2))
-        return q, k, v.reshape(*lead, nv, spec.linear_value_head_dim)
+        lead, x = mixed_t.shape[:-1], mixed_t.float()
+        # q's and k's heads side by side in one norm call, made contiguous first, so that each head's norm sums its
+        # terms in the same order whatever T (a norm over a strided view would not); then repeated to the value heads
+        qk = l2norm(x[..., :2 * spec.linear_key_dim].reshape(*lead, 2 * nk, dk).contiguous())
+        qk = qk.repeat_interleave(nv // nk, dim=-2)  # [..., 2 Hv, Dk]: q's heads, then k's
+        v = x[..., 2 * spec.linear_key_dim:].reshape(*lead, nv, spec.linear_value_head_dim)
+        return qk[..., :nv, :] * dk ** -0.5, qk[..., nv:, :], v
 
     def _group(
         self, items: list[tuple[LinearLayerState, int, int, bool]], chunked: bool, mixed: torch.Tensor,
-        g: torch.Tensor, beta: torch.Tensor, core: torch.Tensor, conv_w: torch.Tensor,
-    ) -> None:
+        g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, looped: bool,
+    ) -> tuple[slice | torch.Tensor, torch.Tensor]:
         """Steps of B sessions as one batched conv + delta rule over their stacked states.
 
-        ``items``: (layer state, first row, length, keep ring) per session; ``g`` is the log-decay for a chunked
-        group, the decay itself (exp g) for a stepwise one. A chunked group's shorter steps are padded at the end
-        with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
+        ``items``: (layer state, first row, length, keep ring) per session; ``looped``: a stepwise group that runs
+        position by position (:func:`delta_rule_steps`; one-token steps, and any step in batch-invariant mode), with
+        ``g`` the decay itself (exp g); other stepwise groups (verify steps) run :func:`delta_rule_short`, chunked
+        ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A chunked group's shorter steps are padded at
+        the end with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
         are gathered into one temporary [B, ...] tensor and written back after the step (and into the rollback rings
         of the sessions that keep one); a session alone is updated in place, its ring written directly. The
-        sessions' own tensors stay where they are.
+        sessions' own tensors stay where they are. Returns the step's rows (a slice or indices) and their outputs
+        [rows, Hv, Dv] fp32.
         """
         spec = self.spec
         nv, bsz = spec.linear_num_value_heads, len(items)
@@ -249,14 +282,14 @@ class GatedDeltaNet:
             rows: slice | torch.Tensor = slice(first, first + bsz * t)
             place = None
             new = mixed[rows]
-            gb = torch.stack((g[rows], beta[rows]))  # [2, B*T, Hv]
+            gate, bet = g[rows].view(bsz, t, nv), beta[rows].view(bsz, t, nv)
         else:
             rows = torch.tensor([r + i for _, r, n, _ in items for i in range(n)], device=mixed.device)
             place = torch.tensor([b * t + i for b, (_, _, n, _) in enumerate(items) for i in range(n)],
                                  device=mixed.device)
             new = mixed.new_zeros(bsz * t, mixed.shape[1]).index_copy_(0, place, mixed[rows])
             gb = g.new_zeros(2, bsz * t, nv).index_copy_(1, place, torch.stack((g[rows], beta[rows])))
-        gb = gb.reshape(2, bsz, t, nv)
+            gate, bet = gb.view(2, bsz, t, nv).unbind(0)  # [B, T, Hv] each
         seq = torch.cat((torch.stack([st.conv for st in states]), new.reshape(bsz, t, -1).transpose(1, 2)), dim=-1)
         q, k, v = self._qkv(causal_conv(seq, conv_w, invariant=bool(MIN_ROWS.get())))  # [B, T, Hv, D] each
         windows = list(seq[:, :, t:t + width].unbind(0)) if place is None else \
@@ -273,11 +306,13 @@ class GatedDeltaNet:
             def fold(x: torch.Tensor) -> torch.Tensor:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
 
-            out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gb[0]), fold(gb[1]),
+            out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gate), fold(bet),
                                      rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
+        elif looped:
+            out = delta_rule_steps(q, k, v, gate, bet, rec, after)
         else:
-            out = delta_rule_steps(q, k, v, gb[0], gb[1], rec, after)
+            out = delta_rule_short(q, k, v, gate, bet, rec, after)
         if not alone:
             torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
         if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
@@ -289,7 +324,7 @@ class GatedDeltaNet:
                 src += [after[j] for j in ringed]  # type: ignore[index]
             torch._foreach_copy_(dst, src)
         out = out.reshape(bsz * t, nv, -1)
-        core[rows] = out if place is None else out[place]
+        return rows, out if place is None else out[place]
 
 
 class DenseMLP:

@@ -31,13 +31,14 @@ class MTPLayer:
     def __init__(self, spec: ModelSpec, load: Loader) -> None:
         self.spec = spec
         self.fc = load("mtp.fc.weight")
-        self.norm_embed = norm_weight(load("mtp.pre_fc_norm_embedding.weight"), spec)
-        self.norm_hidden = norm_weight(load("mtp.pre_fc_norm_hidden.weight"), spec)
+        # the two pre-fc norms' scales as rows [2, H]: embedding, hidden (both norms in one call)
+        self.pre_fc_norm = torch.stack((norm_weight(load("mtp.pre_fc_norm_embedding.weight"), spec),
+                                        norm_weight(load("mtp.pre_fc_norm_hidden.weight"), spec)))
         self.layer = DecoderLayer(spec, lambda n: load("mtp.layers.0." + n), MTP_KEY, FULL)
         self.norm = norm_weight(load("mtp.norm.weight"), spec)
 
     def weights(self) -> Iterator[Weight]:
-        yield from (self.fc, self.norm_embed, self.norm_hidden, self.norm)
+        yield from (self.fc, self.pre_fc_norm, self.norm)
         yield from self.layer.weights()
 
     def forward(
@@ -49,8 +50,8 @@ class MTPLayer:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         """hidden: [N, H] normed states at positions p; next_embed: [N, H] embeddings of x_{p+1}. Returns [N, H]."""
-        eps = self.spec.rms_norm_eps
-        x = torch.cat((rms_norm(next_embed, self.norm_embed, eps), rms_norm(hidden, self.norm_hidden, eps)), dim=-1)
-        x = linear(x, self.fc)
+        eps, n = self.spec.rms_norm_eps, hidden.shape[0]
+        x = rms_norm(torch.cat((next_embed, hidden), dim=-1).view(n, 2, -1), self.pre_fc_norm, eps)  # [N, 2, H]
+        x = linear(x.view(n, -1), self.fc)
         x = self.layer.forward(x, segments, cos, sin)
         return rms_norm(x, self.norm, eps)

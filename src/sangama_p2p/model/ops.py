@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -13,10 +14,13 @@ __all__ = [
     "attend_invariant",
     "causal_conv",
     "delta_rule_chunked",
+    "delta_rule_short",
     "delta_rule_steps",
     "l2norm",
     "rms_norm",
     "rope_inv_freq",
+    "rope_tables",
+    "rotate_half_index",
     "apply_rope",
 ]
 
@@ -25,7 +29,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32; ``weight`` is the effective scale (1 + w already folded in for zero-centred norms).
 
     torch's ``rms_norm`` does the same operations in the same order (bit-identical) in one call from Python.
+    ``weight`` may also hold one scale row per slice of the leading dims (e.g. ``[heads, D]`` for ``x`` ``[N, heads,
+    D]``): then the norm runs without a weight and the product follows (the same operations, so the same bits).
     """
+    if weight.dim() > 1:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(x.dtype)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
@@ -51,15 +59,43 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the leading ``cos.shape[-1]`` dims of each head. x: [T, heads, D]; cos/sin: [T, R]."""
-    r = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+def rope_tables(inv_freq: torch.Tensor, head_dim: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sin of positions 0..length-1 over whole heads, as :func:`apply_rope` takes them: [2, length, 1, D].
+
+    Past the rotary dims cos is 1 and sin 0 (those dims pass through unchanged); the sign of the rotate-half is
+    folded into sin.
+    """
+    r = 2 * inv_freq.shape[0]
+    freqs = torch.arange(length, device=inv_freq.device).float()[:, None] * inv_freq[None, :]  # [L, R/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    table = torch.zeros(2, length, 1, head_dim, dtype=torch.float32, device=inv_freq.device)
+    table[0, :, 0, r:] = 1.0
+    table[0, :, 0, :r] = emb.cos()
+    table[1, :, 0, :r] = emb.sin()
+    table[1, :, 0, :r // 2].neg_()
+    return table.to(dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def rotate_half_index(head_dim: int, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """[D] indices that swap the two halves of the rotary dims (and keep the others), for :func:`apply_rope`.
+
+    A constant per shape and device; shared, never written."""
+    half = rotary_dim // 2
+    index = torch.arange(head_dim, device=device)
+    index[:half] += half
+    index[half:rotary_dim] -= half
+    return index
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate_half: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the leading rotary dims of each head. x: [T, heads, D]; cos/sin: [T, 1, D] rows of
+    :func:`rope_tables`; rotate_half: :func:`rotate_half_index`.
+
+    The same products and sum as ``rot * cos + cat(-rot2, rot1) * sin`` on the rotary dims (the same bits); the
+    other dims come out as ``x * 1 + x' * 0 = x``.
+    """
+    return x * cos + x.index_select(-1, rotate_half) * sin
 
 
 def causal_conv(seq: torch.Tensor, weight: torch.Tensor, invariant: bool = False) -> torch.Tensor:
@@ -101,6 +137,47 @@ def delta_rule_steps(
     if keep is not None and q.shape[1]:
         state.copy_(prev)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(t: int, device: torch.device) -> torch.Tensor:
+    """[T, T] bool, True above the diagonal (a constant per step length; shared, never written)."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+
+
+def delta_rule_short(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated delta rule over a short step (verify steps of a few positions) in closed form, for B sessions at once.
+
+    Same maths and arguments as :func:`delta_rule_steps`, except that ``g`` is the log-decay (decay = exp g), and
+    with a fixed number of batched calls whatever T instead of a handful per position. With the UT transform of
+    :func:`delta_rule_chunked` the corrected values of all positions are ``v_new = u - w @ S0``; then the state after
+    position t is ``exp(c_t) S0 + sum_{j<=t} exp(c_t - c_j) k_j v_new_j^T`` (c the cumulative log-decay), all T of
+    them in one product, written into ``keep`` [B, T, H, Dk, Dv] (a temporary if None). ``state`` [B, H, Dk, Dv] is
+    updated in place. Equal to the position-by-position loop up to rounding (not bit-identical: the batch-invariant
+    mode keeps the loop). Returns the outputs [B, T, H, Dv] fp32.
+    """
+    bsz, t, h, dk = k.shape
+    dv = v.shape[-1]
+    kh = k.transpose(1, 2)  # [B, H, T, Dk]
+    cum = g.transpose(1, 2).cumsum(-1)  # [B, H, T]
+    decay = cum.exp()[..., None]  # [B, H, T, 1] exp(c_t)
+    beta_h = beta.transpose(1, 2)[..., None]  # [B, H, T, 1]
+    # pair[t, j] = exp(c_t - c_j) for j <= t, 0 above the diagonal
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(_above_diagonal(t, k.device), float("-inf")).exp()
+    system = (kh @ kh.transpose(-1, -2)) * pair * beta_h  # [B, H, T, T]; the solve reads only below the diagonal
+    # v_new = u - w @ S0 = solve(beta * (v - exp(c) k S0)): one solve with S0 already applied
+    rhs = (v.transpose(1, 2) - (kh @ state) * decay) * beta_h  # [B, H, T, Dv]
+    v_new = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, H, T, Dv]
+    outer = kh[..., :, None] * v_new[..., None, :]  # [B, H, T, Dk, Dv]
+    states = (pair @ outer.view(bsz, h, t, dk * dv)).addcmul_(decay, state.view(bsz, h, 1, dk * dv))  # [B, H, T, Dk*Dv]
+    if keep is None:
+        keep = outer.new_empty(bsz, t, h, dk, dv)
+    keep.copy_(states.view(bsz, h, t, dk, dv).transpose(1, 2))  # (matmul's out= into the strided ring view is slower)
+    state.copy_(keep[:, -1])
+    return (keep * q[..., None]).sum(-2)
 
 
 def delta_rule_chunked(

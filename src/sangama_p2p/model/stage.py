@@ -14,7 +14,7 @@ import torch
 from ..errors import CapacityError, CheckpointError, ModelError, SessionStateError, UnsupportedModelError
 from .layers import MIN_ROWS, DecoderLayer, linear, norm_weight, pad_rows
 from .mtp import MTPLayer
-from .ops import rms_norm, rope_inv_freq
+from .ops import rms_norm, rope_inv_freq, rope_tables
 from .spec import ModelSpec
 from .state import Segment, SessionState
 from .weights import TensorSource, Weight, dense, weight_nbytes
@@ -66,6 +66,7 @@ class StageModel:
         # pad dense products to this many rows so that results do not depend on batch composition (layers.MIN_ROWS)
         self.min_rows = 0
         self.inv_freq = rope_inv_freq(spec).to(device)
+        self._rope: torch.Tensor | None = None  # cos and sin of positions 0..L-1: [2, L, 1, head_dim] (rope_rows)
         self.loaded_names: list[str] = []
 
     # ---- loading -------------------------------------------------------------------------------------------
@@ -164,11 +165,23 @@ class StageModel:
         rec = spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
         return kv + n_lin * (conv + rec) * (1 + ring)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[N, rotary_dim]`` for absolute positions ``[N]``."""
-        freqs = positions.to(self.device)[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def rope_rows(self, segments: list[Segment], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[rows, 1, head_dim]`` for the segments' positions in row order (``ops.apply_rope``); rows past
+        the segments' (batch-invariant padding) get position 0's.
+
+        They are rows of a table of every position up to the furthest one asked for so far (grown by doubling, at
+        most ``max_position_embeddings``): a step takes a slice of it (one session) or gathers its rows.
+        """
+        end = max(s.start + s.length for s in segments)
+        if self._rope is None or self._rope.shape[1] < end:
+            size = max(end, 2 * (0 if self._rope is None else self._rope.shape[1]), 256)
+            self._rope = rope_tables(self.inv_freq, self.spec.head_dim,
+                                     min(size, self.spec.max_position_embeddings), self.dtype)
+        if len(segments) == 1 and segments[0].length == rows:
+            table = self._rope.narrow(1, segments[0].start, rows)
+        else:
+            table = self._rope[:, pad_rows(_positions(segments), self.min_rows).to(self.device)]
+        return table[0], table[1]
 
     # ---- compute -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -202,8 +215,8 @@ class StageModel:
                 raise SessionStateError(f"hidden size {x.shape[-1]} != model's {self.spec.hidden_size}")
         segments = [Segment(st.state, st.start, st.length) for st in steps]
         n = x.shape[0]
-        cos, sin = self.rope(pad_rows(_positions(segments), self.min_rows))
-        x = pad_rows(x, self.min_rows)  # batch-invariant mode: whole-step tensors get a fixed row granularity
+        x = pad_rows(x, self.min_rows)
+        cos, sin = self.rope_rows(segments, x.shape[0])  # batch-invariant mode: whole-step tensors get a fixed row granularity
         token = MIN_ROWS.set(self.min_rows)
         try:
             for layer in self.layers.values():
@@ -256,7 +269,7 @@ class StageModel:
             raise ModelError("this stage has no MTP layer (not the last stage, or the checkpoint has none)")
         n, m = hidden.shape[0], self.min_rows
         emb = self.embed_rows(next_tokens.to(self.device))
-        cos, sin = self.rope(pad_rows(_positions(segments), m))
+        cos, sin = self.rope_rows(segments, -(-n // m) * m if m else n)
         token = MIN_ROWS.set(m)
         try:
             return self.mtp.forward(pad_rows(hidden, m), pad_rows(emb, m), segments, cos, sin)[:n]

@@ -130,10 +130,10 @@ class SessionState:
         if not self.can_roll_back_to(pos):
             raise SessionStateError(f"cannot roll back from position {self.position} to {pos}")
         slot = pos - 1 - self.ring_base
-        for st in self.layers.values():
-            if isinstance(st, LinearLayerState):
-                st.conv.copy_(st.ring_conv[slot])
-                st.rec.copy_(st.ring_rec[slot])
+        linear = [st for st in self.layers.values() if isinstance(st, LinearLayerState)]
+        if linear:  # one call for all the copies
+            torch._foreach_copy_([t for st in linear for t in (st.conv, st.rec)],
+                                 [t for st in linear for t in (st.ring_conv[slot], st.ring_rec[slot])])
         self.position = pos
         # snapshots after pos are now stale; those up to pos stay valid
         self.ring_len = slot + 1

@@ -1,0 +1,68 @@
+"""Numeric building blocks against their plain references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sangama_p2p.model.ops import apply_rope, delta_rule_short, delta_rule_steps, rope_tables, rotate_half_index
+
+
+def _delta_inputs(bsz: int, t: int, seed: int, heads: int = 4, dk: int = 16, dv: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(bsz, t, heads, dk, generator=g), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(bsz, t, heads, dk, generator=g), dim=-1)
+    v = torch.randn(bsz, t, heads, dv, generator=g)
+    log_decay = -3.0 * torch.rand(bsz, t, heads, generator=g)
+    beta = torch.rand(bsz, t, heads, generator=g)
+    state = torch.randn(bsz, heads, dk, dv, generator=g)
+    return q, k, v, log_decay, beta, state
+
+
+@pytest.mark.parametrize("bsz", [1, 2, 3])
+@pytest.mark.parametrize("t", range(1, 9))
+def test_delta_rule_short_equals_the_position_loop(bsz, t):
+    """Closed-form states and outputs of a short step equal the loop's; ring slots and state are written in place."""
+    q, k, v, log_decay, beta, state = _delta_inputs(bsz, t, seed=10 * bsz + t)
+    ref_state, ref_keep = state.clone(), torch.zeros(bsz, t, *state.shape[1:])
+    ref_out = delta_rule_steps(q, k, v, log_decay.exp(), beta, ref_state, ref_keep)
+    keep = torch.full((bsz, t, *state.shape[1:]), float("nan"))
+    state_ptr, keep_ptr = state.data_ptr(), keep.data_ptr()
+    out = delta_rule_short(q, k, v, log_decay, beta, state, keep)
+    assert state.data_ptr() == state_ptr and keep.data_ptr() == keep_ptr
+    assert out.shape == ref_out.shape == (bsz, t, q.shape[2], v.shape[-1])
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(keep, ref_keep, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-6)
+
+
+def test_delta_rule_short_without_ring_and_with_strong_decay():
+    """No ring: only the final state is written. Decays that underflow exp() stay finite (log-space pair decays)."""
+    q, k, v, log_decay, beta, state = _delta_inputs(2, 6, seed=3)
+    log_decay[:, 2] = -200.0  # exp(-200) == 0 in fp32
+    ref_state = state.clone()
+    ref_out = delta_rule_steps(q, k, v, log_decay.exp(), beta, ref_state)
+    out = delta_rule_short(q, k, v, log_decay, beta, state)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(16, 4), (8, 8), (32, 8)])
+def test_apply_rope_tables_equal_rotate_half(head_dim, rotary_dim):
+    """The table form (sign folded into sin, pass-through dims) gives the rotate-half formula's bits."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    positions = torch.tensor([0, 5, 17, 3, 99])
+    table = rope_tables(inv_freq, head_dim, 100, torch.float32)[:, positions]  # [2, T, 1, D]
+    x = torch.randn(len(positions), 3, head_dim, generator=torch.Generator().manual_seed(1))
+    got = apply_rope(x, table[0], table[1], rotate_half_index(head_dim, rotary_dim, x.device))
+    cos, sin = table[0, :, :, :rotary_dim], table[1, :, :, :rotary_dim].clone()
+    half = rotary_dim // 2
+    sin[..., :half].neg_()  # the plain sin
+    rot = x[..., :rotary_dim]
+    want = torch.cat((rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin, x[..., rotary_dim:]),
+                     dim=-1)
+    assert torch.equal(got, want)
+    freqs = positions[:, None].float() * inv_freq
+    torch.testing.assert_close(cos[:, 0], torch.cat((freqs, freqs), dim=-1).cos(), rtol=0, atol=1e-6)
