@@ -66,3 +66,17 @@ def test_apply_rope_tables_equal_rotate_half(head_dim, rotary_dim):
     assert torch.equal(got, want)
     freqs = positions[:, None].float() * inv_freq
     torch.testing.assert_close(cos[:, 0], torch.cat((freqs, freqs), dim=-1).cos(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("limit_sessions", [1, 2])
+def test_delta_rule_short_in_groups_of_sessions_equals_one_call(limit_sessions):
+    """Over the temporary-memory bound, sessions go in groups through views: the same states, ring and outputs."""
+    q, k, v, log_decay, beta, state = _delta_inputs(5, 4, seed=7)
+    per_session = 2 * 4 * q.shape[2] * q.shape[3] * v.shape[-1] * 4
+    ref_state, ref_keep = state.clone(), torch.zeros(5, 4, *state.shape[1:])
+    ref_out = delta_rule_short(q, k, v, log_decay, beta, ref_state, ref_keep)
+    keep = torch.full((5, 4, *state.shape[1:]), float("nan"))
+    out = delta_rule_short(q, k, v, log_decay, beta, state, keep, max_temp_bytes=limit_sessions * per_session)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(keep, ref_keep, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-6)

@@ -145,9 +145,13 @@ def _above_diagonal(t: int, device: torch.device) -> torch.Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
 
 
+SHORT_TEMP_BYTES = 256 << 20
+"""At most this much temporary memory per :func:`delta_rule_short` call (more sessions go in groups)."""
+
+
 def delta_rule_short(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    keep: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None, max_temp_bytes: int = SHORT_TEMP_BYTES,
 ) -> torch.Tensor:
     """Gated delta rule over a short step (verify steps of a few positions) in closed form, for B sessions at once.
 
@@ -158,9 +162,20 @@ def delta_rule_short(
     them in one product, written into ``keep`` [B, T, H, Dk, Dv] (a temporary if None). ``state`` [B, H, Dk, Dv] is
     updated in place. Equal to the position-by-position loop up to rounding (not bit-identical: the batch-invariant
     mode keeps the loop). Returns the outputs [B, T, H, Dv] fp32.
+
+    Its temporaries hold two ``[T, H, Dk, Dv]`` fp32 tensors per session (about 56 MiB a session for Qwen3.5-397B's
+    64 x 128 x 128 heads at T=7): sessions go in groups of at most ``max_temp_bytes`` of them, through views of
+    ``state`` and ``keep``, so the bound holds for any batch.
     """
     bsz, t, h, dk = k.shape
     dv = v.shape[-1]
+    per_session = 2 * t * h * dk * dv * 4
+    group = max(1, max_temp_bytes // per_session)
+    if bsz > group:
+        outs = [delta_rule_short(q[i:i + group], k[i:i + group], v[i:i + group], g[i:i + group], beta[i:i + group],
+                                 state[i:i + group], None if keep is None else keep[i:i + group], max_temp_bytes)
+                for i in range(0, bsz, group)]
+        return torch.cat(outs)
     kh = k.transpose(1, 2)  # [B, H, T, Dk]
     cum = g.transpose(1, 2).cumsum(-1)  # [B, H, T]
     decay = cum.exp()[..., None]  # [B, H, T, 1] exp(c_t)
