@@ -50,6 +50,7 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedVersionError",
     "WireError",
+    "group_leaves",
 ]
 
 
@@ -158,3 +159,11 @@ class StageError(SangamaError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         super().__init__(message)
         self.code = code
+
+
+def group_leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside ``group`` and its nested groups, in order (what trio's nurseries wrap errors in)."""
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(group_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out

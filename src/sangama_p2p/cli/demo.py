@@ -23,6 +23,7 @@ __all__ = ["DEMO_SPLIT", "demo_split", "local_references", "measure_network", "r
 
 DEMO_SPLIT = ("0:3", "3:6", "6:8")
 DEMO_PROMPT = "def fibonacci(n):"
+TINY_LABEL = "qwen3_5_moe/tiny"  # the made model's name in the results
 
 
 def _int_list(text: str) -> list[int]:
@@ -40,7 +41,8 @@ def demo_split(num_layers: int) -> tuple[str, ...]:
     from ..errors import ModelError
 
     if num_layers < 3:
-        raise ModelError(f"the demo runs three stages and needs a model of at least 3 layers, this one has {num_layers}")
+        raise ModelError(f"the demo runs three stages and needs a model of at least 3 layers; this one has "
+                         f"{num_layers}")
     q, r = divmod(num_layers, 3)
     bounds = [0]
     for i in range(3):
@@ -48,15 +50,16 @@ def demo_split(num_layers: int) -> tuple[str, ...]:
     return tuple(f"{a}:{b}" for a, b in zip(bounds, bounds[1:]))
 
 
-def _own_model(path: Path, guesses: list[int]) -> tuple[Path, tuple[str, ...]]:
-    """Check a ``--model`` checkpoint before any process starts: it opens, has 3+ layers, and drafts if asked to."""
+def _own_model_split(path: Path, guesses: list[int]) -> tuple[str, ...]:
+    """Check a ``--model`` checkpoint before any process starts (it opens, has 3+ layers, drafts if asked to) and
+    split it into the demo's three stages."""
     from ..errors import ModelError
     from ..model.checkpoint import open_checkpoint
 
     spec = open_checkpoint(path).spec
     if any(guesses) and spec.mtp_num_layers == 0:
         raise ModelError(f"{path} has no MTP layer to draft guesses with: run the demo with --guesses 0")
-    return path, demo_split(spec.num_layers)
+    return demo_split(spec.num_layers)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -77,12 +80,13 @@ def run_demo(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if args.model is not None:
-            model_dir, split = _own_model(args.model.resolve(), guesses)
-            label = args.model.name
+            model_dir, label = args.model.resolve(), args.model.name
+            split = _own_model_split(model_dir, guesses)
             print(f"using the model in {model_dir}", flush=True)
         else:
             print(f"making the tiny qwen3_5_moe model in {workdir} ...", flush=True)
-            model_dir, split, label = make_model(workdir / "sangama-tiny", "qwen3_5_moe", "tiny"), DEMO_SPLIT, None
+            model_dir = make_model(workdir / "sangama-tiny", "qwen3_5_moe", "tiny")
+            split, label = DEMO_SPLIT, TINY_LABEL
         torch.set_num_threads(1)  # this process only drives the client once the fleet runs
         refs = local_references(model_dir, guesses=guesses, requests=requests, new_tokens=args.tokens)
         print("one-process reference runs done", flush=True)
@@ -91,8 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(split)} "
                   f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
             results = measure_network(model_dir, fleet.bootstrap_addr, refs, guesses=guesses, requests=requests,
-                                      new_tokens=args.tokens, split=split,
-                                      **({"label": label} if label else {}))
+                                      new_tokens=args.tokens, split=split, label=label)
         print_tables(
             guesses_table(results["guesses"]),
             requests_table(results["requests"]),
@@ -151,7 +154,7 @@ def measure_network(
     requests: list[int],
     new_tokens: int,
     split: tuple[str, ...] = DEMO_SPLIT,
-    label: str = "qwen3_5_moe/tiny",
+    label: str = TINY_LABEL,
 ) -> dict[str, Any]:
     """Run the demo's measurements against a running fleet; every result carries its check against ``refs``."""
     import trio

@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from ..errors import SangamaError
+from ..errors import SangamaError, group_leaves
 
 _COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds", "peer_cmds")
 
@@ -55,17 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         errors, rest = group.split(SangamaError)
         if errors is not None and rest is None:  # only typed errors: report them like a single one
-            for exc in _leaves(errors):
+            for exc in group_leaves(errors):
                 print(f"sangama-peer: error: {exc}", file=sys.stderr)
             return 2
         raise
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -47,7 +47,7 @@ from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFail
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.utils.address_validation import expand_wildcard_address
 
-from ..errors import NetworkError
+from ..errors import NetworkError, group_leaves
 from .config import HostConfig, parse_multiaddrs
 from .fleet import mismatch_error, psk_from_secret
 from .identity import load_or_create_key_pair
@@ -390,16 +390,7 @@ async def open_host(
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
     """The only non-Cancelled exception inside ``group`` (nested groups included), or None if there are several."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        elif not isinstance(exc, trio.Cancelled):
-            leaves.append(exc)
-
-    walk(group)
+    leaves = [exc for exc in group_leaves(group) if not isinstance(exc, trio.Cancelled)]
     if len(leaves) != 1:
         return None
     if isinstance(leaves[0], OSError):
