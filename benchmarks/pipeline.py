@@ -1,12 +1,14 @@
 """The pipeline over loopback: stage peers as separate processes against the same model in one process.
 
-    python benchmarks/pipeline.py [--tokens 64] [--requests 1,4,16,48] [--guesses 0,2,4,6,auto]
+    python benchmarks/pipeline.py [--model DIR] [--tokens 64] [--requests 1,4,16,48] [--guesses 0,2,4,6,auto]
 
 Two fleets, each a bootstrap node plus stage peers started with ``sangama-peer join`` (what users run):
 
-1. qwen3_5_moe/tiny over three stages (0:3, 3:6, 6:8): one request's decode tokens/s at each guess count, time to
+1. qwen3_5_moe over three stages (tiny: 0:3, 3:6, 6:8): one request's decode tokens/s at each guess count, time to
    first token, many requests at once (aggregate and per request; each request's tokens must equal its solo run),
-   and where the time goes per trip.
+   and where the time goes per trip. ``--model DIR``: a trained checkpoint (``benchmarks/train_tiny.py``), so that
+   guesses get accepted and the guess rows measure what guessing gains over the network; without it the fleet runs
+   a made model with random weights, whose guesses are all rejected (those rows then measure only their cost).
 2. The Petals anchor: the tiny Llama (hidden 256, 6 layers, 4 heads, vocab 1000, intermediate 512, fp32) split 3+3
    over two stage peers, one greedy request of 64 tokens. Petals 2.2 measured 92 tokens/s = 0.17x of one process's
    538 tokens/s on this shape; our goal is >= 0.75x of one process.
@@ -28,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from sangama_p2p.cli.demo import DEMO_SPLIT, local_references, measure_network
+from sangama_p2p.cli.demo import DEMO_SPLIT, demo_split, local_references, measure_network
 from sangama_p2p.cli.local_fleet import LocalFleet
 from sangama_p2p.cli.tables import guesses_table, print_tables, requests_table, where_time_goes_table
+from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.make import make_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -64,7 +67,6 @@ def run_anchor(model: Path, work: Path, *, repeats: int, tokens: int = 64) -> di
     from sangama_p2p.client.config import ClientConfig
     from sangama_p2p.client.timing import summarize_trips
     from sangama_p2p.model.chain import LocalChain
-    from sangama_p2p.model.checkpoint import open_checkpoint
     from sangama_p2p.model.spec import LayerRange
     from sangama_p2p.net.config import HostConfig
     from sangama_p2p.net.identity import generate_key_pair
@@ -114,6 +116,9 @@ def run_anchor(model: Path, work: Path, *, repeats: int, tokens: int = 64) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None,
+                   help="qwen3_5_moe checkpoint for the three-stage fleet, e.g. a trained tiny model "
+                        "(default: a made model with random weights)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--requests", default="1,4,16,48")
     p.add_argument("--guesses", default="0,2,4,6,auto")
@@ -126,14 +131,20 @@ def main() -> None:
     out: dict = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                              "load_avg_before": os.getloadavg()}, "tokens": args.tokens}
     if not args.skip_qwen:
-        qwen = make_model(work / "qwen-tiny", "qwen3_5_moe", "tiny")
-        out["qwen3_5_moe_tiny"] = run_fleet(qwen, DEMO_SPLIT, work / "qwen-fleet", guesses=_guess_list(args.guesses),
+        if args.model is None:
+            qwen, split, label = make_model(work / "qwen-tiny", "qwen3_5_moe", "tiny"), DEMO_SPLIT, "qwen3_5_moe/tiny"
+            print("qwen3_5_moe/tiny with random weights: every guess is rejected (pass --model for a trained one)")
+        else:
+            qwen = args.model.resolve()
+            split, label = demo_split(open_checkpoint(qwen).spec.num_layers), qwen.name
+        out["qwen3_5_moe_tiny"] = run_fleet(qwen, split, work / "qwen-fleet", guesses=_guess_list(args.guesses),
                                             requests=[int(r) for r in args.requests.split(",")], tokens=args.tokens,
-                                            label="qwen3_5_moe/tiny")
+                                            label=label)
+        out["qwen3_5_moe_tiny"].update(model=label, split=list(split))
         r = out["qwen3_5_moe_tiny"]
-        print_tables(guesses_table(r["guesses"], "qwen3_5_moe/tiny, 3 stages: one request by guesses per trip"),
-                     requests_table(r["requests"], "qwen3_5_moe/tiny, 3 stages: many requests at once"),
-                     where_time_goes_table(r["where_the_time_goes"], "qwen3_5_moe/tiny: where the time goes "
+        print_tables(guesses_table(r["guesses"], f"{label}, 3 stages: one request by guesses per trip"),
+                     requests_table(r["requests"], f"{label}, 3 stages: many requests at once"),
+                     where_time_goes_table(r["where_the_time_goes"], f"{label}: where the time goes "
                                            "(0 guesses, mean per trip)"))
     llama = make_model(work / "llama-tiny", "llama", "tiny")
     anchor = run_anchor(llama, work / "llama-fleet", repeats=args.anchor_repeats)
