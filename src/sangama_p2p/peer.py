@@ -274,7 +274,7 @@ class Peer:
         if self.servers:
             s = self.servers[0].config
             raise StageError(f"this peer already serves {s.model_id} {s.start}:{s.end}; a peer serves one stage "
-                             "(its node has one /sangama/stage/1 handler): run another peer for another range")
+                             "(its node has one /sangama/stage/2 handler): run another peer for another range")
         ckpt = await trio.to_thread.run_sync(open_checkpoint, model)
         num_layers = ckpt.spec.num_layers
         if self._tokenizer is None and ckpt.tokenizer is not None:

@@ -1,4 +1,4 @@
-"""A ``/sangama/stage/1`` stream as a sequence of messages: framed reads, whole-frame locked writes.
+"""A ``/sangama/stage/2`` stream as a sequence of messages: framed reads, whole-frame locked writes.
 
 Shared by ``stage/`` and ``client/`` (which never import each other). It applies the wire engineer's rules for
 py-libp2p streams in one place:

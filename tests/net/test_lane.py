@@ -28,7 +28,7 @@ async def _closed_on_us(sock) -> bool:
 
 
 def _offer_port(port: int):
-    """A /sangama/lane/1 handler that offers ``port`` (with a token and key nobody listens for)."""
+    """A /sangama/lane/2 handler that offers ``port`` (with a token and key nobody listens for)."""
 
     async def handler(stream) -> None:
         fs = FramedStream(stream)

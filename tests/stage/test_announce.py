@@ -32,7 +32,7 @@ def test_record_tracks_free_sessions_and_measured_throughput(ckpt, fl):
                 assert await info_stream.recv() is None  # one request, one answer, then the stage closes it
                 fs = FramedStream(await client.host.new_stream(node.peer_id, [STAGE_PROTOCOL]))
                 for _ in range(2):
-                    await fs.send(OpenSession(os.urandom(16), fl.MODEL, 0, 8, None, client.peer_id.to_base58(), 64,
+                    await fs.send(OpenSession(os.urandom(16), fl.MODEL, 0, 8, None, None, client.peer_id.to_base58(), 64,
                                               0.0, 1.0, 0, 0, False))
                     assert isinstance(await fs.recv(), SessionOpened)
                 while True:  # refreshed within a few announce periods

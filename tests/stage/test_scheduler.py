@@ -26,7 +26,7 @@ def _table(ckpt):
 
 
 def _session(table, i):
-    return table.open(OpenSession(bytes([i]) * 16, "m", 0, 4, "B", "A", 64, 0.0, 1.0, 0, 0, False), "A", None)
+    return table.open(OpenSession(bytes([i]) * 16, "m", 0, 4, "B", None, "A", 64, 0.0, 1.0, 0, 0, False), "A", None)
 
 
 def _job(session, start, tokens, step=0):

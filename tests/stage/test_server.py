@@ -21,7 +21,7 @@ from sangama_p2p.wire.messages import (
     SessionOpened,
     Step,
 )
-from sangama_p2p.wire.protocols import STAGE_PROTOCOL
+from sangama_p2p.wire.protocols import STAGE_PROTOCOL, WIRE_VERSION
 
 SPLIT = [(0, 4), (4, 8)]
 
@@ -32,8 +32,9 @@ async def _raw(client_node, server) -> FramedStream:
     return FramedStream(await client_node.host.new_stream(server.node.peer_id, [STAGE_PROTOCOL]))
 
 
-def _open(sid, client, start, end, next_hop, length=64):
-    return OpenSession(sid, "test-org/tiny-pipeline", start, end, next_hop, client, length, 0.0, 1.0, 0, 0, False)
+def _open(sid, client, start, end, next_hop, length=64, prev_hop=None):
+    return OpenSession(sid, "test-org/tiny-pipeline", start, end, next_hop, prev_hop, client, length, 0.0, 1.0, 0, 0,
+                       False)
 
 
 def test_a_client_cannot_step_close_or_claim_a_session_it_did_not_open(ckpt, fl):
@@ -46,14 +47,14 @@ def test_a_client_cannot_step_close_or_claim_a_session_it_did_not_open(ckpt, fl)
                 sa1, sa2, sb1, sb2 = [await _raw(n, s) for n in (a, b) for s in (s1, s2)]
                 sid = os.urandom(16)
                 await sa1.send(_open(sid, a_id, 0, 4, s2.peer_id))
-                await sa2.send(_open(sid, a_id, 4, 8, None))
+                await sa2.send(_open(sid, a_id, 4, 8, None, prev_hop=s1.peer_id))
                 assert isinstance(await sa1.recv(), SessionOpened)
                 assert isinstance(await sa2.recv(), SessionOpened)
                 # B claims to be A when opening a session of its own: refused
                 await sb1.send(_open(os.urandom(16), a_id, 0, 4, s2.peer_id))
                 refusal = await sb1.recv()
                 assert isinstance(refusal, ErrorMessage) and refusal.code == ErrorCode.NOT_OWNER
-                # A's first trip; stage 2 learns stage 1 as the session's upstream
+                # A's first trip: stage 2 takes it from stage 1, the upstream A named
                 await sa1.send(Step(sid, 0, 0, (1, 2, 3), None, (), ()))
                 first = await sa2.recv()
                 assert first.step == 0 and len(first.tokens) == 1 and len(first.trace) == 2
@@ -157,7 +158,7 @@ def test_a_bad_field_fails_only_its_session_and_garbage_closes_only_that_stream(
 
     def payload(tag, fields):
         header = msgpack.packb(fields, use_bin_type=True)
-        return struct.pack(">BBI", 1, tag, len(header)) + header
+        return struct.pack(">BBI", WIRE_VERSION, tag, len(header)) + header
 
     async def main():
         with trio.fail_after(60):

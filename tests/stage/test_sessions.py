@@ -14,8 +14,8 @@ from sangama_p2p.wire.messages import OpenSession
 MODEL = "m"
 
 
-def _open(sid: bytes, *, client="A", model=MODEL, start=0, end=4, next_hop="B", length=32, guesses=0):
-    return OpenSession(sid, model, start, end, next_hop, client, length, 0.0, 1.0, 0, guesses, False)
+def _open(sid: bytes, *, client="A", model=MODEL, start=0, end=4, next_hop="B", prev_hop=None, length=32, guesses=0):
+    return OpenSession(sid, model, start, end, next_hop, prev_hop, client, length, 0.0, 1.0, 0, guesses, False)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,7 @@ def test_open_validates_every_field_with_a_code(stages):
     assert _code(lambda: t.open(_open(sid, model="other"), "A", None)) == ErrorCode.WRONG_MODEL
     assert _code(lambda: t.open(_open(sid, start=0, end=3), "A", None)) == ErrorCode.WRONG_MODEL
     assert _code(lambda: t.open(_open(sid, next_hop=None), "A", None)) == ErrorCode.BAD_FRAME
+    assert _code(lambda: t.open(_open(sid, prev_hop="S0"), "A", None)) == ErrorCode.BAD_FRAME  # first: client only
     assert _code(lambda: t.open(_open(sid, guesses=5), "A", None)) == ErrorCode.TOO_MANY_GUESSES
     assert _code(lambda: t.open(_open(sid, length=10**6), "A", None)) == ErrorCode.CAPACITY
     assert not t.sessions and t.used_bytes == 0
@@ -52,7 +53,7 @@ def test_open_validates_every_field_with_a_code(stages):
     assert d is not None and d.policy.max_guesses == 2
 
 
-def test_only_the_owner_or_one_upstream_peer_may_step_or_close(stages):
+def test_only_the_owner_or_the_upstream_it_named_may_step_or_close(stages):
     first, last = stages
     t = SessionTable(first, StageConfig(MODEL, 0, 4))
     sid = b"\x01" * 16
@@ -62,10 +63,20 @@ def test_only_the_owner_or_one_upstream_peer_may_step_or_close(stages):
     assert _code(lambda: t.authorize_step(b"\x02" * 16, "A")) == ErrorCode.UNKNOWN_SESSION
     assert _code(lambda: t.close(sid, "B")) == ErrorCode.NOT_OWNER
     lt = SessionTable(last, StageConfig(MODEL, 4, 8))
-    lt.open(_open(sid, start=4, end=8, next_hop=None), "A", None)
-    assert lt.authorize_step(sid, "S1").upstream == "S1"  # the first feeder becomes the upstream
+    lt.open(_open(sid, start=4, end=8, next_hop=None, prev_hop="S1"), "A", None)
+    # a peer that knows the session id (every stage of the chain does) cannot feed it, not even before the upstream
+    # has sent anything (wire version 1 bound the first peer that did)
+    assert _code(lambda: lt.authorize_step(sid, "M")) == ErrorCode.NOT_OWNER
+    assert _code(lambda: lt.close(sid, "M")) == ErrorCode.NOT_OWNER
+    assert lt.authorize_step(sid, "S1").upstream == "S1"
     assert lt.authorize_step(sid, "S1") is lt.authorize_step(sid, "A")
     assert _code(lambda: lt.authorize_step(sid, "M")) == ErrorCode.NOT_OWNER
+    other = b"\x03" * 16  # a later stage opened without an upstream: the client alone steps it
+    lt.open(_open(other, start=4, end=8, next_hop=None), "A", None)
+    assert lt.authorize_step(other, "A").owner == "A"
+    assert _code(lambda: lt.authorize_step(other, "S1")) == ErrorCode.NOT_OWNER
+    lt.close(sid, "S1")
+    assert sid not in lt.sessions
     t.close(sid, "A")
     assert not t.sessions and t.used_bytes == 0
 

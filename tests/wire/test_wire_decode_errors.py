@@ -14,14 +14,14 @@ from sangama_p2p.errors import (
     UnsupportedVersionError,
     WireError,
 )
-from sangama_p2p.wire import CloseSession, FrameDecoder, Step, Tensor, TraceStamp, decode, encode
+from sangama_p2p.wire import WIRE_VERSION, CloseSession, FrameDecoder, Step, Tensor, TraceStamp, decode, encode
 
 SID = b"S" * 16
 STEP_FIELDS = [SID, 1, 0, [], ["bf16", [2, 4]], [7], [["peer", 1, 2, 3, 4, 1]]]
 HIDDEN = bytes(16)
 
 
-def payload(tag: int, fields: object, blob: bytes = b"", version: int = 1) -> bytes:
+def payload(tag: int, fields: object, blob: bytes = b"", version: int = WIRE_VERSION) -> bytes:
     header = msgpack.packb(fields, use_bin_type=True)
     return struct.pack(">BBI", version, tag, len(header)) + header + blob
 
@@ -39,7 +39,7 @@ def test_every_truncation_is_a_wire_error(cut: int) -> None:
 
 def test_short_prelude_and_cut_header_are_malformed() -> None:
     with pytest.raises(MalformedFrameError, match="prelude"):
-        decode(b"\x01\x05\x00")
+        decode(bytes([WIRE_VERSION, 5, 0]))
     good = encode(CloseSession(SID))
     with pytest.raises(MalformedFrameError, match="runs past"):
         decode(good[:-1])
@@ -47,9 +47,18 @@ def test_short_prelude_and_cut_header_are_malformed() -> None:
 
 def test_wrong_version() -> None:
     with pytest.raises(UnsupportedVersionError):
-        decode(payload(5, [SID], version=2))
+        decode(payload(5, [SID], version=WIRE_VERSION + 1))
     with pytest.raises(UnsupportedVersionError):
         decode(payload(5, [SID], version=0))
+
+
+def test_a_version_1_open_session_is_refused_by_its_version_byte() -> None:
+    """Version 1's OpenSession had no prev_hop (12 fields): refused for its version before its arity is looked at."""
+    v1 = [SID, "m", 4, 8, None, "client", 64, 0.0, 1.0, 0, 0, False]
+    with pytest.raises(UnsupportedVersionError, match="version 1"):
+        decode(payload(1, v1, version=1))
+    with pytest.raises(MalformedFrameError, match="13 fields"):
+        decode(payload(1, v1))
 
 
 @pytest.mark.parametrize("tag", [0, 7, 15, 19, 255])
@@ -70,7 +79,7 @@ def test_trailing_bytes() -> None:
 def test_extra_msgpack_inside_the_header_is_malformed() -> None:
     header = msgpack.packb([SID]) + msgpack.packb(1)
     with pytest.raises(MalformedFrameError):
-        decode(struct.pack(">BBI", 1, 5, len(header)) + header)
+        decode(struct.pack(">BBI", WIRE_VERSION, 5, len(header)) + header)
 
 
 @pytest.mark.parametrize(
@@ -118,14 +127,14 @@ def test_wrong_field_values_are_invalid(index: int, value: object) -> None:
 )
 def test_garbage_headers_are_wire_errors(header: bytes) -> None:
     with pytest.raises(WireError) as info:
-        decode(struct.pack(">BBI", 1, 5, len(header)) + header)
+        decode(struct.pack(">BBI", WIRE_VERSION, 5, len(header)) + header)
     assert isinstance(info.value, (MalformedFrameError, InvalidMessageError))
 
 
 def test_deeply_nested_header_is_a_wire_error() -> None:
     header = b"\x91" * 100_000 + b"\xc0"
     with pytest.raises(MalformedFrameError):
-        decode(struct.pack(">BBI", 1, 5, len(header)) + header)
+        decode(struct.pack(">BBI", WIRE_VERSION, 5, len(header)) + header)
 
 
 def test_oversized_frame_is_refused_by_the_decoder() -> None:

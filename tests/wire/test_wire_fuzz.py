@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from sangama_p2p.errors import ErrorCode, WireError
 from sangama_p2p.wire import (
+    WIRE_VERSION,
     CloseSession,
     ErrorMessage,
     FrameDecoder,
@@ -53,7 +54,8 @@ def tensors(draw: st.DrawFn) -> Tensor:
 def open_sessions(draw: st.DrawFn) -> OpenSession:
     start = draw(st.integers(0, 1000))
     return OpenSession(
-        draw(sids), draw(ids), start, draw(st.integers(start + 1, 2000)), draw(st.none() | ids), draw(ids),
+        draw(sids), draw(ids), start, draw(st.integers(start + 1, 2000)), draw(st.none() | ids), draw(st.none() | ids),
+        draw(ids),
         draw(idx), draw(st.floats(0, 10)), draw(st.floats(0.01, 1.0)), draw(u64), draw(st.integers(0, 64)),
         draw(st.booleans()),
     )  # fmt: skip
@@ -95,8 +97,8 @@ def test_valid_messages_round_trip(msg: object) -> None:
 @given(st.binary(max_size=200))
 def test_random_bytes_raise_only_wire_errors(data: bytes) -> None:
     _decode_or_wire_error(data)
-    _decode_or_wire_error(b"\x01" + data)  # right version, random rest
-    _decode_or_wire_error(b"\x01\x03" + data)  # a Step tag, random rest
+    _decode_or_wire_error(bytes([WIRE_VERSION]) + data)  # right version, random rest
+    _decode_or_wire_error(bytes([WIRE_VERSION, 3]) + data)  # a Step tag, random rest
 
 
 @FUZZ

@@ -12,6 +12,8 @@ import pytest
 
 from sangama_p2p.errors import ErrorCode, InvalidMessageError
 from sangama_p2p.wire import (
+    INFO_PROTOCOL,
+    LANE_PROTOCOL,
     STAGE_PROTOCOL,
     WIRE_VERSION,
     CloseSession,
@@ -39,8 +41,9 @@ TRACE = (
 HIDDEN = Tensor("bf16", (1, 4096), bytes(range(256)) * 32)
 
 SAMPLES = [
-    OpenSession(SID, "Qwen/Qwen3.5-35B-A3B", 0, 20, "12D3KooWNext", "client-1", 4096, 0.7, 0.95, 2**64 - 1, 4, True),
-    OpenSession(SID, "m", 20, 40, None, "c", 1, 0.0, 1.0, 0, 0, False),
+    OpenSession(SID, "Qwen/Qwen3.5-35B-A3B", 0, 20, "12D3KooWNext", None, "client-1", 4096, 0.7, 0.95, 2**64 - 1, 4,
+                True),
+    OpenSession(SID, "m", 20, 40, None, "12D3KooWPrev", "c", 1, 0.0, 1.0, 0, 0, False),
     SessionOpened(SID, 7),
     Step(SID, 0, 0, (151643, 9707, 0, 2**31 - 1), None, (), ()),
     Step(SID, 3, 17, (), HIDDEN, (1, 2, 3), TRACE),
@@ -87,13 +90,13 @@ def test_type_tags_are_pinned() -> None:
         "InfoResponse": 17,
         "LaneOffer": 18,
     }
-    assert WIRE_VERSION == 1
-    assert STAGE_PROTOCOL == "/sangama/stage/1"
+    assert WIRE_VERSION == 2
+    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/2", "/sangama/info/2", "/sangama/lane/2")
 
 
 def test_payload_layout_is_pinned() -> None:
     header = msgpack.packb((SID,), use_bin_type=True)
-    assert encode(CloseSession(SID)) == bytes([1, 5]) + struct.pack(">I", len(header)) + header
+    assert encode(CloseSession(SID)) == bytes([2, 5]) + struct.pack(">I", len(header)) + header
     step = encode(Step(SID, 1, 2, (), Tensor("fp16", (2,), b"\x01\x02\x03\x04"), (), ()))
     assert step.endswith(b"\x01\x02\x03\x04")
     (hlen,) = struct.unpack(">I", step[2:6])
@@ -111,7 +114,7 @@ def test_decoded_fields_have_wire_types() -> None:
 def test_lists_and_ints_are_normalised() -> None:
     msg = Step(SID, 0, 0, [1, 2], None, [3], [])  # type: ignore[arg-type]
     assert msg.token_ids == (1, 2) and msg.guesses == (3,) and msg.trace == ()
-    opened = OpenSession(SID, "m", 0, 1, None, "c", 8, 1, 1, 0, 0, False)  # type: ignore[arg-type]
+    opened = OpenSession(SID, "m", 0, 1, None, None, "c", 8, 1, 1, 0, 0, False)  # type: ignore[arg-type]
     assert type(opened.temperature) is float and type(opened.top_p) is float
     assert hash(msg) == hash(Step(SID, 0, 0, (1, 2), None, (3,), ()))
 

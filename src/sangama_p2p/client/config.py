@@ -18,14 +18,14 @@ class ClientConfig:
     ``model_id``: the swarm-wide model name to search the DHT for. ``num_layers``: the model's layer count (None =
     the largest ``end`` any serving peer announces). ``step_timeout``: a trip that takes longer counts as a failed
     stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
-    giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/1`` round trip
+    giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/2`` round trip
     (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).
     ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one).
     ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
     states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
     exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.
-    ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/1``, see
+    ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/2``, see
     :mod:`sangama_p2p.net.lane`), set up within ``lane_timeout`` seconds, else over libp2p streams.
     """
 

@@ -14,7 +14,7 @@ Usage (trio; ``node`` from :func:`sangama_p2p.net.open_host`)::
             ...
 
 What ``generate`` does: find the peers serving ``model_id`` (DHT), measure each one's RTT with an
-``/sangama/info/1`` round trip (which also brings its fresh throughput and queue), pick the cheapest chain
+``/sangama/info/2`` round trip (which also brings its fresh throughput and queue), pick the cheapest chain
 (:func:`~sangama_p2p.client.routing.plan_route`), open a session on every stage, then run trips: STEP to the first
 stage, which forwards hidden states stage to stage; the last stage checks the guesses, samples, drafts new guesses
 and answers the client directly. ``guesses`` is a fixed count (0..8) or ``"auto"`` (adaptive, up to 6). When a
@@ -147,7 +147,7 @@ class ChainClient:
     # ---- discovery and routing -----------------------------------------------------------------------------
     async def survey(self, exclude: frozenset[str] = frozenset(), *, max_age: float = 0.0) -> list[PeerOffer]:
         """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.PeerOffer` (DHT records refreshed
-        with each peer's own ``/sangama/info/1`` figures, and the RTT measured over the stage stream).
+        with each peer's own ``/sangama/info/2`` figures, and the RTT measured over the stage stream).
 
         A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight.
         """

@@ -1,4 +1,4 @@
-"""The client's streams: one long-lived ``/sangama/stage/1`` stream per stage peer, shared by every session.
+"""The client's streams: one long-lived ``/sangama/stage/2`` stream per stage peer, shared by every session.
 
 The stream is a direct lane (:mod:`sangama_p2p.net.lane`) where the stage offers one, else a libp2p stream.
 

@@ -115,8 +115,10 @@ class ChainSession:
             link.subscribe(self.session_id, self._send)
         for i, (offer, link) in enumerate(zip(self.route, self.links)):
             nxt = self.route[i + 1].peer_id if i + 1 < len(self.route) else None
-            msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, p.client_id, p.max_length,
-                              float(p.temperature), float(p.top_p), p.seed, p.max_guesses, p.adaptive_guesses)
+            prev = self.route[i - 1].peer_id if i else None
+            msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, prev, p.client_id,
+                              p.max_length, float(p.temperature), float(p.top_p), p.seed, p.max_guesses,
+                              p.adaptive_guesses)
             await self._send_to(link, msg)
         waiting = set(self.peers)
         with trio.move_on_after(self.open_timeout):

@@ -9,11 +9,11 @@ long-lived stage traffic between two directly connected peers onto a TCP connect
 Handshake (the upstream side, a client or the previous stage, always dials; only stage servers listen)::
 
     upstream                                             stage (LaneListener)
-    -- /sangama/lane/1 stream (Noise, peer ids checked) -->
+    -- /sangama/lane/2 stream (Noise, peer ids checked) -->
     <-------------- LaneOffer(port, token, key) ----------   single use, expires after ``offer_ttl`` s
     == TCP connect to <remote IP of that libp2p connection>:port ==>
     -- token (16 bytes) + record(b"sangama lane hello") -->   token looked up, hello must decrypt with its key
-    <------------- record(b"sangama lane ready") ---------   the lane now serves /sangama/stage/1 frames
+    <------------- record(b"sangama lane ready") ---------   the lane now serves /sangama/stage/2 frames
 
 After the handshake every write is one record ``[u32 big-endian length][AES-256-GCM ciphertext + 16-byte tag]``
 with the nonce ``direction byte (0 upstream->stage, 1 back) + 3 zero bytes + u64 record counter``: records cannot be
@@ -22,7 +22,7 @@ inside the Noise-encrypted stream to the authenticated peer, so the lane belongs
 (:attr:`LaneStream.muxed_conn` ``.peer_id``) exactly as the libp2p stream did, and session ownership checks work
 unchanged. Relayed connections never get a lane (the address would be the relay's). Anything that fails before
 ``ready`` (no lane protocol, a closed port, NAT, a timeout) raises :class:`LaneError`, and the caller uses a
-``/sangama/stage/1`` stream over libp2p instead.
+``/sangama/stage/2`` stream over libp2p instead.
 
 :class:`LaneStream` has the surface :class:`~sangama_p2p.streams.FramedStream` reads from a py-libp2p stream
 (``read``, ``write``, ``close``, ``reset``, ``muxed_conn.peer_id``), so everything above it is unchanged.
@@ -172,7 +172,7 @@ def _remote(sock: trio.SocketStream) -> str:
 
 # ---- the stage side ----------------------------------------------------------------------------------------
 class LaneListener:
-    """Accept lanes for a stage server: register ``/sangama/lane/1`` on ``node`` and listen on TCP.
+    """Accept lanes for a stage server: register ``/sangama/lane/2`` on ``node`` and listen on TCP.
 
     ``on_lane(lane)`` receives each ready :class:`LaneStream` (the server treats it as a new stage stream).
     ``hosts`` are the IPs to listen on (default: those of the node's listen addresses); ``port`` 0 picks a free
@@ -417,7 +417,7 @@ class LaneDialer:
         return lane
 
     async def stage_stream(self, peer_id: Any) -> Any:
-        """The stream for ``/sangama/stage/1`` frames to ``peer_id`` (already connected): a lane where one can be
+        """The stream for ``/sangama/stage/2`` frames to ``peer_id`` (already connected): a lane where one can be
         set up, else a libp2p stream; raises :class:`NetworkError` when neither opens."""
         lane = await self.open(peer_id)
         if lane is not None:

@@ -1,4 +1,4 @@
-"""``StageServer``: serve layers ``[start, end)`` of a model over ``/sangama/stage/1`` and ``/sangama/info/1``.
+"""``StageServer``: serve layers ``[start, end)`` of a model over ``/sangama/stage/2`` and ``/sangama/info/2``.
 
 Usage (trio; ``node`` from :func:`sangama_p2p.net.open_host`)::
 
@@ -186,7 +186,7 @@ class StageServer:
         return 1.0 / step_s if step_s > 0 else 0.0
 
     def info(self) -> InfoResponse:
-        """What ``/sangama/info/1`` answers: range, measured throughput, free sessions, queue length, version."""
+        """What ``/sangama/info/2`` answers: range, measured throughput, free sessions, queue length, version."""
         return InfoResponse(self.peer_id, self.config.model_id, self.model.start, self.model.end,
                             float(self.throughput), self.free_sessions, self.queue_length, __version__)
 
@@ -355,7 +355,7 @@ class StageServer:
 
     async def _open_next(self, peer: str) -> FramedStream:
         """Dial the next stage (DHT lookup when its addresses are unknown) and open the long-lived stream: a direct
-        lane where the next stage offers one, else a ``/sangama/stage/1`` stream over libp2p."""
+        lane where the next stage offers one, else a ``/sangama/stage/2`` stream over libp2p."""
         from libp2p.peer.id import ID
 
         from ..errors import NetworkError

@@ -1,11 +1,10 @@
 """The stage's session table: who owns each session, what it may send, and the memory all sessions hold. No I/O.
 
 Ownership: a session belongs to the peer that opened it (its authenticated libp2p peer id, which must equal the
-``client_id`` it claims). Steps are accepted from the owner, and, on a stage that is not the first of its chain
-(its range starts above layer 0), from one upstream stage: the first non-owner peer that sends a step for the
-session becomes its upstream, and any other peer is refused with ``NOT_OWNER``. Session ids are 16 random bytes that
-only the client and the chain's stages know. (A ``prev_hop`` field in ``OpenSession`` would let the client name the
-upstream; that needs wire version 2.)
+``client_id`` it claims). Steps are accepted from the owner, and from the one upstream stage the owner named in
+``OpenSession.prev_hop``; any other peer is refused with ``NOT_OWNER``, even one that learnt the session id (every
+stage of the chain knows it). The first stage of a chain (its range starts at layer 0) takes token ids from the
+client only, so it refuses an ``OpenSession`` that names a ``prev_hop``.
 
 Memory: every session's caches are preallocated at open and counted against ``StageConfig.memory_budget``; a
 session that does not fit, or one over ``max_sessions``, is refused with ``CAPACITY`` before anything is allocated.
@@ -78,7 +77,7 @@ class StageSession:
     decoder: Decoder | None  # the last stage's sampling / guess state
     max_guesses: int
     nbytes: int
-    upstream: str | None = None
+    upstream: str | None = None  # the peer the owner named to feed this session (OpenSession.prev_hop)
     closed: bool = False
     trips: TripClock = field(default_factory=TripClock)  # the last stage's trip times, for ``auto`` guesses
 
@@ -121,6 +120,9 @@ class SessionTable:
             what = "the last stage answers the client (next_hop must be empty)" if model.is_last else (
                 "a stage before the last needs a next_hop")
             raise StageError(what, ErrorCode.BAD_FRAME)
+        if model.is_first and msg.prev_hop is not None:
+            raise StageError("the first stage takes token ids from its client only (prev_hop must be empty)",
+                             ErrorCode.BAD_FRAME)
         if msg.max_guesses > cfg.max_guesses:
             raise StageError(f"at most {cfg.max_guesses} guesses per step here", ErrorCode.TOO_MANY_GUESSES)
         if msg.max_guesses and model.is_last and model.mtp is None:
@@ -140,7 +142,8 @@ class SessionTable:
         if model.is_last:
             sampling = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses))
-        session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need)
+        session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need,
+                               upstream=msg.prev_hop)
         self.sessions[msg.session_id] = session
         self.used_bytes += need
         return session
@@ -152,17 +155,14 @@ class SessionTable:
         return session
 
     def authorize_step(self, session_id: bytes, peer: str) -> StageSession:
-        """The session if ``peer`` may step it (owner, or its upstream stage); raises NOT_OWNER/UNKNOWN_SESSION."""
+        """The session if ``peer`` may step it (owner, or the upstream stage the owner named); raises
+        NOT_OWNER/UNKNOWN_SESSION."""
         session = self.lookup(session_id)
-        if peer == session.owner:
+        if peer == session.owner or peer == session.upstream:
             return session
-        if self.model.is_first:
-            raise StageError("only the client that opened the session may step it", ErrorCode.NOT_OWNER)
         if session.upstream is None:
-            session.upstream = peer
-        elif session.upstream != peer:
-            raise StageError("the session is fed by another peer", ErrorCode.NOT_OWNER)
-        return session
+            raise StageError("only the client that opened the session may step it", ErrorCode.NOT_OWNER)
+        raise StageError("the session is fed by another peer", ErrorCode.NOT_OWNER)
 
     def close(self, session_id: bytes, peer: str) -> StageSession:
         """Free a session; only its owner (or its upstream stage) may."""

@@ -174,7 +174,7 @@ def _check_chunk(chunk: bytes, asked: int) -> None:
 async def read_frame(read: ReadFn, max_frame: int = DEFAULT_MAX_FRAME) -> bytes | None:
     """Read one frame's payload without reading past it; ``None`` if the stream ended cleanly before it.
 
-    Suits request/response streams (``/sangama/info/1``) where nothing may be over-read. For a long-lived stream,
+    Suits request/response streams (``/sangama/info/2``) where nothing may be over-read. For a long-lived stream,
     :class:`FrameReader` makes fewer, larger reads.
     """
     _check_max(max_frame)

@@ -1,4 +1,4 @@
-"""The typed messages of ``/sangama/stage/1`` and ``/sangama/info/1``.
+"""The typed messages of ``/sangama/stage/2`` and ``/sangama/info/2`` (and the ``LaneOffer`` of ``/sangama/lane/2``).
 
 Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
 Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
@@ -85,6 +85,7 @@ class OpenSession:
     start: int
     end: int
     next_hop: str | None  # peer id of the next stage; None = the last stage, reply to the client
+    prev_hop: str | None  # peer id of the stage that feeds this one; None = only the client steps it (first stage)
     client_id: str
     max_length: int
     temperature: float
@@ -101,6 +102,7 @@ class OpenSession:
         if self.end <= self.start:
             raise InvalidMessageError(f"layer range [{self.start}, {self.end}) is empty")
         check_opt_text("next_hop", self.next_hop)
+        check_opt_text("prev_hop", self.prev_hop)
         check_text("client_id", self.client_id)
         check_uint("max_length", self.max_length)
         _set(self, "temperature", check_float("temperature", self.temperature))
@@ -210,7 +212,7 @@ class ErrorMessage:
 
 @dataclass(frozen=True, slots=True)
 class InfoRequest:
-    """Ask a peer what it serves (``/sangama/info/1``)."""
+    """Ask a peer what it serves (``/sangama/info/2``)."""
 
     TAG: ClassVar[int] = 16
 
@@ -250,7 +252,7 @@ LANE_KEY_BYTES: Final = 32
 
 @dataclass(frozen=True, slots=True)
 class LaneOffer:
-    """Stage -> upstream peer on ``/sangama/lane/1``: dial ``port`` (at the address this libp2p connection came
+    """Stage -> upstream peer on ``/sangama/lane/2``: dial ``port`` (at the address this libp2p connection came
     from) for a direct lane, present ``token`` and encrypt every record with ``key`` (AES-256-GCM). The offer
     travels inside the Noise-encrypted stream to the authenticated peer, so only that peer can use it; it is
     single-use and short-lived (see :mod:`sangama_p2p.net.lane`)."""

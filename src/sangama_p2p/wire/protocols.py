@@ -12,15 +12,17 @@ from typing import Final
 
 __all__ = ["INFO_PROTOCOL", "LANE_PROTOCOL", "STAGE_PROTOCOL", "WIRE_VERSION"]
 
-WIRE_VERSION: Final = 1
-"""The version byte that starts every message payload."""
+WIRE_VERSION: Final = 2
+"""The version byte that starts every message payload. Version 2 added ``OpenSession.prev_hop``; the byte is shared
+by all three protocols, so each of their ids moved to ``/2`` with it (version 1 peers and version 2 peers never
+negotiate a stream)."""
 
-STAGE_PROTOCOL: Final = "/sangama/stage/1"
+STAGE_PROTOCOL: Final = "/sangama/stage/2"
 """Long-lived stream between neighbouring peers of a chain: sessions, steps, results, errors."""
 
-INFO_PROTOCOL: Final = "/sangama/info/1"
+INFO_PROTOCOL: Final = "/sangama/info/2"
 """One request, one response: a peer's served range, load and software version."""
 
-LANE_PROTOCOL: Final = "/sangama/lane/1"
-"""One response: a ``LaneOffer`` for a direct, AES-GCM-protected TCP lane that then carries ``/sangama/stage/1``
-frames (see ``sangama_p2p.net.lane``). A peer that does not serve it is reached over ``/sangama/stage/1`` as before."""
+LANE_PROTOCOL: Final = "/sangama/lane/2"
+"""One response: a ``LaneOffer`` for a direct, AES-GCM-protected TCP lane that then carries ``/sangama/stage/2``
+frames (see ``sangama_p2p.net.lane``). A peer that does not serve it is reached over ``/sangama/stage/2`` as before."""
