@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .argtypes import guesses, non_negative_int, positive_int
 from .local_fleet import READY_PREFIX
 
 
@@ -45,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--lane-port", type=int, default=None, metavar="PORT",
                    help="TCP port for direct lanes (stage traffic off libp2p; default: any free port)")
     p.add_argument("--no-lanes", action="store_true",
@@ -58,15 +59,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model id, or a checkpoint directory (its name + tokenizer)")
     p.add_argument("--tokenizer", type=Path, default=None, help="checkpoint directory with tokenizer.json")
     add_host_args(p, listen=False)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--guesses", default="auto", metavar="K|auto")
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
+    p.add_argument("--guesses", type=guesses, default="auto", metavar="K|auto")
     p.add_argument("--temperature", type=float, default=0.0)
     p.set_defaults(handler=_chat)
 
     p = sub.add_parser("demo", help="start a local fleet on a tiny model and print its tables",
                        description="Make a tiny model, start a bootstrap node and three stage peers on loopback as "
                        "separate processes, generate with and without guesses, print the tables, stop everything.")
-    p.add_argument("--tokens", type=int, default=48, help="new tokens per request (default 48)")
+    p.add_argument("--tokens", type=positive_int, default=48, help="new tokens per request (default 48)")
     p.add_argument("--requests", default="1,4,16", help="concurrent request counts (default 1,4,16)")
     p.add_argument("--guesses", default="0,2,4,6", help="guess counts to compare (default 0,2,4,6)")
     p.add_argument("--workdir", type=Path, default=None, help="keep the model and logs here (default: a temp dir)")
@@ -214,6 +215,16 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
     return config, model_id
 
 
+def _need_tokenizer(config: Any, model: str, what: str) -> None:
+    """Text needs the model's tokenizer: say so before joining the swarm, in flags the user can pass."""
+    from ..errors import SangamaError
+
+    if config.tokenizer_path is None:
+        raise SangamaError(f"{what} needs the model's tokenizer, and {model!r} is a model id, not a checkpoint "
+                           "directory: pass --model DIR (the checkpoint) or --tokenizer DIR"
+                           + (", or give token ids with --prompt-ids" if what == "a text prompt" else ""))
+
+
 def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:
     """``generate`` over the swarm: ``prompts`` as ids, or None to take the text prompt through the tokenizer."""
     import trio
@@ -227,14 +238,14 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
         raise SangamaError("give the model: --model ID (or a checkpoint directory), or run in-process with --local")
     config, model_id = client_peer_config(args, args.model)
     text = args.prompt if args.prompt is not None else args.text
+    if prompts is None:
+        if text is None:
+            raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
+        _need_tokenizer(config, args.model, "a text prompt")
 
     async def main() -> list[Any]:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
-            todo = prompts
-            if todo is None:
-                if text is None:
-                    raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
-                todo = [peer.encode(text)]
+            todo = prompts if prompts is not None else [peer.encode(text)]
             from .model_cmds import _variant
 
             if args.batch > 1:  # the same prompt set as `generate --local --batch N`, so the two compare
@@ -290,6 +301,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     _quiet()
     config, model_id = client_peer_config(args, args.model)
+    _need_tokenizer(config, args.model, "chat")
 
     async def main() -> None:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
@@ -300,7 +312,8 @@ def _chat(args: argparse.Namespace) -> int:
             while True:
                 if interactive:
                     print("> ", end="", flush=True)
-                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                # abandoned on Ctrl-C: a read blocked on the terminal must not hold the interrupt until Enter
+                line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
                 if not line:
                     return
                 if not line.strip():

@@ -1,0 +1,115 @@
+"""Bad input at the command line: refused before anything starts, with one clear error and exit code 2 (never a
+traceback, never a silent run that does nothing); Ctrl-C is never lost."""
+
+from __future__ import annotations
+
+import os
+import pty
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sangama_p2p.cli import main as cli_main
+from sangama_p2p.cli.main import main
+
+BOOT = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWKvVTzQZ5gKwzBq5rQxBdYDu1d3GLwX2ZJgzyvg4cbyzY"  # nothing listens there
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--local", "m", "--prompt-ids", "1", "--guesses", "abc"], "argument --guesses"),
+    (["generate", "--local", "m", "--prompt-ids", "1", "--guesses", "9"], "argument --guesses"),
+    (["generate", "--local", "m", "--prompt-ids", "1", "--threads", "-2"], "argument --threads: must be >= 1"),
+    (["generate", "--local", "m", "--prompt-ids", "1", "--max-new-tokens", "-3"], "must be >= 0, got -3"),
+    (["generate", "--model", "m", "--prompt-ids", "1", "--batch", "0"], "argument --batch: must be >= 1"),
+    (["join", "--model", "m", "--layers", "0:2", "--threads", "0"], "argument --threads"),
+    (["chat", "--model", "m", "--guesses", "x"], "argument --guesses"),
+    (["chat", "--model", "m", "--max-new-tokens", "-1"], "argument --max-new-tokens"),
+    (["demo", "--tokens", "0"], "argument --tokens: must be >= 1"),
+])
+def test_bad_numbers_are_refused_by_the_parser(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--requests", "0"], "--requests expects comma-separated integers >= 1"),
+    (["demo", "--requests", "1,x"], "--requests expects comma-separated integers"),
+    (["demo", "--guesses", "0,9"], "--guesses expects comma-separated integers 0..8"),
+    (["demo", "--guesses", ""], "--guesses expects"),
+])
+def test_demo_lists_are_checked_before_anything_starts(argv: list[str], message: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    assert main([*argv, "--workdir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no model made, no fleet started
+
+
+def test_a_prompt_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--local", str(tmp_path), "hello", "--prompt-ids", "1,2"]) == 2
+    assert "give the prompt once: TEXT and --prompt-ids" in capsys.readouterr().err
+    assert main(["generate", "--model", "m", "--bootstrap", BOOT, "hello", "--prompt", "hi"]) == 2
+    assert "TEXT and --prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["generate", "hello", "--model", "tiny"], "a text prompt"),
+    (["chat", "--model", "tiny"], "chat"),
+])
+def test_text_with_a_model_id_asks_for_the_tokenizer_before_joining(argv: list[str], what: str,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    t0 = time.monotonic()
+    assert main([*argv, "--bootstrap", BOOT]) == 2  # nothing listens at BOOT: we never got as far as dialling
+    err = capsys.readouterr().err
+    assert f"{what} needs the model's tokenizer" in err and "--tokenizer DIR" in err
+    assert "tokenizer_path" not in err  # the flags a user can pass, not the Python API's names
+    assert time.monotonic() - t0 < 10
+
+
+def test_an_interrupt_swallowed_inside_an_import_is_raised_after_it(tmp_path: Path, monkeypatch) -> None:
+    # torch's import swallows a KeyboardInterrupt that lands in part of it; `join` then went on and served
+    (tmp_path / "swallows_ctrl_c.py").write_text(
+        "import signal\ntry:\n    signal.raise_signal(signal.SIGINT)\nexcept KeyboardInterrupt:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        cli_main.import_keeping_interrupts("swallows_ctrl_c")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's handler is back
+    monkeypatch.delitem(sys.modules, "swallows_ctrl_c")
+    monkeypatch.setattr(cli_main, "_TORCH", "swallows_ctrl_c")
+    assert main(["generate", "--local", str(tmp_path), "--prompt-ids", "1"]) == 130
+
+
+def test_chat_waiting_for_a_line_exits_130_on_ctrl_c(tmp_path: Path) -> None:
+    from sangama_p2p.model.make import make_model
+
+    model = make_model(tmp_path / "chat-tiny", "llama", "tiny")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1")
+    cli = [sys.executable, "-m", "sangama_p2p.cli.main"]
+    boot = subprocess.Popen([*cli, "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(tmp_path / "b.key"),
+                             "--run-for", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    primary, secondary = pty.openpty()  # a terminal on stdin: chat prints its "> " prompt and waits for a line
+    chat = None
+    try:
+        assert boot.stdout is not None
+        addr = next(line.split()[-1] for line in boot.stdout if "--bootstrap" in line)
+        chat = subprocess.Popen([*cli, "chat", "--model", str(model), "--bootstrap", addr], stdin=secondary,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert chat.stdout is not None
+        assert chat.stdout.read(2) == b"> ", chat.stderr.read() if chat.stderr else ""
+        time.sleep(0.5)  # in readline now
+        chat.send_signal(signal.SIGINT)
+        assert chat.wait(timeout=20) == 130  # it waited for Enter before
+        assert b"Traceback" not in (chat.stderr.read() if chat.stderr else b"")
+    finally:
+        for proc in (chat, boot):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        os.close(primary)
+        os.close(secondary)
