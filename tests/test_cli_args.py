@@ -113,3 +113,9 @@ def test_chat_waiting_for_a_line_exits_130_on_ctrl_c(tmp_path: Path) -> None:
                 proc.wait()
         os.close(primary)
         os.close(secondary)
+
+
+def test_make_model_into_a_path_that_cannot_be_created(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a-file").write_text("x")
+    assert main(["make-model", str(tmp_path / "a-file" / "model"), "--arch", "llama"]) == 2
+    assert "cannot write the model to" in capsys.readouterr().err
