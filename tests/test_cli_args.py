@@ -119,3 +119,29 @@ def test_make_model_into_a_path_that_cannot_be_created(tmp_path: Path, capsys: p
     (tmp_path / "a-file").write_text("x")
     assert main(["make-model", str(tmp_path / "a-file" / "model"), "--arch", "llama"]) == 2
     assert "cannot write the model to" in capsys.readouterr().err
+
+
+def test_chat_with_default_settings_works_on_a_model_without_mtp(tmp_path: Path) -> None:
+    # chat asked for guesses=auto whatever the model: a dense Llama refused every line (TOO_MANY_GUESSES)
+    from sangama_p2p.cli.local_fleet import ThreadFleet
+    from sangama_p2p.cli.peer_cmds import default_guesses
+    from sangama_p2p.model.make import make_model
+
+    model = make_model(tmp_path / "llama-tiny", "llama", "tiny")
+    assert default_guesses(model) == 0
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1")
+    with ThreadFleet(model, [(0, 3), (3, 6)], tmp_path) as fleet:
+        out = subprocess.run([sys.executable, "-m", "sangama_p2p.cli.main", "chat", "--model", str(model),
+                              "--bootstrap", fleet.bootstrap_addr, "--max-new-tokens", "6"],
+                             input="hello\nand again\n", capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 2 and out.stdout.strip()  # one answer per line
+
+
+def test_default_guesses_for_a_model_with_mtp_or_only_a_tokenizer(tmp_path: Path) -> None:
+    from sangama_p2p.cli.peer_cmds import default_guesses
+    from sangama_p2p.model.make import make_model
+
+    model = make_model(tmp_path / "qwen-tiny", "qwen3_5_moe", "tiny")
+    assert default_guesses(model) == "auto"
+    assert default_guesses(tmp_path) == "auto"  # no config.json: nothing to tell, the swarm will say

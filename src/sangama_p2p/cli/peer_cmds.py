@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", type=Path, default=None, help="checkpoint directory with tokenizer.json")
     add_host_args(p, listen=False)
     p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
-    p.add_argument("--guesses", type=guesses, default="auto", metavar="K|auto")
+    p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
+                   help="MTP guesses per trip (default: auto when the checkpoint has an MTP layer, else 0)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.set_defaults(handler=_chat)
 
@@ -293,6 +294,18 @@ def _vocab_size(model: str, peer: Any) -> int:
     raise SangamaError("--batch over the network needs the model's vocabulary: pass --model as a checkpoint dir")
 
 
+def default_guesses(checkpoint: Path) -> int | str:
+    """``auto`` for a model that drafts with an MTP layer, 0 for one without (a dense Llama refuses any guess)."""
+    from ..errors import SangamaError
+    from ..model.spec import ModelSpec
+
+    try:
+        spec = ModelSpec.from_dir(checkpoint)
+    except SangamaError:  # a directory with only the tokenizer: ask for guesses and let the swarm say
+        return "auto"
+    return "auto" if spec.mtp_num_layers else 0
+
+
 def _chat(args: argparse.Namespace) -> int:
     import trio
 
@@ -302,6 +315,7 @@ def _chat(args: argparse.Namespace) -> int:
     _quiet()
     config, model_id = client_peer_config(args, args.model)
     _need_tokenizer(config, args.model, "chat")
+    k = args.guesses if args.guesses is not None else default_guesses(config.tokenizer_path)
 
     async def main() -> None:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
@@ -321,7 +335,7 @@ def _chat(args: argparse.Namespace) -> int:
                 ids = peer.encode(line.rstrip("\n") + "\n")
                 history.extend(ids)
                 decoder = IncrementalDecoder(peer.tokenizer) if peer.tokenizer is not None else None
-                async for tok in peer.stream(history, args.max_new_tokens, guesses=args.guesses,
+                async for tok in peer.stream(history, args.max_new_tokens, guesses=k,
                                              temperature=args.temperature):
                     history.append(tok)
                     piece = decoder.push([tok]) if decoder is not None else f"{tok} "
