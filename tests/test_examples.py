@@ -4,6 +4,7 @@ generates, the private-fleet script keeps a stranger out. Each result is checked
 from __future__ import annotations
 
 import http.client
+import os
 import signal
 import subprocess
 import sys
@@ -98,10 +99,17 @@ def test_asyncio_web_app_streams_to_an_http_client(tiny: Path, tmp_path: Path) -
     assert len(chunks) > 1  # streamed, not sent at the end in one piece
 
 
-def test_trio_app(tiny: Path) -> None:
+def _own_tmp(tmp_path: Path) -> dict[str, str]:
+    """An environment whose temporary files go to a directory of the test's own, to see that none stay."""
+    (tmp_path / "tmp").mkdir()
+    return dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+
+
+def test_trio_app(tiny: Path, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(EXAMPLES / "trio_app.py"), "--model", str(tiny), "--tokens", "10",
-                          "--prompt", "hello"], capture_output=True, text=True, timeout=180)
+                          "--prompt", "hello"], capture_output=True, text=True, timeout=180, env=_own_tmp(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the peers' keys went with the run
     tokens, _ = local(tiny, "hello", 10)
     lines = {line.split(":", 1)[0]: line.split(":", 1)[1].split() for line in out.stdout.splitlines() if ":" in line}
     assert [int(t) for t in lines["streamed ids"]] == tokens
@@ -128,10 +136,11 @@ def test_examples_report_a_bad_model_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_private_fleet_script(tiny: Path) -> None:
+def test_private_fleet_script(tiny: Path, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(EXAMPLES / "private_fleet.py"), "--model", str(tiny), "--tokens", "8"],
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, env=_own_tmp(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the secret, keys and logs went with the fleet
     assert "stranger refused" in out.stdout and "fleet stopped" in out.stdout
     tokens, _ = local(tiny, "def hello(", 8)
     member = next(line for line in out.stdout.splitlines() if line.startswith("member generated:"))
