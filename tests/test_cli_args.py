@@ -145,3 +145,27 @@ def test_default_guesses_for_a_model_with_mtp_or_only_a_tokenizer(tmp_path: Path
     model = make_model(tmp_path / "qwen-tiny", "qwen3_5_moe", "tiny")
     assert default_guesses(model) == "auto"
     assert default_guesses(tmp_path) == "auto"  # no config.json: nothing to tell, the swarm will say
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "join"])
+def test_a_busy_listen_port_is_refused(command: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # py-libp2p listens with SO_REUSEPORT: a second node on a busy port started silently and the kernel split the
+    # incoming connections between the two
+    import socket
+
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a running node's listener has it
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        addr = f"/ip4/127.0.0.1/tcp/{busy.getsockname()[1]}"
+        argv = {"bootstrap": ["bootstrap"], "join": ["join", "--model", str(tmp_path), "--layers", "0:1"]}[command]
+        t0 = time.monotonic()
+        assert main([*argv, "--listen", addr, "--key", str(tmp_path / "k"), "--run-for", "0.1"]) == 2
+        assert time.monotonic() - t0 < 10  # refused before any model loads or any node starts
+    assert f"cannot listen on {addr}: Address already in use" in capsys.readouterr().err
+
+
+def test_status_timeout_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--bootstrap", BOOT, "--timeout", "0"])
+    assert "argument --timeout: must be a number > 0" in capsys.readouterr().err

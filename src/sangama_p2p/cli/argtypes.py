@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["guesses", "non_negative_int", "positive_int"]
+__all__ = ["guesses", "non_negative_int", "positive_float", "positive_int"]
 
 
 def _int(text: str) -> int:
@@ -29,6 +29,17 @@ def non_negative_int(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (``--timeout``)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return x
 
 
 def guesses(text: str) -> int | str:
