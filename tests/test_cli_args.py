@@ -169,3 +169,16 @@ def test_status_timeout_must_be_positive(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         main(["status", "--bootstrap", BOOT, "--timeout", "0"])
     assert "argument --timeout: must be a number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--local", "m", "--timings"], "--timings is for the network mode"),
+    (["--local", "m", "--bootstrap", BOOT], "--bootstrap is for the network mode"),
+    (["--model", "m", "--bootstrap", BOOT, "--stages", "0:3,3:8"], "--stages is for --local"),
+    (["--model", "m", "--bootstrap", BOOT, "--threads", "2", "--batch-invariant"],
+     "--batch-invariant, --threads are for --local"),
+])
+def test_generate_refuses_a_flag_of_the_other_mode(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", *argv, "--prompt-ids", "1,2"]) == 2  # it was ignored without a word
+    assert message in capsys.readouterr().err

@@ -76,8 +76,23 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
+_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads")
+_NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """A flag of the other mode would be ignored without a word: refuse it instead."""
+    local = args.local is not None
+    wrong = [name for name in (_NETWORK_ONLY if local else _LOCAL_ONLY) if getattr(args, name) not in (None, False)]
+    if wrong:
+        flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
+        raise ModelError(f"{flags} {'is' if len(wrong) == 1 else 'are'} for "
+                         + ("the network mode (without --local)" if local else "--local runs in this process"))
+
+
 def _generate(args: argparse.Namespace) -> int:
     _check_one_prompt(args)
+    _check_mode(args)
     if args.local is None:
         from .peer_cmds import generate_network
 
