@@ -182,3 +182,23 @@ def test_generate_refuses_a_flag_of_the_other_mode(argv: list[str], message: str
                                                     capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", *argv, "--prompt-ids", "1,2"]) == 2  # it was ignored without a word
     assert message in capsys.readouterr().err
+
+
+def test_join_model_flag_wins_over_the_config_also_for_the_model_id(tmp_path: Path, monkeypatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    # flags win over the file: --model took the layers from the new checkpoint but announced the file's model name
+    from sangama_p2p.cli import net_cmds
+    from sangama_p2p.model.make import make_model
+
+    monkeypatch.setattr(net_cmds, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
+    model = make_model(tmp_path / "flag-model", "llama", "tiny")
+    conf = tmp_path / "stage.toml"
+    conf.write_text('[host]\nlisten_addrs = ["/ip4/127.0.0.1/tcp/0"]\n[stage]\nmodel = "file-model"\nlayers = "0:2"\n')
+    explicit = tmp_path / "explicit.toml"
+    explicit.write_text(conf.read_text() + 'model_id = "fleet-name"\n')
+    for path, expected in ((conf, "flag-model"), (explicit, "fleet-name")):
+        assert main(["join", "--config", str(path), "--model", str(model), "--key", str(tmp_path / "k"),
+                     "--run-for", "0.1"]) == 0
+        out = capsys.readouterr().out
+        ready = [line.split() for line in out.splitlines() if line.startswith("ready ")]
+        assert ready and ready[0][2:] == [expected, "0:2"], out

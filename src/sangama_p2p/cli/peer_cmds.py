@@ -128,7 +128,7 @@ def _join(args: argparse.Namespace) -> int:
     import trio
 
     from ..errors import SangamaError
-    from ..peer import Peer, PeerConfig
+    from ..peer import Peer, PeerConfig, default_model_id
 
     _quiet()
     torch.set_grad_enabled(False)
@@ -143,6 +143,10 @@ def _join(args: argparse.Namespace) -> int:
     if model is None:
         raise SangamaError("give the checkpoint to serve: --model DIR (or [stage] model in --config)")
     layers = args.layers or (config.layers if config.model_path is not None else "auto")
+    model_id = args.model_id
+    if (model_id is None and args.model is not None and config.stage is not None and config.model_path is not None
+            and config.stage.model_id == default_model_id(config.model_path)):
+        model_id = default_model_id(args.model)  # the id the file took from its own model follows --model
     options: dict[str, Any] = {}
     if args.dtype:
         options["dtype"] = args.dtype
@@ -155,7 +159,7 @@ def _join(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with Peer(config.replace(model_path=None)) as peer:
-            start, end = await peer.serve(model, layers, model_id=args.model_id, **options)
+            start, end = await peer.serve(model, layers, model_id=model_id, **options)
             server = peer.servers[-1]
             # from here on a signal stops us through the normal exit path: install the handler before saying ready
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
