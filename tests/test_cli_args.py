@@ -202,3 +202,11 @@ def test_join_model_flag_wins_over_the_config_also_for_the_model_id(tmp_path: Pa
         out = capsys.readouterr().out
         ready = [line.split() for line in out.splitlines() if line.startswith("ready ")]
         assert ready and ready[0][2:] == [expected, "0:2"], out
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1"], ["chat"]])
+def test_a_model_path_that_is_not_there_is_not_taken_for_a_model_id(command: list[str], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    # a typo in the directory went to the swarm as a model id: "no live peer serves '/srv/models/qwne'"
+    assert main([*command, "--model", str(tmp_path / "typo"), "--bootstrap", BOOT]) == 2
+    assert f"checkpoint {tmp_path / 'typo'} does not exist" in capsys.readouterr().err

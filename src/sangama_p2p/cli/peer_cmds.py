@@ -215,6 +215,12 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
 
     tokenizer = getattr(args, "tokenizer", None)
     model_id = model
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+        from ..errors import CheckpointError  # a path that is not there, not a model id (those have no such start)
+
+        raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
+                              "id such as the directory's name)")
+    model = str(Path(model).expanduser())
     if Path(model).is_dir():
         model_id = default_model_id(model)
         tokenizer = tokenizer or Path(model)
