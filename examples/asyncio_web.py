@@ -5,23 +5,33 @@ chunked ``text/plain`` body, one chunk per piece of text as the swarm produces i
 :class:`sangama_p2p.aio.Peer`: the trio core running as a guest of this asyncio loop, so the web server and the
 peer share one thread and one loop.
 
-Run it against a fleet (e.g. ``sangama-peer demo --workdir /tmp/d`` or ``examples/private_fleet.py``)::
+Run it against a fleet that stays up, e.g. the one of ``peers/local/`` (one terminal each, or ``&``)::
 
-    python examples/asyncio_web.py --model /tmp/sangama-tiny --bootstrap /ip4/127.0.0.1/tcp/4001/p2p/12D3Koo...
+    sangama-peer make-model /tmp/sangama-tiny --arch qwen3_5_moe
+    sangama-peer bootstrap --config peers/local/bootstrap.toml    # prints ADDR: /ip4/127.0.0.1/tcp/4001/p2p/...
+    sangama-peer join --config peers/local/stage1.toml --bootstrap ADDR   # and stage2.toml, stage3.toml
+    python examples/asyncio_web.py --model /tmp/sangama-tiny --bootstrap ADDR
     curl -N 'http://127.0.0.1:8080/generate?prompt=def%20hello(&tokens=32'
+
+(``sangama-peer demo`` and ``examples/private_fleet.py`` stop their fleets when they finish.) A private fleet adds
+``--fleet-secret-file FILE``. Ctrl-C stops the server (exit code 130).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from sangama_p2p.aio import Peer
 from sangama_p2p.client.config import ClientConfig
+from sangama_p2p.errors import ModelError, SangamaError
+from sangama_p2p.guesses import parse_guesses
 from sangama_p2p.model.tokenizer import IncrementalDecoder
 from sangama_p2p.net.config import HostConfig
+from sangama_p2p.net.fleet import read_fleet_secret
 from sangama_p2p.net.identity import generate_key_pair
 from sangama_p2p.peer import PeerConfig, default_model_id
 
@@ -55,11 +65,15 @@ def make_handler(peer: Peer):
             query = parse_qs(url.query)
             prompt = query.get("prompt", [""])[0]
             try:
-                tokens = min(int(query.get("tokens", ["32"])[0]), MAX_TOKENS)
+                tokens = int(query.get("tokens", ["32"])[0])
                 guesses = query.get("guesses", ["auto"])[0]
+                parse_guesses(guesses)
                 guesses = guesses if guesses == "auto" else int(guesses)
-            except ValueError:
-                await _respond(writer, "400 Bad Request", "tokens and guesses must be integers\n")
+            except (ValueError, ModelError):
+                tokens = 0
+            if not 1 <= tokens <= MAX_TOKENS:  # also an unreadable tokens or guesses: say what is accepted
+                await _respond(writer, "400 Bad Request",
+                               f"tokens must be an integer in 1..{MAX_TOKENS}, guesses 0..8 or auto\n")
                 return
             if not prompt:
                 await _respond(writer, "400 Bad Request", "give a prompt: /generate?prompt=...\n")
@@ -78,8 +92,9 @@ def make_handler(peer: Peer):
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, ValueError):
             pass  # the client went away or spoke something else
-        except Exception as exc:  # a failed generation ends this response, never the server
-            writer.write(f"\r\n[error: {exc}]\n".encode())
+        except Exception as exc:  # a failed generation ends this response (as its last chunk), never the server
+            await _chunk(writer, f"\n[error: {exc}]\n")
+            writer.write(b"0\r\n\r\n")
         finally:
             writer.close()
 
@@ -90,7 +105,8 @@ async def main(args: argparse.Namespace) -> None:
     model = Path(args.model)
     config = PeerConfig(
         host=HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=tuple(args.bootstrap),
-                        dht_server=False),
+                        dht_server=False,
+                        fleet_secret=read_fleet_secret(args.fleet_secret_file) if args.fleet_secret_file else None),
         client=ClientConfig(model_id=default_model_id(model)),
         tokenizer_path=model,
     )
@@ -108,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bootstrap", action="append", required=True, help="bootstrap multiaddr (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 = any free port")
+    p.add_argument("--fleet-secret-file", type=Path, default=None, help="the private fleet's secret, if any")
     return p.parse_args(argv)
 
 
@@ -118,4 +135,7 @@ if __name__ == "__main__":
     try:
         asyncio.run(main(parse_args()))
     except KeyboardInterrupt:
-        pass
+        sys.exit(130)
+    except SangamaError as exc:  # e.g. the bootstrap node cannot be reached: one line, not a traceback
+        print(f"asyncio_web: error: {exc}", file=sys.stderr)
+        sys.exit(2)

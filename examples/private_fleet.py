@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import sys
 import tempfile
 from pathlib import Path
 
 import trio
 
-from sangama_p2p import NetworkError, Peer, PeerConfig
+from sangama_p2p import NetworkError, Peer, PeerConfig, SangamaError
 from sangama_p2p.cli.local_fleet import LocalFleet
 from sangama_p2p.net.config import HostConfig
 from sangama_p2p.net.fleet import read_fleet_secret
@@ -36,8 +37,11 @@ async def generate(bootstrap: str, model: Path, secret: bytes | None, tokens: in
 
 
 def main(args: argparse.Namespace) -> int:
-    model = Path(args.model)
-    work = Path(tempfile.mkdtemp(prefix="sangama-fleet-"))
+    with tempfile.TemporaryDirectory(prefix="sangama-fleet-") as work:  # keys, the secret and logs go with it
+        return run(Path(args.model), Path(work), args)
+
+
+def run(model: Path, work: Path, args: argparse.Namespace) -> int:
     secret_file = work / "fleet.key"
     secret_file.write_text(secrets.token_hex(32))
     secret_file.chmod(0o600)
@@ -65,4 +69,10 @@ if __name__ == "__main__":
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--layers", default="0:3,3:6,6:8", help="one stage per range (default 0:3,3:6,6:8)")
     p.add_argument("--tokens", type=int, default=16)
-    raise SystemExit(main(p.parse_args()))
+    try:
+        raise SystemExit(main(p.parse_args()))
+    except KeyboardInterrupt:  # the fleet is already stopped (LocalFleet's exit)
+        raise SystemExit(130) from None
+    except SangamaError as exc:  # e.g. a stage that cannot load the model: its log is in the message
+        print(f"private_fleet: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -11,12 +11,13 @@ any checkpoint, e.g. the tiny one::
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
 import trio
 
-from sangama_p2p import Peer, PeerConfig
+from sangama_p2p import Peer, PeerConfig, SangamaError
 from sangama_p2p.model.spec import ModelSpec
 from sangama_p2p.net.config import HostConfig
 
@@ -24,9 +25,15 @@ LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
 async def main(args: argparse.Namespace) -> None:
-    num_layers = ModelSpec.from_dir(args.model).num_layers
+    spec = ModelSpec.from_dir(args.model)
+    num_layers = spec.num_layers
     half = num_layers // 2
-    keys = Path(tempfile.mkdtemp(prefix="sangama-keys-"))  # each peer needs its own identity
+    guesses = "auto" if spec.mtp_num_layers else 0  # guesses are drafted by the MTP layer; a dense Llama has none
+    with tempfile.TemporaryDirectory(prefix="sangama-keys-") as tmp:  # each peer needs its own identity
+        await run(args, Path(tmp), num_layers, half, guesses)
+
+
+async def run(args: argparse.Namespace, keys: Path, num_layers: int, half: int, guesses: int | str) -> None:
     async with Peer(PeerConfig(host=HostConfig(listen_addrs=LOOPBACK, key_path=keys / "a"))) as first:
         await first.serve(args.model, (0, half))
         boot = HostConfig(listen_addrs=LOOPBACK, bootstrap_addrs=(first.addrs[0],), key_path=keys / "b")
@@ -40,11 +47,11 @@ async def main(args: argparse.Namespace) -> None:
                 async for token_id in client.stream(args.prompt, args.tokens, model_id=model_id, stop_at_eos=False):
                     print(token_id, end=" ", flush=True)
                 print(flush=True)
-                result = await client.generate(args.prompt, args.tokens, model_id=model_id, guesses="auto",
+                result = await client.generate(args.prompt, args.tokens, model_id=model_id, guesses=guesses,
                                                stop_at_eos=False)
                 print(f"tokens: {' '.join(map(str, result.tokens))}", flush=True)
                 print(f"text: {result.text!r}", flush=True)
-                print(f"{result.result.decode_tokens_per_s:.1f} tokens/s with guesses=auto, "
+                print(f"{result.result.decode_tokens_per_s:.1f} tokens/s with guesses={guesses}, "
                       f"{result.result.steps} trips", flush=True)
 
 
@@ -59,4 +66,10 @@ if __name__ == "__main__":
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--prompt", default="def hello(")
     p.add_argument("--tokens", type=int, default=24)
-    trio.run(main, p.parse_args())
+    try:
+        trio.run(main, p.parse_args())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except SangamaError as exc:  # e.g. not a checkpoint directory: one line, not a traceback
+        print(f"trio_app: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -4,6 +4,8 @@ generates, the private-fleet script keeps a stranger out. Each result is checked
 from __future__ import annotations
 
 import http.client
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,9 +77,21 @@ def test_asyncio_web_app_streams_to_an_http_client(tiny: Path, tmp_path: Path) -
                 conn.request("GET", "/nothing")
                 assert conn.getresponse().status == 404
                 conn.close()
+                # bad numbers are a 400 before anything is generated (tokens=-5 was an empty 200, guesses=99 an
+                # error written outside the chunked body, which clients dropped)
+                for query in ("tokens=-5", "tokens=abc", "guesses=99", "tokens=100000"):
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                    conn.request("GET", f"/generate?prompt=x&{query}")
+                    resp = conn.getresponse()
+                    assert (resp.status, resp.read()) == (400, b"tokens must be an integer in 1..512, guesses 0..8 or "
+                                                                b"auto\n"), query
+                    conn.close()
+                proc.send_signal(signal.SIGINT)
+                assert proc.wait(timeout=30) == 130  # Ctrl-C: the server stops, with the shell's code for it
             finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
     finally:
         torch.set_num_threads(before)
     _, text = local(tiny, "def hello(", 12)
@@ -85,21 +99,48 @@ def test_asyncio_web_app_streams_to_an_http_client(tiny: Path, tmp_path: Path) -
     assert len(chunks) > 1  # streamed, not sent at the end in one piece
 
 
-def test_trio_app(tiny: Path) -> None:
+def _own_tmp(tmp_path: Path) -> dict[str, str]:
+    """An environment whose temporary files go to a directory of the test's own, to see that none stay."""
+    (tmp_path / "tmp").mkdir()
+    return dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+
+
+def test_trio_app(tiny: Path, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(EXAMPLES / "trio_app.py"), "--model", str(tiny), "--tokens", "10",
-                          "--prompt", "hello"], capture_output=True, text=True, timeout=180)
+                          "--prompt", "hello"], capture_output=True, text=True, timeout=180, env=_own_tmp(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the peers' keys went with the run
     tokens, _ = local(tiny, "hello", 10)
     lines = {line.split(":", 1)[0]: line.split(":", 1)[1].split() for line in out.stdout.splitlines() if ":" in line}
     assert [int(t) for t in lines["streamed ids"]] == tokens
     assert [int(t) for t in lines["tokens"]] == tokens
 
 
+def test_trio_app_on_a_model_without_mtp(tmp_path: Path) -> None:
+    # "works with any checkpoint": it asked for guesses=auto, which a dense Llama refuses (a traceback)
+    llama = make_model(tmp_path / "ex-llama", "llama", "tiny")
+    out = subprocess.run([sys.executable, str(EXAMPLES / "trio_app.py"), "--model", str(llama), "--tokens", "6",
+                          "--prompt", "hello"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens, _ = local(llama, "hello", 6)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("tokens:"))
+    assert [int(t) for t in line.split(":", 1)[1].split()] == tokens
+    assert "with guesses=0" in out.stdout
+
+
+def test_examples_report_a_bad_model_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLES / "trio_app.py"), "--model", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("trio_app: error: no config.json in")
+
+
 @pytest.mark.slow
-def test_private_fleet_script(tiny: Path) -> None:
+def test_private_fleet_script(tiny: Path, tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(EXAMPLES / "private_fleet.py"), "--model", str(tiny), "--tokens", "8"],
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, env=_own_tmp(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the secret, keys and logs went with the fleet
     assert "stranger refused" in out.stdout and "fleet stopped" in out.stdout
     tokens, _ = local(tiny, "def hello(", 8)
     member = next(line for line in out.stdout.splitlines() if line.startswith("member generated:"))

@@ -58,12 +58,33 @@ def test_relative_model_path_and_auto_layers(tmp_path: Path) -> None:
     ('[nope]\n', "unknown tables"),
     ('[stage\n', "cannot read"),
     ('[stage]\nmodel = "m"\nlayers = "5:2"\n', "bad layer range"),
+    # a wrong type is named in TOML's terms, not as the comparison that trips on it ("'<=' not supported ...")
+    ('[stage]\nmodel = "m"\nlayers = "0:2"\nmax_sessions = "many"\n', "max_sessions must be an integer, got 'many'"),
+    ('[stage]\nmodel = "m"\nlayers = "0:2"\nlanes = 1\n', "lanes must be true or false, got 1"),
+    ('[stage]\nmodel = "m"\nlayers = "0:2"\nmax_sessions = true\n', "max_sessions must be an integer"),
+    ('[client]\nmodel_id = "m"\nstep_timeout = "x"\n', "step_timeout must be a number, got 'x'"),
 ])
 def test_bad_configs_raise_typed_errors(tmp_path: Path, text: str, match: str) -> None:
     f = tmp_path / "bad.toml"
     f.write_text(text)
     with pytest.raises(SangamaError, match=match):
         PeerConfig.from_toml(f)
+
+
+def test_whole_numbers_are_fine_where_a_number_is_expected(tmp_path: Path) -> None:
+    f = tmp_path / "ok.toml"
+    f.write_text('[client]\nmodel_id = "m"\nstep_timeout = 30\n')
+    assert PeerConfig.from_toml(f).client.step_timeout == 30
+
+
+@pytest.mark.parametrize("layers", ["auto:0", "auto:9", "auto:-1"])
+def test_auto_span_outside_the_model_names_the_flag(layers: str) -> None:
+    import trio
+
+    from sangama_p2p.peer import Peer
+
+    with pytest.raises(LayerRangeError, match=r"N in auto:N must be in 1\.\.8"):  # checked before the swarm is asked
+        trio.run(Peer()._resolve_layers, layers, "m", 8)
 
 
 def test_default_model_id() -> None:

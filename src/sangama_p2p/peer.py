@@ -111,11 +111,30 @@ def _template_range(layers: str) -> tuple[int, int]:
     return r.start, r.end
 
 
+_TOML_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _fits(value: Any, default: Any) -> bool:
+    """Whether a TOML value suits a field whose default is ``default`` (fields without a plain default: any)."""
+    kind = type(default)
+    if kind not in _TOML_TYPES:
+        return True
+    if isinstance(value, bool) or kind is bool:
+        return isinstance(value, bool) and kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
 def _build(cls: Any, table: dict[str, Any], where: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(table) - known
     if unknown:
         raise SangamaError(f"unknown keys in {where}: {sorted(unknown)}")
+    for f in dataclasses.fields(cls):  # a wrong type, told in TOML's terms (not as the comparison that trips on it)
+        if f.name in table and not _fits(table[f.name], f.default):
+            raise SangamaError(f"bad {where}: {f.name} must be {_TOML_TYPES[type(f.default)]}, "
+                               f"got {table[f.name]!r}")
     try:
         return cls(**table)
     except TypeError as exc:
@@ -308,6 +327,9 @@ class Peer:
                 span = int(text.split(":", 1)[1])
             except (IndexError, ValueError) as exc:
                 raise LayerRangeError(f"bad layers {text!r}: use A:B, auto or auto:N") from exc
+            if not 0 < span <= num_layers:
+                raise LayerRangeError(f"bad layers {text!r}: N in auto:N must be in 1..{num_layers} (the model's "
+                                      "layers)")
         from .net.discovery import find_serving_peers
 
         records = await find_serving_peers(self.node, model_id, include_self=False)

@@ -26,13 +26,18 @@ DEMO_PROMPT = "def fibonacci(n):"
 TINY_LABEL = "qwen3_5_moe/tiny"  # the made model's name in the results
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as exc:
-        from ..errors import SangamaError
+def _int_list(text: str, flag: str, low: int, high: int | None = None) -> list[int]:
+    """``--guesses``/``--requests``: comma-separated integers in ``low..high``, checked before anything starts."""
+    from ..errors import SangamaError
 
-        raise SangamaError(f"expected comma-separated integers, got {text!r}") from exc
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise SangamaError(f"{flag} expects comma-separated integers, got {text!r}") from exc
+    bounds = f"{low}..{high}" if high is not None else f">= {low}"
+    if not values or any(v < low or (high is not None and v > high) for v in values):
+        raise SangamaError(f"{flag} expects comma-separated integers {bounds}, got {text!r}")
+    return values
 
 
 def demo_split(num_layers: int) -> tuple[str, ...]:
@@ -67,6 +72,11 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from ..guesses import MAX_GUESSES
+
+    guesses = _int_list(args.guesses, "--guesses", 0, MAX_GUESSES)
+    requests = _int_list(args.requests, "--requests", 1)
+
     import torch
 
     from ..model.make import make_model
@@ -74,7 +84,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from .tables import guesses_table, print_tables, requests_table, where_time_goes_table
 
     torch.set_grad_enabled(False)
-    guesses, requests = _int_list(args.guesses), _int_list(args.requests)
     own_dir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="sangama-demo-")) if own_dir else Path(args.workdir)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

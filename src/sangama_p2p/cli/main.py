@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 from ..errors import SangamaError, group_leaves
 
 _COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds", "peer_cmds")
+_WITHOUT_TORCH = frozenset({"id", "bootstrap", "status"})  # these run on machines without torch (net_cmds)
+_TORCH = "torch"  # a name, so that tests can stand in a module of their own
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,12 +40,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def import_keeping_interrupts(name: str) -> None:
+    """Import ``name`` so that a Ctrl-C landing during the import is not lost.
+
+    torch's import swallows a KeyboardInterrupt raised in part of it (~0.2 s of its ~2-3 s on a busy machine), and
+    the command then went on as if nothing happened: ``join`` loaded its layers and served. A handler that notes
+    the signal (and raises as Python's own does) lets us raise it again once the import is over.
+    """
+    if (name in sys.modules or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # e.g. ignored in a background job
+        importlib.import_module(name)
+        return
+    seen: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, note)
     try:
+        importlib.import_module(name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
+        raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if getattr(args, "command", None) not in _WITHOUT_TORCH:
+            import_keeping_interrupts(_TORCH)
         return int(args.handler(args) or 0)
     except SangamaError as exc:
         print(f"sangama-peer: error: {exc}", file=sys.stderr)

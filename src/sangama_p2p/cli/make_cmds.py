@@ -33,7 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _make_model(args: argparse.Namespace) -> int:
     from ..model.make import checkpoint_num_params, make_model  # imports torch: only when the command runs
 
-    out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    try:
+        out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    except OSError as exc:  # a path that cannot be created or written: the user's to fix, not a crash
+        from ..errors import CheckpointError
+
+        raise CheckpointError(f"cannot write the model to {args.out}: {exc}") from exc
     n = checkpoint_num_params(out)
     print(f"{out}  {args.arch}/{args.preset}  {n:,} parameters ({args.dtype}, seed {args.seed})")
     if getattr(args, "gguf", None):

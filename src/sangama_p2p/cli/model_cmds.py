@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ModelError
+from .argtypes import guesses, non_negative_int, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,24 +35,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--mtp-from", default=None, help="safetensors checkpoint to take mtp.* tensors from (GGUF)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--guesses", default="0", metavar="K|auto",
+    p.add_argument("--guesses", type=guesses, default=0, metavar="K|auto",
                    help="MTP guesses checked per trip: a fixed number (0 = none) or 'auto' (adaptive)")
-    p.add_argument("--batch", type=int, default=1, metavar="N",
+    p.add_argument("--batch", type=positive_int, default=1, metavar="N",
                    help="run N concurrent requests as batched steps (request i uses prompt i of the built-in set "
                    "when N > 1, or the given prompt for all)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is fastest for tiny models on busy CPUs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(handler=_generate)
+
+
+def _check_one_prompt(args: argparse.Namespace) -> None:
+    given = [name for name, value in (("TEXT", args.text), ("--prompt", args.prompt), ("--prompt-ids", args.prompt_ids))
+             if value is not None]
+    if len(given) > 1:
+        raise ModelError(f"give the prompt once: {' and '.join(given)} were both given")
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -68,7 +76,23 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
+_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads")
+_NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """A flag of the other mode would be ignored without a word: refuse it instead."""
+    local = args.local is not None
+    wrong = [name for name in (_NETWORK_ONLY if local else _LOCAL_ONLY) if getattr(args, name) not in (None, False)]
+    if wrong:
+        flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
+        raise ModelError(f"{flags} {'is' if len(wrong) == 1 else 'are'} for "
+                         + ("the network mode (without --local)" if local else "--local runs in this process"))
+
+
 def _generate(args: argparse.Namespace) -> int:
+    _check_one_prompt(args)
+    _check_mode(args)
     if args.local is None:
         from .peer_cmds import generate_network
 
@@ -93,11 +117,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise ModelError(f"prompt token ids must be in 0..{spec.vocab_size - 1}")
     chain = LocalChain.load(ckpt, ranges, dtype=args.dtype, batch_invariant=args.batch_invariant)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    guesses = args.guesses if args.guesses == "auto" else int(args.guesses)
-    if args.batch < 1:
-        raise ModelError("--batch must be >= 1")
     prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
-    results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=guesses,
+    results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=args.guesses,
                                   stop_at_eos=not args.ignore_eos)
     if args.json:
         out = results[0].as_dict() if args.batch == 1 else {"requests": [r.as_dict() for r in results]}

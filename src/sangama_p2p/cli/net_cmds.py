@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from .argtypes import positive_float
+
 _BOOTSTRAP_DIR = Path(__file__).resolve().parents[3] / "bootstrap"
 
 
@@ -40,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bootstrap node address ending in /p2p/<id> (repeatable; default: bootstrap/public.txt)")
     p.add_argument("--model", action="append", default=[], help="also look up the peers serving this model id")
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="file holding the private fleet's secret")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each peer (default 5)")
+    p.add_argument("--timeout", type=positive_float, default=5.0, help="seconds to wait for each peer (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_status)
 
@@ -52,6 +54,34 @@ def default_bootstrap_addrs() -> tuple[str, ...]:
         return ()
     lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
     return tuple(line for line in lines if line)
+
+
+def check_ports_free(listen_addrs: tuple[str, ...]) -> None:
+    """Refuse a fixed TCP listen port that another socket already listens on.
+
+    py-libp2p listens with SO_REUSEPORT (hole punching dials from the listen port), so a second node on a busy
+    port starts without a word and the kernel then splits incoming connections between the two. A plain bind
+    (SO_REUSEADDR only, which passes TIME_WAIT leftovers) fails on a port somebody listens on.
+    """
+    import socket
+
+    from ..errors import NetworkError
+
+    for addr in listen_addrs:
+        parts = addr.strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
+            continue
+        port = int(parts[3])
+        if port == 0:
+            continue
+        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((parts[1], port))
+            except OSError as exc:
+                raise NetworkError(f"cannot listen on {addr}: {exc.strerror or exc} (another sangama-peer on this "
+                                   "machine? pick another port, or tcp/0 for any free one)") from exc
 
 
 def _id(args: argparse.Namespace) -> int:
@@ -92,6 +122,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         config = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/4001",))
         config = config.replace(**{k: v for k, v in overrides.items() if v is not None})
     config = config.replace(dht_server=True, relay_hop=True, bootstrap_addrs=())
+    check_ports_free(config.listen_addrs)
 
     async def main() -> None:
         traversal = Traversal(TraversalConfig(serve_relay=True, reachability="public", hole_punch=False))

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .argtypes import guesses, non_negative_int, positive_int
 from .local_fleet import READY_PREFIX
 
 
@@ -45,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--lane-port", type=int, default=None, metavar="PORT",
                    help="TCP port for direct lanes (stage traffic off libp2p; default: any free port)")
     p.add_argument("--no-lanes", action="store_true",
@@ -58,15 +59,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model id, or a checkpoint directory (its name + tokenizer)")
     p.add_argument("--tokenizer", type=Path, default=None, help="checkpoint directory with tokenizer.json")
     add_host_args(p, listen=False)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--guesses", default="auto", metavar="K|auto")
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
+    p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
+                   help="MTP guesses per trip (default: auto when the checkpoint has an MTP layer, else 0)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.set_defaults(handler=_chat)
 
     p = sub.add_parser("demo", help="start a local fleet on a tiny model and print its tables",
                        description="Make a tiny model, start a bootstrap node and three stage peers on loopback as "
                        "separate processes, generate with and without guesses, print the tables, stop everything.")
-    p.add_argument("--tokens", type=int, default=48, help="new tokens per request (default 48)")
+    p.add_argument("--tokens", type=positive_int, default=48, help="new tokens per request (default 48)")
     p.add_argument("--requests", default="1,4,16", help="concurrent request counts (default 1,4,16)")
     p.add_argument("--guesses", default="0,2,4,6", help="guess counts to compare (default 0,2,4,6)")
     p.add_argument("--workdir", type=Path, default=None, help="keep the model and logs here (default: a temp dir)")
@@ -126,7 +128,7 @@ def _join(args: argparse.Namespace) -> int:
     import trio
 
     from ..errors import SangamaError
-    from ..peer import Peer, PeerConfig
+    from ..peer import Peer, PeerConfig, default_model_id
 
     _quiet()
     torch.set_grad_enabled(False)
@@ -134,10 +136,17 @@ def _join(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     config = config.replace(host=host_config(args, serving=True))
+    from .net_cmds import check_ports_free
+
+    check_ports_free(config.host.listen_addrs)
     model = args.model or config.model_path
     if model is None:
         raise SangamaError("give the checkpoint to serve: --model DIR (or [stage] model in --config)")
     layers = args.layers or (config.layers if config.model_path is not None else "auto")
+    model_id = args.model_id
+    if (model_id is None and args.model is not None and config.stage is not None and config.model_path is not None
+            and config.stage.model_id == default_model_id(config.model_path)):
+        model_id = default_model_id(args.model)  # the id the file took from its own model follows --model
     options: dict[str, Any] = {}
     if args.dtype:
         options["dtype"] = args.dtype
@@ -150,7 +159,7 @@ def _join(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with Peer(config.replace(model_path=None)) as peer:
-            start, end = await peer.serve(model, layers, model_id=args.model_id, **options)
+            start, end = await peer.serve(model, layers, model_id=model_id, **options)
             server = peer.servers[-1]
             # from here on a signal stops us through the normal exit path: install the handler before saying ready
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -206,12 +215,28 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
 
     tokenizer = getattr(args, "tokenizer", None)
     model_id = model
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+        from ..errors import CheckpointError  # a path that is not there, not a model id (those have no such start)
+
+        raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
+                              "id such as the directory's name)")
+    model = str(Path(model).expanduser())
     if Path(model).is_dir():
         model_id = default_model_id(model)
         tokenizer = tokenizer or Path(model)
     config = PeerConfig(host=host_config(args, serving=False), client=ClientConfig(model_id=model_id),
                         tokenizer_path=tokenizer)
     return config, model_id
+
+
+def _need_tokenizer(config: Any, model: str, what: str) -> None:
+    """Text needs the model's tokenizer: say so before joining the swarm, in flags the user can pass."""
+    from ..errors import SangamaError
+
+    if config.tokenizer_path is None:
+        raise SangamaError(f"{what} needs the model's tokenizer, and {model!r} is a model id, not a checkpoint "
+                           "directory: pass --model DIR (the checkpoint) or --tokenizer DIR"
+                           + (", or give token ids with --prompt-ids" if what == "a text prompt" else ""))
 
 
 def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:
@@ -227,14 +252,14 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
         raise SangamaError("give the model: --model ID (or a checkpoint directory), or run in-process with --local")
     config, model_id = client_peer_config(args, args.model)
     text = args.prompt if args.prompt is not None else args.text
+    if prompts is None:
+        if text is None:
+            raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
+        _need_tokenizer(config, args.model, "a text prompt")
 
     async def main() -> list[Any]:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
-            todo = prompts
-            if todo is None:
-                if text is None:
-                    raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
-                todo = [peer.encode(text)]
+            todo = prompts if prompts is not None else [peer.encode(text)]
             from .model_cmds import _variant
 
             if args.batch > 1:  # the same prompt set as `generate --local --batch N`, so the two compare
@@ -282,6 +307,18 @@ def _vocab_size(model: str, peer: Any) -> int:
     raise SangamaError("--batch over the network needs the model's vocabulary: pass --model as a checkpoint dir")
 
 
+def default_guesses(checkpoint: Path) -> int | str:
+    """``auto`` for a model that drafts with an MTP layer, 0 for one without (a dense Llama refuses any guess)."""
+    from ..errors import SangamaError
+    from ..model.spec import ModelSpec
+
+    try:
+        spec = ModelSpec.from_dir(checkpoint)
+    except SangamaError:  # a directory with only the tokenizer: ask for guesses and let the swarm say
+        return "auto"
+    return "auto" if spec.mtp_num_layers else 0
+
+
 def _chat(args: argparse.Namespace) -> int:
     import trio
 
@@ -290,6 +327,8 @@ def _chat(args: argparse.Namespace) -> int:
 
     _quiet()
     config, model_id = client_peer_config(args, args.model)
+    _need_tokenizer(config, args.model, "chat")
+    k = args.guesses if args.guesses is not None else default_guesses(config.tokenizer_path)
 
     async def main() -> None:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
@@ -300,7 +339,8 @@ def _chat(args: argparse.Namespace) -> int:
             while True:
                 if interactive:
                     print("> ", end="", flush=True)
-                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                # abandoned on Ctrl-C: a read blocked on the terminal must not hold the interrupt until Enter
+                line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
                 if not line:
                     return
                 if not line.strip():
@@ -308,7 +348,7 @@ def _chat(args: argparse.Namespace) -> int:
                 ids = peer.encode(line.rstrip("\n") + "\n")
                 history.extend(ids)
                 decoder = IncrementalDecoder(peer.tokenizer) if peer.tokenizer is not None else None
-                async for tok in peer.stream(history, args.max_new_tokens, guesses=args.guesses,
+                async for tok in peer.stream(history, args.max_new_tokens, guesses=k,
                                              temperature=args.temperature):
                     history.append(tok)
                     piece = decoder.push([tok]) if decoder is not None else f"{tok} "
