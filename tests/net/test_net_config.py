@@ -49,6 +49,30 @@ def test_shipped_bootstrap_toml_loads_and_flags_override_it(tmp_path):
         HostConfig.from_toml(toml)
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("[host.limits]\nmax_conections = 3\n", r"unknown keys in \[host.limits\].*max_conections"),
+        ("[host]\nlimits = 3\n", "limits must be a table"),
+        ('[host.limits]\nmax_connections = "many"\n', "max_connections must be an integer, got 'many'"),
+        ('[host]\nlisten_addrs = "/ip4/0.0.0.0/tcp/4001"\n', "listen_addrs must be a list of multiaddr strings"),
+        ("[host]\nbootstrap_addrs = [4001]\n", "bootstrap_addrs must be a list of multiaddr strings"),
+        ('[host]\ndht_server = "yes"\n', "dht_server must be true or false, got 'yes'"),
+        ("[host]\nhandshake_timeout = true\n", "handshake_timeout must be a number, got True"),
+        ("[host]\nkey_path = 7\n", "key_path must be a path string, got 7"),
+    ],
+)
+def test_a_wrong_type_in_the_host_table_is_named(tmp_path, body, message):
+    """Each of these was a TypeError traceback or a misleading error ("bad multiaddr 'i'") before."""
+    toml = tmp_path / "host.toml"
+    toml.write_text(body)
+    with pytest.raises(NetworkError, match=message):
+        HostConfig.from_toml(toml)
+    toml.write_text("[host]\nhandshake_timeout = 2\n[host.limits]\nmax_streams = 64\n")  # an int for a float: fine
+    cfg = HostConfig.from_toml(toml)
+    assert cfg.handshake_timeout == 2 and cfg.limits.max_streams == 64
+
+
 def test_public_bootstrap_list_is_empty_until_public_nodes_exist():
     assert (ROOT / "bootstrap" / "public.txt").exists()
     assert default_bootstrap_addrs() == ()

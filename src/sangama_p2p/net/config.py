@@ -93,20 +93,60 @@ class HostConfig:
             from .fleet import read_fleet_secret
 
             table["fleet_secret"] = read_fleet_secret(Path(path).parent / Path(secret_file).expanduser())
-        if "limits" in table:
-            table["limits"] = Limits(**table["limits"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(table) - known
         if unknown:
             raise NetworkError(f"unknown keys in [host] of {path}: {sorted(unknown)}")
         for name in ("listen_addrs", "announce_addrs", "bootstrap_addrs"):
             if name in table:
-                table[name] = tuple(table[name])
+                value = table[name]
+                if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+                    raise NetworkError(f"bad [host] table in {path}: {name} must be a list of multiaddr strings "
+                                       f"(e.g. [\"/ip4/0.0.0.0/tcp/4001\"]), got {value!r}")
+                table[name] = tuple(value)
+        _check_types(table, cls, f"[host] table in {path}", skip=("listen_addrs", "announce_addrs",
+                                                                   "bootstrap_addrs", "fleet_secret", "limits"))
+        if "limits" in table:
+            limits = table["limits"]
+            if not isinstance(limits, dict):
+                raise NetworkError(f"bad [host] table in {path}: limits must be a table ([host.limits]), "
+                                   f"got {limits!r}")
+            unknown = set(limits) - {f.name for f in dataclasses.fields(Limits)}
+            if unknown:
+                raise NetworkError(f"unknown keys in [host.limits] of {path}: {sorted(unknown)}")
+            _check_types(limits, Limits, f"[host.limits] table in {path}")
+            table["limits"] = Limits(**limits)
         table.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**table)
         except TypeError as exc:
             raise NetworkError(f"bad [host] table in {path}: {exc}") from exc
+
+
+_TOML_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_types(table: dict[str, Any], cls: type, where: str, skip: tuple[str, ...] = ()) -> None:
+    """A TOML value of the wrong type for a field, named in TOML's terms (not as whatever trips on it later)."""
+    for f in dataclasses.fields(cls):
+        if f.name not in table or f.name in skip:
+            continue
+        value, kind = table[f.name], type(f.default)
+        if kind is Path or f.name == "key_path":
+            ok = isinstance(value, str)
+            want = "a path string"
+        elif kind in _TOML_KINDS:
+            want = _TOML_KINDS[kind]
+            if kind is bool or isinstance(value, bool):
+                ok = isinstance(value, bool) and kind is bool
+            elif kind is float:
+                ok = isinstance(value, (int, float))
+            else:
+                ok = isinstance(value, kind)
+        else:
+            continue
+        if not ok:
+            raise NetworkError(f"bad {where}: {f.name} must be {want}, got {value!r}")
 
 
 def parse_multiaddrs(addrs: tuple[str, ...] | list[str], *, what: str = "address") -> list[multiaddr.Multiaddr]:
