@@ -73,7 +73,8 @@ class StageServer:
         self.peer_id: str = node.peer_id.to_base58()
         self.table = SessionTable(model, config)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
-                                   max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype)
+                                   max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
+                                   inline_max_s=config.inline_step_s)
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._inbound: dict[FramedStream, Outbox] = {}
