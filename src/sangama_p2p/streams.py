@@ -58,6 +58,12 @@ class FramedStream:
                 return b""
             raise StreamClosed(f"stream from {self.peer} failed: {type(exc).__name__}: {exc}") from exc
 
+    @property
+    def has_frames(self) -> bool:
+        """More frames were already received (or, on a lane, decrypted) and wait to be read: a caller deciding
+        whether to act on a frame at once or to wait for the ones behind it asks this."""
+        return self._reader.has_frames or bool(getattr(self.stream, "has_data", False))
+
     async def recv(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream. Raises WireError for bad bytes."""
         payload = await self._reader.next_frame()

@@ -154,3 +154,21 @@ def test_a_failed_write_in_put_fails_the_outbox_with_the_item():
 
     trio.run(main)
     assert failed == [([_step(1)], "StreamClosed")]
+
+
+def test_has_frames_tells_whether_more_frames_wait_behind_the_one_read():
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                up, down = await _lanes(nursery)
+                fs, peer = FramedStream(up), FramedStream(down)
+                assert fs.send_nowait(_step(1)) and fs.send_nowait(_step(2))
+                await trio.sleep(0.05)  # both records are in the receiver's socket: one read brings them
+                assert await peer.recv() == _step(1)
+                assert peer.has_frames
+                assert await peer.recv() == _step(2)
+                assert not peer.has_frames
+                await fs.aclose()
+                await peer.aclose()
+
+    trio.run(main)

@@ -125,6 +125,36 @@ def test_short_decode_steps_run_inline_and_prefills_in_the_compute_thread(ckpt, 
     torch.testing.assert_close(from_wire(got[-1].hidden), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_short_step_submitted_alone_is_computed_at_once_and_others_still_batch(ckpt):
+    """``submit(job, alone=True)`` computes and delivers a short step before it returns when nothing is queued or
+    running; a job that is not alone, or one behind queued jobs, waits for the worker and batches with them."""
+    model, table = _table(ckpt)
+    a, b, c = (_session(table, i) for i in range(3))
+    got: list[tuple[int, int, int]] = []
+    sched = Scheduler(model, lambda job, out: got.append((job.msg.session_id[0], job.msg.step, out.batch_size)))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run)
+            sched.submit(_job(a, 0, [1], 0), alone=True)  # no step timed yet: goes to the worker
+            assert got == []
+            with trio.fail_after(20):
+                while not got:
+                    await trio.sleep(0.001)
+            sched.submit(_job(a, 1, [2], 1), alone=True)  # short, nothing queued: computed here and now
+            assert got[-1] == (0, 1, 1)
+            sched.submit(_job(b, 0, [3], 0))  # not alone: queued for the worker ...
+            sched.submit(_job(c, 0, [4], 0), alone=True)  # ... so this one queues behind it and batches with it
+            assert len(got) == 2
+            with trio.fail_after(20):
+                while len(got) < 4:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert got[2:] == [(1, 0, 2), (2, 0, 2)]
+
+
 def test_compute_thread_runs_calls_in_order_in_one_other_thread_and_raises_their_errors():
     seen: list[tuple[int, str]] = []
 

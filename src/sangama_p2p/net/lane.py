@@ -135,6 +135,11 @@ class LaneStream:
             self._plain = plain
         return self._plain.pop()
 
+    @property
+    def has_data(self) -> bool:
+        """Decrypted bytes are waiting (the next :meth:`read` returns without touching the socket)."""
+        return bool(self._plain) or bool(self._buf)
+
     # ---- the py-libp2p stream surface ----------------------------------------------------------------------
     async def read(self, n: int | None = None) -> bytes:
         """Up to ``n`` plaintext bytes; ``b""`` at a clean end."""

@@ -15,6 +15,8 @@ most that (10 ms by default) and the batch is decode-like, the hand-off to the c
 than blocking the event loop for the step. Measured on the 2-core dev machine with the tiny Llama anchor (3 layers,
 ~2.3 ms a step): the two thread wake-ups took the stage's queue + send stamps from ~0.22 ms to ~0.62 ms a step. Long
 steps (prefills, large models, big batches) still go to the compute thread, so frames keep arriving while they run.
+A short step whose reader holds no more frames, arriving while nothing is queued or running, is computed by the
+reader itself (``submit(job, alone=True)``): no hop to the worker task. Frames that arrive together still batch.
 
 The worker hands each finished job to ``deliver(job, outcome)`` on the trio thread; delivery must not block (it
 queues frames on the right stream).
@@ -155,9 +157,24 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self._queue) + (1 if self.busy else 0)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, *, alone: bool = False) -> None:
+        """Queue ``job`` for the worker. ``alone``: the caller holds no more frames; then a short step (see
+        :meth:`runs_inline`) with nothing queued or running is computed and delivered here and now, which saves the
+        hop to the worker task (and what the reader does before it yields: a read that finds nothing)."""
+        if alone and not self._queue and not self.busy and not job.session.closed and self.runs_inline([job]):
+            self._step_inline([job])
+            return
         self._queue.append(job)
         self._wake.set()
+
+    def _step_inline(self, batch: list[Job]) -> None:
+        self.busy = True
+        try:
+            outcomes = self.compute(batch)
+        finally:
+            self.busy = False
+        for job, out in zip(batch, outcomes):
+            self.deliver(job, out)
 
     def take_batch(self) -> list[Job]:
         """The next batch: FIFO, one job per session, within the session and token limits (never empty if queued)."""
@@ -198,16 +215,16 @@ class Scheduler:
                 batch = self.take_batch()
                 if not batch:
                     continue
-                self.busy = True
-                try:
-                    if self.runs_inline(batch):
-                        outcomes = self.compute(batch)
-                    else:
+                if self.runs_inline(batch):
+                    self._step_inline(batch)
+                else:
+                    self.busy = True
+                    try:
                         outcomes = await worker.run(self.compute, batch)
-                finally:
-                    self.busy = False
-                for job, out in zip(batch, outcomes):
-                    self.deliver(job, out)
+                    finally:
+                        self.busy = False
+                    for job, out in zip(batch, outcomes):
+                        self.deliver(job, out)
                 if self._queue:  # let the writers and readers run between back-to-back inline steps
                     await trio.lowlevel.checkpoint()
         finally:
