@@ -230,9 +230,10 @@ class Scheduler:
         finally:
             worker.stop()
 
-    # ---- compute (worker thread) -----------------------------------------------------------------------------
+    # ---- compute (compute thread, or the trio thread for short steps) ---------------------------------------
     def compute(self, batch: list[Job]) -> list[Outcome]:
-        """Run ``batch`` as one step; runs in the worker thread (the only thread touching session states)."""
+        """Run ``batch`` as one step: in the compute thread, or on the trio thread for a short step (never both at
+        once: a step starts only when the one before it has been delivered)."""
         outcomes = [Outcome() for _ in batch]
         ready: list[int] = []
         for i, job in enumerate(batch):
