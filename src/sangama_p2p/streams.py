@@ -6,7 +6,9 @@ py-libp2p streams in one place:
 * ``stream.read`` raises on end of stream instead of returning ``b""``; :meth:`FramedStream.read` translates that
   so :class:`~sangama_p2p.wire.framing.FrameReader` sees a clean end;
 * each frame is one ``write`` of ``encode_message_frame(msg)``, under a per-stream lock, so concurrent senders
-  never interleave partial frames.
+  never interleave partial frames; on a lane (:mod:`sangama_p2p.net.lane`) with no write in flight, the frame goes
+  to the socket at once instead (``try_write``: no lock, no cancel scopes, no yield), and only a part the socket
+  did not take waits for the lock.
 
 :func:`memory_stream_pair` gives two connected in-process streams with the same surface, so a peer that serves a
 stage and also generates can put its own stage in its chains (libp2p cannot dial its own peer id).
@@ -43,6 +45,9 @@ class FramedStream:
         self._reader = FrameReader(self.read, max_frame)
         self._lock = trio.Lock()
         self.closed = False
+        # streams that can write without waiting (lanes): ``try_write(frame) -> unwritten rest``, ``write_raw(rest)``
+        self._try_write = getattr(stream, "try_write", None)
+        self._tail: memoryview | bytes = b""  # the unwritten rest of a frame written without waiting
 
     async def read(self, n: int) -> bytes:
         """``read`` for FrameReader: ``b""`` at end of stream; a reset or a closed connection also ends it."""
@@ -52,6 +57,12 @@ class FramedStream:
             if type(exc).__name__ in ("StreamEOF", "StreamClosed"):
                 return b""
             raise StreamClosed(f"stream from {self.peer} failed: {type(exc).__name__}: {exc}") from exc
+
+    @property
+    def has_frames(self) -> bool:
+        """More frames were already received (or, on a lane, decrypted) and wait to be read: a caller deciding
+        whether to act on a frame at once or to wait for the ones behind it asks this."""
+        return self._reader.has_frames or bool(getattr(self.stream, "has_data", False))
 
     async def recv(self) -> Message | None:
         """The next message, or ``None`` at a clean end of stream. Raises WireError for bad bytes."""
@@ -65,16 +76,65 @@ class FramedStream:
         frame = encode_message_frame(msg, self.max_frame)
         await self.send_frame(frame)
 
+    @property
+    def can_send_nowait(self) -> bool:
+        """Whether :meth:`send_nowait` would write now: an open lane with no write in flight."""
+        return self._try_write is not None and not self.closed and not self._lock.locked() and not self._tail
+
+    def send_nowait(self, msg: Message) -> bool:
+        """Send ``msg`` at once, without waiting or yielding, where the stream allows it (:attr:`can_send_nowait`).
+        Returns False, having sent nothing, where it does not (the caller then uses :meth:`send`). If the socket
+        takes only part of the frame, the rest waits here for :meth:`flush` (any later send flushes it first).
+        Raises :class:`StreamClosed` when the stream is gone, WireError for a message that cannot be encoded."""
+        if not self.can_send_nowait:
+            return False
+        self._write_now(encode_message_frame(msg, self.max_frame))
+        return True
+
+    @property
+    def pending(self) -> bool:
+        """Part of a frame sent by :meth:`send_nowait` still waits for :meth:`flush`."""
+        return bool(self._tail)
+
+    async def flush(self, *, timeout: float = 60.0) -> None:
+        """Write what :meth:`send_nowait` left unwritten (nothing if the socket took it all)."""
+        if self._tail:
+            await self._send_locked(None, timeout)
+
+    def _write_now(self, frame: bytes) -> None:
+        assert self._try_write is not None
+        try:
+            self._tail = self._try_write(frame)
+        except StreamClosed:
+            self.closed = True
+            raise
+
     async def send_frame(self, frame: bytes, *, timeout: float = 60.0) -> None:
         """Write one whole frame. The write is shielded from cancellation: a frame cut off halfway would corrupt a
-        stream that other sessions share; a write stuck for ``timeout`` seconds closes the stream instead."""
+        stream that other sessions share; a write stuck for ``timeout`` seconds closes the stream instead. On a
+        lane with no write in flight the frame goes straight to the socket (no lock, no yield) when it fits."""
         if self.closed:
             raise StreamClosed(f"stream to {self.peer} is closed")
+        if self._try_write is not None and not self._lock.locked() and not self._tail:
+            self._write_now(frame)
+            if not self._tail:
+                return
+            with trio.CancelScope(shield=True):  # part of the frame is out: the rest must follow, cancelled or not
+                await self._send_locked(None, timeout)
+            return
+        await self._send_locked(frame, timeout)
+
+    async def _send_locked(self, frame: bytes | None, timeout: float) -> None:
+        """Under the lock: the rest of an earlier frame first (if any), then ``frame`` (if any)."""
         async with self._lock:
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(timeout) as scope:
                     try:
-                        await self.stream.write(frame)
+                        if self._tail:
+                            tail, self._tail = self._tail, b""
+                            await self.stream.write_raw(tail)
+                        if frame is not None:
+                            await self.stream.write(frame)
                     except Exception as exc:  # py-libp2p raises several unrelated types on a dead stream
                         self.closed = True
                         raise StreamClosed(f"cannot write to {self.peer}: {type(exc).__name__}: {exc}") from exc

@@ -65,7 +65,7 @@ def test_one_bad_position_fails_only_its_job_and_batching_matches_alone(ckpt):
     assert sched.stats.jobs == 2 and sched.stats.steps == 1
 
 
-def test_worker_runs_off_the_trio_thread_and_delivers_in_order(ckpt):
+def test_worker_delivers_each_sessions_steps_in_order(ckpt):
     model, table = _table(ckpt)
     a, b = (_session(table, i) for i in range(2))
     got = []
@@ -85,6 +85,74 @@ def test_worker_runs_off_the_trio_thread_and_delivers_in_order(ckpt):
     trio.run(main)
     assert [g for g in got if g[0] == 0] == [(0, 0, None), (0, 1, None), (0, 2, None)]
     assert [g for g in got if g[0] == 1] == [(1, 0, None), (1, 1, None), (1, 2, None)]
+
+
+@pytest.mark.parametrize("inline_max_s", [0.0, 10.0])
+def test_short_decode_steps_run_inline_and_prefills_in_the_compute_thread(ckpt, inline_max_s):
+    """Once decode-like steps are known to be short, they run on the trio thread (no hand-off); the first step, any
+    prefill and everything with ``inline_max_s=0`` run in the compute thread. The outputs are the same either way."""
+    model, table = _table(ckpt)
+    a = _session(table, 0)
+    threads: list[tuple[int, bool]] = []
+    got = []
+    sched = Scheduler(model, lambda job, out: got.append(out), inline_max_s=inline_max_s)
+    compute = sched.compute
+
+    def spy(batch):
+        threads.append((len(batch[0].msg.token_ids), threading.current_thread() is threading.main_thread()))
+        return compute(batch)
+
+    sched.compute = spy
+    plan = [(0, [1]), (1, [2]), (2, [3, 4, 5] * 6), (20, [6]), (21, [7])]  # the third is a prefill (18 tokens)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run)
+            for step, (start, tokens) in enumerate(plan):
+                sched.submit(_job(a, start, tokens, step))
+                with trio.fail_after(20):
+                    while len(got) <= step:
+                        await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    inline = inline_max_s > 0
+    assert threads == [(1, False), (1, inline), (18, False), (1, inline), (1, inline)]
+    assert all(out.error is None for out in got)
+    alone = model.new_session(64)
+    for start, tokens in plan:
+        ref = model.forward([StepInput(alone, start, tokens=torch.tensor(tokens))])
+    torch.testing.assert_close(from_wire(got[-1].hidden), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_short_step_submitted_alone_is_computed_at_once_and_others_still_batch(ckpt):
+    """``submit(job, alone=True)`` computes and delivers a short step before it returns when nothing is queued or
+    running; a job that is not alone, or one behind queued jobs, waits for the worker and batches with them."""
+    model, table = _table(ckpt)
+    a, b, c = (_session(table, i) for i in range(3))
+    got: list[tuple[int, int, int]] = []
+    sched = Scheduler(model, lambda job, out: got.append((job.msg.session_id[0], job.msg.step, out.batch_size)))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sched.run)
+            sched.submit(_job(a, 0, [1], 0), alone=True)  # no step timed yet: goes to the worker
+            assert got == []
+            with trio.fail_after(20):
+                while not got:
+                    await trio.sleep(0.001)
+            sched.submit(_job(a, 1, [2], 1), alone=True)  # short, nothing queued: computed here and now
+            assert got[-1] == (0, 1, 1)
+            sched.submit(_job(b, 0, [3], 0))  # not alone: queued for the worker ...
+            sched.submit(_job(c, 0, [4], 0), alone=True)  # ... so this one queues behind it and batches with it
+            assert len(got) == 2
+            with trio.fail_after(20):
+                while len(got) < 4:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert got[2:] == [(1, 0, 2), (2, 0, 2)]
 
 
 def test_compute_thread_runs_calls_in_order_in_one_other_thread_and_raises_their_errors():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import aclosing
 
 import pytest
 import trio
@@ -124,29 +125,25 @@ def test_a_full_stage_refuses_new_sessions_while_running_ones_continue(ckpt, fl)
     want = [chain.generate(p, 24).tokens for p in prompts]
 
     async def main():
-        got = [None, None]
+        got: list[list[int]] = [[], []]
         with trio.fail_after(90):
             async with fl.fleet(ckpt, SPLIT, memory_budget=int(2.5 * need), typical_session_length=length) as f:
                 async with ChainClient(f.clients[0], ClientConfig(fl.MODEL, max_failovers=1)) as client:
-                    opened = trio.Event()
-
-                    async def run(i):
-                        got[i] = await client.generate(prompts[i], 24, on_tokens=lambda new: opened.set())
-
-                    async with trio.open_nursery() as nursery:
-                        for i in range(2):
-                            nursery.start_soon(run, i)
-                        await opened.wait()
-                        while any(len(s.table.sessions) < 2 for _, s, _ in f.stages):
-                            await trio.sleep(0.01)
+                    # two generations hold their sessions, paused after their first token (no race with the refusal)
+                    async with aclosing(client.stream(prompts[0], 24)) as one, \
+                            aclosing(client.stream(prompts[1], 24)) as two:
+                        for i, tokens in enumerate((one, two)):
+                            got[i].append(await tokens.__anext__())
+                        assert all(len(s.table.sessions) == 2 for _, s, _ in f.stages)
                         with pytest.raises(StageError) as info:
                             await client.generate([5, 6, 7, 8], 24)
                         assert info.value.code == ErrorCode.CAPACITY
-                        assert all(r is None for r in got)  # the two were still running
+                        for i, tokens in enumerate((one, two)):  # the two continue
+                            got[i].extend([tok async for tok in tokens])
         return got
 
     got = trio.run(main)
-    assert [r.tokens for r in got] == want
+    assert got == want
 
 
 def test_a_bad_field_fails_only_its_session_and_garbage_closes_only_that_stream(ckpt, fl):

@@ -26,6 +26,8 @@ class StageConfig:
     ``lanes``: accept direct lanes (``/sangama/lane/2``: stage frames on a TCP connection of their own, keyed
     through libp2p, see :mod:`sangama_p2p.net.lane`) on ``lane_port`` (0: any free port; set one to open it in a
     firewall) and use them towards the next stage (set up within ``lane_timeout`` seconds, else libp2p streams).
+    ``inline_step_s``: decode-like steps run on the event loop's thread instead of the compute thread while they
+    take at most this long (smoothed), which saves two thread hand-offs a step (0: always the compute thread).
     """
 
     model_id: str
@@ -50,6 +52,7 @@ class StageConfig:
     lanes: bool = True
     lane_port: int = 0
     lane_timeout: float = 2.0
+    inline_step_s: float = 0.01
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -66,6 +69,8 @@ class StageConfig:
             raise StageError(f"wire_dtype must be bf16, fp16 or fp32, got {self.wire_dtype!r}")
         if self.announce_every <= 0 or self.record_ttl <= 0 or self.next_hop_timeout <= 0 or self.lane_timeout <= 0:
             raise StageError("announce_every, record_ttl, next_hop_timeout and lane_timeout must be positive")
+        if not 0 <= self.inline_step_s <= 1.0:
+            raise StageError(f"inline_step_s must be in 0..1 s, got {self.inline_step_s}")
         if not 0 <= self.lane_port <= 65535:
             raise StageError(f"lane_port must be in 0..65535, got {self.lane_port}")
 

@@ -73,7 +73,8 @@ class StageServer:
         self.peer_id: str = node.peer_id.to_base58()
         self.table = SessionTable(model, config)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
-                                   max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype)
+                                   max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
+                                   inline_max_s=config.inline_step_s)
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._inbound: dict[FramedStream, Outbox] = {}
@@ -238,7 +239,7 @@ class StageServer:
                     continue
                 if msg is None:
                     break
-                self._dispatch(fs.peer, outbox, msg, time.monotonic_ns())
+                self._dispatch(fs, outbox, msg, time.monotonic_ns())
         except StreamClosed:
             pass
         except Exception as exc:  # a bug must cost this stream, not every session of the stage
@@ -254,9 +255,10 @@ class StageServer:
                 await outbox.done.wait()  # the writer flushes what is queued before the close
             await fs.aclose()
 
-    def _dispatch(self, peer: str, outbox: Outbox, msg: Message, recv_ns: int) -> None:
+    def _dispatch(self, fs: FramedStream, outbox: Outbox, msg: Message, recv_ns: int) -> None:
+        peer = fs.peer
         if isinstance(msg, Step):
-            self._on_step(peer, outbox, msg, recv_ns)
+            self._on_step(peer, outbox, msg, recv_ns, alone=not fs.has_frames)
         elif isinstance(msg, OpenSession):
             try:
                 self.table.open(msg, peer, outbox)
@@ -278,7 +280,7 @@ class StageServer:
             outbox.put(ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.BAD_FRAME,
                                     f"a stage does not accept {type(msg).__name__}"))
 
-    def _on_step(self, peer: str, outbox: Outbox, msg: Step, recv_ns: int) -> None:
+    def _on_step(self, peer: str, outbox: Outbox, msg: Step, recv_ns: int, *, alone: bool = False) -> None:
         try:
             session = self.table.authorize_step(msg.session_id, peer)
         except StageError as exc:
@@ -289,7 +291,7 @@ class StageServer:
         except StageError as exc:
             self._to_owner(session, ErrorMessage(msg.session_id, msg.step, exc.code, str(exc)))
             return
-        self.scheduler.submit(Job(session, msg, recv_ns))
+        self.scheduler.submit(Job(session, msg, recv_ns), alone=alone)
 
     def _check_step(self, session: StageSession, msg: Step) -> None:
         """Everything about a step that does not depend on the session's position (checked in the worker)."""

@@ -205,6 +205,11 @@ class FrameReader:
         self._ready: list[bytes] = []
         self._eof = False
 
+    @property
+    def has_frames(self) -> bool:
+        """Whole frames are already read and waiting (the next :meth:`next_frame` returns without reading)."""
+        return bool(self._ready)
+
     async def next_frame(self) -> bytes | None:
         """Return the next payload, or ``None`` at a clean end of stream; raise on a cut-off frame."""
         while not self._ready:
