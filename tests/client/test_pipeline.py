@@ -171,3 +171,41 @@ def test_a_long_prompt_is_sent_in_chunks(ckpt):
     res = trio.run(main)
     assert [t.tokens for t in res.trips[:3]] == [4, 4, 3] and [t.emitted for t in res.trips[:3]] == [0, 0, 1]
     assert res.tokens == want
+
+
+def test_auto_guesses_take_what_the_stages_allow_and_a_capacity_refusal_says_what_the_generation_needs(ckpt):
+    """auto asks for up to 6 guesses; stages allowing 2 (or none, as a model without an MTP layer) refuse that with
+    TOO_MANY_GUESSES: auto then asks for fewer (6 -> 3 -> 1 -> 0) instead of failing. A fixed count still fails."""
+    from sangama_p2p.client.session import StageRefused
+    from sangama_p2p.errors import ErrorCode
+
+    chain = local_chain(ckpt, SPLIT)
+    want = chain.generate(PROMPT, 16).tokens
+
+    async def main():
+        got = {}
+        with trio.fail_after(90):
+            for allowed in (2, 0):
+                async with fleet(ckpt, SPLIT, max_guesses=allowed, max_session_length=40) as f:
+                    async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                        got[allowed] = await client.generate(PROMPT, 16, guesses="auto")
+                        try:
+                            await client.generate(PROMPT, 16, guesses=3)
+                        except StageRefused as exc:
+                            got[allowed, "fixed"] = exc
+                        try:
+                            await client.generate(PROMPT, 40)
+                        except StageRefused as exc:
+                            got[allowed, "long"] = exc
+        return got
+
+    got = trio.run(main)
+    for allowed in (2, 0):
+        res = got[allowed]
+        assert res.tokens == want
+        assert res.guesses_proposed <= res.steps + 1  # at most one guess per trip: auto settled on 1 (or 0)
+        assert got[allowed, "fixed"].code == ErrorCode.TOO_MANY_GUESSES
+        long = got[allowed, "long"]
+        assert long.code == ErrorCode.CAPACITY
+        assert "needs 47 positions on every stage: a prompt of 6 tokens + 40 new tokens + 0 guesses + 1" in str(long)
+    assert got[2].guesses_proposed > 0 and got[0].guesses_proposed == 0

@@ -38,7 +38,7 @@ from typing import Any
 
 import trio
 
-from ..errors import ModelError, NetworkError, RouteError, SangamaError
+from ..errors import ErrorCode, ModelError, NetworkError, RouteError, SangamaError
 from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
 from .config import ClientConfig
 from .links import LinkPool
@@ -320,10 +320,27 @@ class ChainClient:
             return
         max_guesses, adaptive = parse_guesses(guesses)
         stop = frozenset(stop_tokens)
-        params = SessionParams(self.config.model_id, self.peer_id, len(prompt) + max_new + max_guesses + 1,
-                               temperature, top_p, seed, max_guesses, adaptive)
         exclude: set[str] = set()
-        session = await self._open_chain(params, exclude, self.config.survey_max_age)
+        while True:
+            params = SessionParams(self.config.model_id, self.peer_id, len(prompt) + max_new + max_guesses + 1,
+                                   temperature, top_p, seed, max_guesses, adaptive)
+            try:
+                session = await self._open_chain(params, exclude, self.config.survey_max_age)
+                break
+            except StageRefused as exc:
+                if exc.code == ErrorCode.TOO_MANY_GUESSES and adaptive and max_guesses:
+                    # auto: as many guesses as pay, so fewer where a stage allows fewer (or none: no MTP layer)
+                    log.info("%s refused %d guesses (%s); auto tries %d", exc.peer, max_guesses, exc,
+                             max_guesses // 2)
+                    max_guesses //= 2
+                    adaptive = bool(max_guesses)
+                    continue
+                if exc.code == ErrorCode.CAPACITY:
+                    raise StageRefused(
+                        f"{exc} (this generation needs {params.max_length} positions on every stage: a prompt of "
+                        f"{len(prompt)} tokens + {max_new} new tokens + {max_guesses} guesses + 1)", exc.code,
+                        exc.peer) from exc
+                raise
         self.active[id(result)] = session
         out = result.tokens
         pending, start, n_guesses, step = list(prompt), 0, 0, 0
