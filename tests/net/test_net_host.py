@@ -120,6 +120,21 @@ def test_a_fixed_port_another_node_listens_on_is_refused_and_port_0_is_not():
     trio.run(main)
 
 
+def test_a_node_that_closes_closes_its_connections_so_peers_see_it_leave():
+    """py-libp2p's host.run only cancels tasks: the peer kept an 'established' connection to a node long gone."""
+
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as a:
+                async with open_host(config(bootstrap_addrs=(first_addr(a),))) as b:
+                    assert a.connections(b.peer_id)
+                with trio.fail_after(3):
+                    while a.connections(b.peer_id):
+                        await trio.sleep(0.05)
+
+    trio.run(main)
+
+
 def test_order_addrs_public_first_and_unreachable_address_skipped():
     ordered = order_addrs(
         multiaddr.Multiaddr(a)

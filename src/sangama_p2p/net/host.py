@@ -407,6 +407,7 @@ async def open_host(
                 yield node
             finally:
                 nursery.cancel_scope.cancel()
+                await _close_connections(host)
     except BaseExceptionGroup as group:
         # trio wraps errors that cross a nursery; callers get the one error that happened, unwrapped
         leaf = _single_leaf(group)
@@ -415,6 +416,19 @@ async def open_host(
         raise leaf  # keeps its own __cause__ (``from None`` would erase it)
     except OSError as exc:
         raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc
+
+
+async def _close_connections(host: IHost) -> None:
+    """Close every connection before the host stops, so that peers see us leave.
+
+    py-libp2p 0.8.1's ``host.run`` only cancels the swarm's tasks: the sockets of an in-process node that closes stay
+    open, and its peers keep a connection that looks established and dial nothing when they next ask it something.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        try:
+            await host.get_network().close()
+        except Exception as exc:  # best effort: the node is going away either way
+            log.debug("closing connections: %s", exc)
 
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
