@@ -13,9 +13,10 @@ Choices (see ``/work/shared/notes/py-libp2p-0.8.1.md`` for the measurements behi
   for 60 s after a failure.
 
 Extension points for relays and hole punching (``net/relay.py``): ``Node.nursery`` runs background tasks for the
-node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g. ``/p2p-circuit`` ones), and
-``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address works. Services passed
-to :func:`open_host` start after the host listens and the DHT runs, and before bootstrap.
+node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g. ``/p2p-circuit`` ones),
+``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address works, and
+``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets it).
+Services passed to :func:`open_host` start after the host listens and the DHT runs, and before bootstrap.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Node:
         self.dht: KadDHT | None = None
         self.extra_addrs: list[multiaddr.Multiaddr] = []
         self.fallback_dialers: list[Dialer] = []
+        self.dial_failed: list[Callable[[ID], None]] = []
         self._dialing: dict[ID, trio.Event] = {}
         self._route_library_dials()
 
@@ -144,6 +146,10 @@ class Node:
         self._dialing[peer_id] = trio.Event()
         try:
             return await self._connect(peer_id, addrs)
+        except NetworkError:
+            for callback in list(self.dial_failed):
+                callback(peer_id)
+            raise
         finally:
             self._dialing.pop(peer_id).set()
 
