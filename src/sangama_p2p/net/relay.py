@@ -242,11 +242,9 @@ class RelayClient:
         try:
             with trio.fail_after(self._timeout_s):
                 await self._connect(relay)
-                if offers_hop(self.host, relay.peer_id) is False:  # identify already listed its protocols
-                    raise NotARelayError(f"peer {relay.peer_id} is not a relay (it does not offer {HOP_PROTOCOL_ID})")
                 try:
                     stream = await self.host.new_stream(relay.peer_id, [HOP_PROTOCOL_ID])
-                except Exception as exc:
+                except Exception as exc:  # the multistream "na" decides; identify only backs it up
                     if _protocol_unsupported(exc) or offers_hop(self.host, relay.peer_id) is False:
                         message = f"peer {relay.peer_id} is not a relay (it refused {HOP_PROTOCOL_ID})"
                         raise NotARelayError(message) from exc
