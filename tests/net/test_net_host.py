@@ -99,6 +99,42 @@ def test_announced_address_nobody_observed_is_advertised_and_dialled():
     trio.run(main)
 
 
+def test_a_fixed_port_another_node_listens_on_is_refused_and_port_0_is_not():
+    """py-libp2p listens with SO_REUSEPORT: without the probe the second node would start on the busy port."""
+
+    async def main():
+        port = _free_port()
+        fixed = (f"/ip4/127.0.0.1/tcp/{port}",)
+        with trio.fail_after(20):
+            async with open_host(config(listen_addrs=fixed)) as first:
+                with pytest.raises(NetworkError, match=f"cannot listen on /ip4/127.0.0.1/tcp/{port}.*in use"):
+                    async with open_host(config(listen_addrs=fixed)):
+                        pass
+                wildcard = (f"/ip4/0.0.0.0/tcp/{port}",)  # the same port on every interface overlaps it too
+                with pytest.raises(NetworkError, match="in use"):
+                    async with open_host(config(listen_addrs=wildcard)):
+                        pass
+                async with open_host(config()) as other:  # port 0: any free port, never refused
+                    assert other.listen_addrs()[0] != first.listen_addrs()[0]
+
+    trio.run(main)
+
+
+def test_a_node_that_closes_closes_its_connections_so_peers_see_it_leave():
+    """py-libp2p's host.run only cancels tasks: the peer kept an 'established' connection to a node long gone."""
+
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as a:
+                async with open_host(config(bootstrap_addrs=(first_addr(a),))) as b:
+                    assert a.connections(b.peer_id)
+                with trio.fail_after(3):
+                    while a.connections(b.peer_id):
+                        await trio.sleep(0.05)
+
+    trio.run(main)
+
+
 def test_order_addrs_public_first_and_unreachable_address_skipped():
     ordered = order_addrs(
         multiaddr.Multiaddr(a)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from contextlib import AsyncExitStack
 
 import trio
 from libp2p.peer.id import ID
 
 from sangama_p2p.net.dht import providers_from_network
+from sangama_p2p.net.host import open_host
+from sangama_p2p.net.identity import generate_key_pair
 from sangama_p2p.net.discovery import Announcer, Offer, find_serving_peers
 from sangama_p2p.net.records import provider_key, record_key, sign_record
 
-from .net_swarm import swarm
+from .net_swarm import config, first_addr, swarm
 
 MODEL = "test-org/tiny-model"
 TTL = 3.0  # re-published every TTL/3; the margin absorbs a slow publish on a loaded machine
@@ -60,10 +63,15 @@ def test_discovery_is_not_fooled_by_a_non_empty_local_provider_store():
 
     async def main():
         with trio.fail_after(60):
-            async with swarm(6) as nodes:
+            async with swarm(5) as nodes, AsyncExitStack() as stack:
                 for i, node in enumerate(nodes[1:]):  # every node but the bootstrap serves a slice
                     await Announcer(node).update(Offer(MODEL, i, i + 1, ttl=30))
-                asker = nodes[5]  # it provides the model itself, so its local provider store is not empty
+                # A late joiner that provides the model itself: its local provider store holds itself alone (every
+                # earlier provide reached every node that was already there, routing tables being complete).
+                late = config(bootstrap_addrs=(first_addr(nodes[0]),))
+                asker = await stack.enter_async_context(open_host(late, key_pair=generate_key_pair()))
+                nodes.append(asker)
+                await Announcer(asker).update(Offer(MODEL, 4, 5, ttl=30))
                 key = provider_key(MODEL)
                 local_only = await asker.dht.find_providers(key)
                 found = await find_serving_peers(asker, MODEL)

@@ -202,6 +202,39 @@ def test_circuit_to_a_peer_without_reservation_is_refused_with_the_relay_status(
     trio.run(main)
 
 
+def test_a_peer_that_is_no_relay_is_asked_once_not_every_5_s(caplog: pytest.LogCaptureFixture) -> None:
+    """examples/trio_app.py: the second peer tried to reserve on the first (its bootstrap, no relay) and warned
+    "reservation ... failed ... retrying in 5.0 s" forever."""
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            a = await _node(stack, Traversal(TraversalConfig(reachability="public")))  # relay_hop off
+            b_t = Traversal(TraversalConfig(reachability="private", hole_punch=False))
+            started = trio.current_time()
+            b = await _node(stack, b_t, bootstrap_addrs=(first_addr(a),))
+            assert trio.current_time() - started < 5.0  # it waited the whole 10 s for a grant that could never come
+            assert b_t.relay_client is not None
+            assert b_t.relay_client.not_relays == {str(a.peer_id)}
+            assert not b_t.relay_client.reservations and b_t.circuit_addrs() == []
+            attempts = []
+            real_reserve = b_t.relay_client.reserve
+
+            async def counting_reserve(relay: PeerInfo) -> object:
+                attempts.append(relay.peer_id)
+                return await real_reserve(relay)
+
+            b_t.relay_client.reserve = counting_reserve  # type: ignore[method-assign]
+            await trio.sleep(6.0)  # beyond the 5 s retry
+            assert attempts == []
+            assert b.connections(a.peer_id)  # the peers still talk; only the reservation is given up
+
+    with caplog.at_level("INFO", logger="sangama_p2p.net.relay"):
+        trio.run(main)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "sangama_p2p.net.relay"]
+    assert warnings == []
+    assert any("is not a relay" in r.getMessage() for r in caplog.records)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -57,31 +57,10 @@ def default_bootstrap_addrs() -> tuple[str, ...]:
 
 
 def check_ports_free(listen_addrs: tuple[str, ...]) -> None:
-    """Refuse a fixed TCP listen port that another socket already listens on.
+    """Refuse a fixed TCP listen port that is already in use (see :func:`sangama_p2p.net.host.check_ports_free`)."""
+    from ..net.host import check_ports_free as check
 
-    py-libp2p listens with SO_REUSEPORT (hole punching dials from the listen port), so a second node on a busy
-    port starts without a word and the kernel then splits incoming connections between the two. A plain bind
-    (SO_REUSEADDR only, which passes TIME_WAIT leftovers) fails on a port somebody listens on.
-    """
-    import socket
-
-    from ..errors import NetworkError
-
-    for addr in listen_addrs:
-        parts = addr.strip("/").split("/")
-        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
-            continue
-        port = int(parts[3])
-        if port == 0:
-            continue
-        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((parts[1], port))
-            except OSError as exc:
-                raise NetworkError(f"cannot listen on {addr}: {exc.strerror or exc} (another sangama-peer on this "
-                                   "machine? pick another port, or tcp/0 for any free one)") from exc
+    check(listen_addrs)
 
 
 def _id(args: argparse.Namespace) -> int:

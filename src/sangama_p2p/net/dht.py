@@ -4,6 +4,12 @@ py-libp2p's ``find_providers`` returns only the local provider store when it is 
 returns a local copy without asking anyone else. Discovery must see the whole swarm and the newest record, so
 :func:`providers_from_network` and :func:`values_from_network` ask the peers closest to the key directly (the same
 GET_PROVIDERS / GET_VALUE RPCs, without the local short-cut) and merge in the local answer.
+
+The routing table holds DHT servers only. py-libp2p adds every peer that opens a KAD stream to us
+(``KadDHT._do_handle_stream`` passes ``skip_server_mode_check=True``), so each throwaway client (a ``generate`` run)
+stayed in a bootstrap node's table after it left, and every later lookup dialled the dead peers. :class:`_ServerDHT`
+adds a peer only once identify shows that it offers the KAD protocol itself (client-mode nodes do not register it),
+and a peer that cannot be dialled any more is dropped from the table (as go-libp2p's DHT does after a failed query).
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ from ..errors import NetworkError
 from .host import Node
 from .records import NAMESPACE, RecordValidator
 
-__all__ = ["bootstrap", "providers_from_network", "run_dht", "values_from_network"]
+__all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
 
 log = logging.getLogger(__name__)
 QUERY_TIMEOUT = 5.0  # per RPC; py-libp2p's own is 10 s
+IDENTIFY_WAIT = 10.0  # seconds a peer that queried us has for identify to tell whether it is a DHT server
 _CONCURRENCY = 10
 
 
@@ -55,11 +62,71 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
         {NAMESPACE: RecordValidator(), "pk": PublicKeyValidator()}, strict_validation=True
     )
     mode = DHTMode.SERVER if node.config.dht_server else DHTMode.CLIENT
-    dht = KadDHT(node.host, mode, validator=validator, validator_changed=True, strict_validation=True)
-    node.dht = dht
-    async with background_trio_service(dht):
-        task_status.started()
-        await trio.sleep_forever()
+    async with trio.open_nursery() as nursery:
+        dht = _ServerDHT(node.host, mode, nursery, validator=validator, validator_changed=True, strict_validation=True)
+        node.dht = dht
+        node.dial_failed.append(dht.forget)
+        try:
+            async with background_trio_service(dht):
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            node.dial_failed.remove(dht.forget)
+
+
+class _ServerDHT(KadDHT):
+    """A KadDHT whose routing table keeps DHT servers only (see the module docstring).
+
+    ``nursery`` runs the short waits for identify; it must outlive the DHT service.
+    """
+
+    def __init__(self, host: Any, mode: DHTMode, nursery: trio.Nursery, **kwargs: Any) -> None:
+        super().__init__(host, mode, **kwargs)
+        self._nursery = nursery
+        self._identifying: set[ID] = set()
+
+    async def add_peer(self, peer_id: ID, *, skip_server_mode_check: bool = False) -> bool:
+        """Add ``peer_id`` if it is a DHT server; decide later if identify has not told yet.
+
+        ``skip_server_mode_check`` is ignored: py-libp2p sets it for every peer that queries us, clients included.
+        Trusted peers (bootstrap nodes) go through ``routing_table.add_peer`` directly.
+        """
+        server = offers_dht(self.host, peer_id)
+        if server is None:
+            if peer_id not in self._identifying and peer_id != self.local_peer_id:
+                self._identifying.add(peer_id)
+                self._nursery.start_soon(self._add_once_identified, peer_id)
+            return False
+        if not server:
+            self.routing_table.remove_peer(peer_id)
+            return False
+        return await self.routing_table.add_peer(peer_id, skip_server_mode_check=True)
+
+    async def _add_once_identified(self, peer_id: ID) -> None:
+        try:
+            with trio.move_on_after(IDENTIFY_WAIT):
+                while offers_dht(self.host, peer_id) is None:
+                    await trio.sleep(0.05)
+                if offers_dht(self.host, peer_id):
+                    await self.routing_table.add_peer(peer_id, skip_server_mode_check=True)
+        finally:
+            self._identifying.discard(peer_id)
+
+    def forget(self, peer_id: ID) -> None:
+        """Drop a peer we could not dial from the routing table, so that later lookups stop dialling it."""
+        if self.routing_table.remove_peer(peer_id):
+            log.debug("dropped unreachable peer %s from the DHT routing table", peer_id)
+
+
+def offers_dht(host: Any, peer_id: ID) -> bool | None:
+    """Whether ``peer_id`` serves the KAD protocol (a DHT server), per identify; ``None`` while nobody knows."""
+    try:
+        protocols = host.get_peerstore().get_protocols(peer_id)
+    except Exception:  # not in the peerstore (yet)
+        return None
+    if not protocols:
+        return None
+    return str(PROTOCOL_ID) in {str(p) for p in protocols}
 
 
 async def bootstrap(node: Node, addrs: Iterable[str]) -> list[ID]:
@@ -77,7 +144,7 @@ async def bootstrap(node: Node, addrs: Iterable[str]) -> list[ID]:
         except NetworkError as exc:
             failures.append(exc)
             return
-        await dht.add_peer(peer, skip_server_mode_check=True)
+        await dht.routing_table.add_peer(peer, skip_server_mode_check=True)  # trusted: a bootstrap node is a server
         reached.append(peer)
 
     async with trio.open_nursery() as nursery:

@@ -13,9 +13,10 @@ Choices (see ``/work/shared/notes/py-libp2p-0.8.1.md`` for the measurements behi
   for 60 s after a failure.
 
 Extension points for relays and hole punching (``net/relay.py``): ``Node.nursery`` runs background tasks for the
-node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g. ``/p2p-circuit`` ones), and
-``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address works. Services passed
-to :func:`open_host` start after the host listens and the DHT runs, and before bootstrap.
+node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g. ``/p2p-circuit`` ones),
+``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address works, and
+``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets it).
+Services passed to :func:`open_host` start after the host listens and the DHT runs, and before bootstrap.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -59,6 +61,7 @@ __all__ = [
     "FRAME_WINDOW",
     "Dialer",
     "Node",
+    "check_ports_free",
     "is_relayed",
     "open_host",
     "order_addrs",
@@ -89,6 +92,7 @@ class Node:
         self.dht: KadDHT | None = None
         self.extra_addrs: list[multiaddr.Multiaddr] = []
         self.fallback_dialers: list[Dialer] = []
+        self.dial_failed: list[Callable[[ID], None]] = []
         self._dialing: dict[ID, trio.Event] = {}
         self._route_library_dials()
 
@@ -142,6 +146,10 @@ class Node:
         self._dialing[peer_id] = trio.Event()
         try:
             return await self._connect(peer_id, addrs)
+        except NetworkError:
+            for callback in list(self.dial_failed):
+                callback(peer_id)
+            raise
         finally:
             self._dialing.pop(peer_id).set()
 
@@ -340,6 +348,31 @@ def _build_host(config: HostConfig, key_pair: KeyPair, node_ref: list[Node]) -> 
     return host
 
 
+def check_ports_free(listen_addrs: Sequence[str]) -> None:
+    """Refuse a fixed TCP listen port that another socket already listens on, with a :class:`NetworkError`.
+
+    py-libp2p 0.8.1 listens with SO_REUSEPORT (hole punching dials from the listen port), so a second node on a busy
+    port starts without a word and the kernel then splits incoming connections between the two. A plain bind
+    (SO_REUSEADDR only, which passes TIME_WAIT leftovers) fails on a port somebody listens on. Port 0 (any free
+    port) and non-TCP addresses are not checked.
+    """
+    for addr in listen_addrs:
+        parts = str(addr).strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or not parts[3].isdigit():
+            continue
+        port = int(parts[3])
+        if port == 0:
+            continue
+        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((parts[1], port))
+            except OSError as exc:
+                raise NetworkError(f"cannot listen on {addr}: {exc.strerror or exc} (another sangama-peer on this "
+                                   "machine? pick another port, or tcp/0 for any free one)") from exc
+
+
 def _is_wildcard(addr: multiaddr.Multiaddr) -> bool:
     return "/ip4/0.0.0.0/" in str(addr) or "/ip6/::/" in str(addr)
 
@@ -355,13 +388,15 @@ async def open_host(
 
     Starts the host on ``config.listen_addrs``, the Kademlia DHT (server mode when ``config.dht_server``), the
     given ``services`` (each ``await service(node)`` runs in the node's nursery), then connects to the bootstrap
-    addresses. If bootstrap addresses are configured and none answers, raises :class:`NetworkError`.
+    addresses. If bootstrap addresses are configured and none answers, raises :class:`NetworkError`; so does a fixed
+    TCP listen port that another socket already listens on (:func:`check_ports_free`).
     """
     from .dht import bootstrap, run_dht  # local: dht imports this module
 
     key_pair = key_pair or load_or_create_key_pair(config.key_path)
     if config.batch_window_updates:
         os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # see HostConfig.batch_window_updates
+    check_ports_free(config.listen_addrs)  # before any host exists: py-libp2p would share the port silently
     node_ref: list[Node] = []
     host = _build_host(config, key_pair, node_ref)
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
@@ -378,6 +413,7 @@ async def open_host(
                 yield node
             finally:
                 nursery.cancel_scope.cancel()
+                await _close_connections(host)
     except BaseExceptionGroup as group:
         # trio wraps errors that cross a nursery; callers get the one error that happened, unwrapped
         leaf = _single_leaf(group)
@@ -386,6 +422,19 @@ async def open_host(
         raise leaf  # keeps its own __cause__ (``from None`` would erase it)
     except OSError as exc:
         raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc
+
+
+async def _close_connections(host: IHost) -> None:
+    """Close every connection before the host stops, so that peers see us leave.
+
+    py-libp2p 0.8.1's ``host.run`` only cancels the swarm's tasks: the sockets of an in-process node that closes stay
+    open, and its peers keep a connection that looks established and dial nothing when they next ask it something.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+        try:
+            await host.get_network().close()
+        except Exception as exc:  # best effort: the node is going away either way
+            log.debug("closing connections: %s", exc)
 
 
 def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:

@@ -32,6 +32,7 @@ from libp2p.connection_types import ConnectionType
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.protocol_muxer.exceptions import MultiselectClientError, ProtocolNotSupportedError
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
@@ -46,11 +47,13 @@ from ..errors import NetworkError
 
 __all__ = [
     "ConnectFn",
+    "NotARelayError",
     "RelayClient",
     "RelayError",
     "RelayServiceConfig",
     "Reservation",
     "circuit_addr",
+    "offers_hop",
     "open_relay_client",
     "parse_circuit_addr",
     "relay_of",
@@ -73,6 +76,10 @@ class RelayError(NetworkError):
     def __init__(self, message: str, status: int = 0) -> None:
         super().__init__(message)
         self.status = status
+
+
+class NotARelayError(RelayError):
+    """The peer does not offer the circuit relay v2 HOP protocol: it relays for nobody, and asking again won't help."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,8 @@ class RelayClient:
         self._connect: ConnectFn = connect or host.connect
         self._reservations: dict[str, Reservation] = {}
         self._kept: set[str] = set()
+        self.not_relays: set[str] = set()
+        """Peers (ids as strings) that were asked to keep a reservation but offer no relay service."""
         self.refreshes = 0
         self.on_change: Callable[[], None] | None = None
         """Called whenever a kept reservation was granted, refreshed or lost (e.g. to re-advertise addresses)."""
@@ -233,7 +242,13 @@ class RelayClient:
         try:
             with trio.fail_after(self._timeout_s):
                 await self._connect(relay)
-                stream = await self.host.new_stream(relay.peer_id, [HOP_PROTOCOL_ID])
+                try:
+                    stream = await self.host.new_stream(relay.peer_id, [HOP_PROTOCOL_ID])
+                except Exception as exc:  # the multistream "na" decides; identify only backs it up
+                    if _protocol_unsupported(exc) or offers_hop(self.host, relay.peer_id) is False:
+                        message = f"peer {relay.peer_id} is not a relay (it refused {HOP_PROTOCOL_ID})"
+                        raise NotARelayError(message) from exc
+                    raise
                 try:
                     await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE))
                     reply = await read_delimited_msg(stream, HopMessage)
@@ -267,10 +282,15 @@ class RelayClient:
         return reservation
 
     def keep_reservation(self, relay: PeerInfo) -> None:
-        """Hold a reservation on ``relay`` for as long as the client is open: refresh early, retry on failure."""
+        """Hold a reservation on ``relay`` for as long as the client is open: refresh early, retry on failure.
+
+        A peer that turns out not to be a relay (:class:`NotARelayError`) is given up on at once and listed in
+        :attr:`not_relays`, until ``keep_reservation`` is called for it again.
+        """
         key = str(relay.peer_id)
         if key not in self._kept:
             self._kept.add(key)
+            self.not_relays.discard(key)
             self._nursery.start_soon(self._keep, relay)
 
     async def _keep(self, relay: PeerInfo) -> None:
@@ -279,6 +299,14 @@ class RelayClient:
         while True:
             try:
                 reservation = await self.reserve(relay)
+            except NotARelayError as exc:
+                logger.info("%s; not reserving a slot on it", exc)
+                key = str(relay.peer_id)
+                self._reservations.pop(key, None)
+                self._kept.discard(key)
+                self.not_relays.add(key)
+                self._changed()
+                return
             except RelayError as exc:
                 logger.warning("%s; retrying in %.1f s", exc, retry)
                 self._changed()
@@ -327,6 +355,34 @@ class RelayClient:
             raise RelayError(f"circuit to {peer_id} via {relay_id} failed: {exc}") from exc
         conn.set_transport_info([label], ConnectionType.RELAYED)  # type: ignore[attr-defined]
         return conn
+
+
+def offers_hop(host: IHost, peer_id: ID) -> bool | None:
+    """Whether identify lists the circuit relay v2 HOP protocol for ``peer_id``; ``None`` while nobody knows."""
+    try:
+        protocols = host.get_peerstore().get_protocols(peer_id)
+    except Exception:  # not in the peerstore (yet)
+        return None
+    if not protocols:
+        return None
+    return str(HOP_PROTOCOL_ID) in {str(p) for p in protocols}
+
+
+def _protocol_unsupported(exc: BaseException | None) -> bool:
+    """True if ``exc`` (or what caused it) is the peer's multistream "na": it does not speak the protocol.
+
+    py-libp2p 0.8.1's ``select_one_of`` catches the typed :class:`ProtocolNotSupportedError` and raises a plain
+    :class:`MultiselectClientError` whose message starts "protocols not supported" instead; nothing else tells.
+    """
+    for _ in range(16):
+        if exc is None:
+            return False
+        if isinstance(exc, ProtocolNotSupportedError):
+            return True
+        if isinstance(exc, MultiselectClientError) and str(exc).startswith("protocols not supported"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @asynccontextmanager

@@ -145,8 +145,8 @@ class Traversal:
         for relay in relays:
             client.keep_reservation(relay)
         with trio.move_on_after(10.0):  # first grant, so that wait_ready means "advertising a circuit"
-            while relays and not client.reservations:
-                await trio.sleep(0.05)
+            while not client.reservations and any(str(r.peer_id) not in client.not_relays for r in relays):
+                await trio.sleep(0.05)  # ... unless every relay turned out to be no relay at all
 
     def _advertise(self) -> None:
         """Advertise our circuit addresses through ``Node.extra_addrs``, but only if they come out intact.

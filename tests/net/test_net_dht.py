@@ -1,0 +1,66 @@
+"""The DHT routing table keeps servers only: clients that queried a bootstrap node and peers that went away drop out."""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from libp2p.peer.id import ID
+
+from sangama_p2p.net.dht import offers_dht, providers_from_network
+from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.status import survey
+
+from .net_swarm import config, first_addr, swarm
+
+
+def _table(node: Node) -> set[ID]:
+    assert node.dht is not None
+    return set(node.dht.routing_table.get_peer_ids())
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.05)
+
+
+def test_clients_that_queried_a_bootstrap_node_stay_out_of_its_routing_table():
+    """The walkthrough's repro: a few `generate` runs (DHT clients) against a bootstrap, then `status`."""
+
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(2) as (boot, server):
+                await _until(lambda: server.peer_id in _table(boot))  # a server is added once identify confirms it
+                clients = []
+                for _ in range(3):
+                    cfg = config(bootstrap_addrs=(first_addr(boot),), dht_server=False)
+                    async with open_host(cfg, key_pair=generate_key_pair()) as client:
+                        await providers_from_network(client, os.urandom(32))  # KAD streams to the bootstrap
+                        await _until(lambda: offers_dht(boot.host, client.peer_id) is not None)
+                        await trio.sleep(0.2)  # room for a deferred add (there must be none)
+                        assert client.peer_id not in _table(boot)
+                        clients.append(client.peer_id.to_base58())
+                assert _table(boot) == {server.peer_id}
+                cfg = config(bootstrap_addrs=(first_addr(boot),), dht_server=False)
+                async with open_host(cfg, key_pair=generate_key_pair()) as viewer:
+                    shown = {p.peer_id for p in (await survey(viewer, timeout=3.0)).peers}
+                assert shown == {boot.peer_id.to_base58(), server.peer_id.to_base58()}  # no dead client rows
+
+    trio.run(main)
+
+
+def test_a_server_that_cannot_be_dialled_any_more_is_dropped_from_the_routing_table():
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(1) as (boot,):
+                cfg = config(bootstrap_addrs=(first_addr(boot),))
+                async with open_host(cfg, key_pair=generate_key_pair()) as server:
+                    gone = server.peer_id
+                    await _until(lambda: gone in _table(boot))
+                await _until(lambda: not boot.connections(gone))  # the bootstrap noticed the connection close
+                await providers_from_network(boot, os.urandom(32))  # asks its table: the dial to `gone` fails
+                assert gone not in _table(boot)
+
+    trio.run(main)
