@@ -36,7 +36,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from ..errors import NetworkError
-from .host import Node
+from .host import Node, offers_protocol
 from .records import NAMESPACE, RecordValidator
 
 __all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
@@ -120,13 +120,7 @@ class _ServerDHT(KadDHT):
 
 def offers_dht(host: Any, peer_id: ID) -> bool | None:
     """Whether ``peer_id`` serves the KAD protocol (a DHT server), per identify; ``None`` while nobody knows."""
-    try:
-        protocols = host.get_peerstore().get_protocols(peer_id)
-    except Exception:  # not in the peerstore (yet)
-        return None
-    if not protocols:
-        return None
-    return str(PROTOCOL_ID) in {str(p) for p in protocols}
+    return offers_protocol(host, peer_id, PROTOCOL_ID)
 
 
 async def bootstrap(node: Node, addrs: Iterable[str]) -> list[ID]:

@@ -63,6 +63,7 @@ __all__ = [
     "Node",
     "check_ports_free",
     "is_relayed",
+    "offers_protocol",
     "open_host",
     "order_addrs",
     "remote_addr",
@@ -70,6 +71,17 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def offers_protocol(host: Any, peer_id: Any, protocol: object) -> bool | None:
+    """Whether identify lists ``protocol`` for ``peer_id``; ``None`` while nobody knows (not identified yet)."""
+    try:
+        protocols = host.get_peerstore().get_protocols(peer_id)
+    except Exception:  # not in the peerstore (yet)
+        return None
+    if not protocols:
+        return None
+    return str(protocol) in {str(p) for p in protocols}
 
 Dialer = Callable[["Node", ID, list[multiaddr.Multiaddr]], Awaitable[INetConn]]
 Service = Callable[["Node"], Awaitable[Any]]

@@ -44,6 +44,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
 from ..errors import NetworkError
+from .host import offers_protocol
 
 __all__ = [
     "ConnectFn",
@@ -359,13 +360,7 @@ class RelayClient:
 
 def offers_hop(host: IHost, peer_id: ID) -> bool | None:
     """Whether identify lists the circuit relay v2 HOP protocol for ``peer_id``; ``None`` while nobody knows."""
-    try:
-        protocols = host.get_peerstore().get_protocols(peer_id)
-    except Exception:  # not in the peerstore (yet)
-        return None
-    if not protocols:
-        return None
-    return str(HOP_PROTOCOL_ID) in {str(p) for p in protocols}
+    return offers_protocol(host, peer_id, HOP_PROTOCOL_ID)
 
 
 def _protocol_unsupported(exc: BaseException | None) -> bool:
