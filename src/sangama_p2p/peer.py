@@ -29,7 +29,7 @@ import trio
 
 from .client.config import ClientConfig
 from .errors import LayerRangeError, ModelError, SangamaError, StageError
-from .net.config import HostConfig
+from .net.config import HostConfig, check_toml_types
 from .stage.config import StageConfig
 
 __all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_id"]
@@ -111,30 +111,12 @@ def _template_range(layers: str) -> tuple[int, int]:
     return r.start, r.end
 
 
-_TOML_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _fits(value: Any, default: Any) -> bool:
-    """Whether a TOML value suits a field whose default is ``default`` (fields without a plain default: any)."""
-    kind = type(default)
-    if kind not in _TOML_TYPES:
-        return True
-    if isinstance(value, bool) or kind is bool:
-        return isinstance(value, bool) and kind is bool
-    if kind is float:
-        return isinstance(value, (int, float))
-    return isinstance(value, kind)
-
-
 def _build(cls: Any, table: dict[str, Any], where: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(table) - known
     if unknown:
         raise SangamaError(f"unknown keys in {where}: {sorted(unknown)}")
-    for f in dataclasses.fields(cls):  # a wrong type, told in TOML's terms (not as the comparison that trips on it)
-        if f.name in table and not _fits(table[f.name], f.default):
-            raise SangamaError(f"bad {where}: {f.name} must be {_TOML_TYPES[type(f.default)]}, "
-                               f"got {table[f.name]!r}")
+    check_toml_types(table, cls, where, SangamaError)
     try:
         return cls(**table)
     except TypeError as exc:

@@ -16,9 +16,9 @@ from typing import Any
 
 import multiaddr
 
-from ..errors import NetworkError
+from ..errors import NetworkError, SangamaError
 
-__all__ = ["DEFAULT_LISTEN", "HostConfig", "Limits", "parse_multiaddrs"]
+__all__ = ["DEFAULT_LISTEN", "HostConfig", "Limits", "check_toml_types", "parse_multiaddrs"]
 
 DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/0",)
 
@@ -104,8 +104,8 @@ class HostConfig:
                     raise NetworkError(f"bad [host] table in {path}: {name} must be a list of multiaddr strings "
                                        f"(e.g. [\"/ip4/0.0.0.0/tcp/4001\"]), got {value!r}")
                 table[name] = tuple(value)
-        _check_types(table, cls, f"[host] table in {path}", skip=("listen_addrs", "announce_addrs",
-                                                                   "bootstrap_addrs", "fleet_secret", "limits"))
+        check_toml_types(table, cls, f"[host] table in {path}", paths=("key_path",),
+                         skip=("listen_addrs", "announce_addrs", "bootstrap_addrs", "fleet_secret", "limits"))
         if "limits" in table:
             limits = table["limits"]
             if not isinstance(limits, dict):
@@ -114,7 +114,7 @@ class HostConfig:
             unknown = set(limits) - {f.name for f in dataclasses.fields(Limits)}
             if unknown:
                 raise NetworkError(f"unknown keys in [host.limits] of {path}: {sorted(unknown)}")
-            _check_types(limits, Limits, f"[host.limits] table in {path}")
+            check_toml_types(limits, Limits, f"[host.limits] table in {path}")
             table["limits"] = Limits(**limits)
         table.update({k: v for k, v in overrides.items() if v is not None})
         try:
@@ -126,15 +126,17 @@ class HostConfig:
 _TOML_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _check_types(table: dict[str, Any], cls: type, where: str, skip: tuple[str, ...] = ()) -> None:
-    """A TOML value of the wrong type for a field, named in TOML's terms (not as whatever trips on it later)."""
+def check_toml_types(table: dict[str, Any], cls: type, where: str, error: type[SangamaError] = NetworkError, *,
+                     skip: tuple[str, ...] = (), paths: tuple[str, ...] = ()) -> None:
+    """Raise ``error`` for a TOML value of the wrong type for a field of dataclass ``cls`` (judged by the field's
+    default: bool, int, float or str; ``paths`` name fields that take a path string), named in TOML's terms rather
+    than as whatever trips on it later. Fields with other defaults, and those in ``skip``, are not checked."""
     for f in dataclasses.fields(cls):
         if f.name not in table or f.name in skip:
             continue
         value, kind = table[f.name], type(f.default)
-        if kind is Path or f.name == "key_path":
-            ok = isinstance(value, str)
-            want = "a path string"
+        if f.name in paths:
+            ok, want = isinstance(value, str), "a path string"
         elif kind in _TOML_KINDS:
             want = _TOML_KINDS[kind]
             if kind is bool or isinstance(value, bool):
@@ -146,7 +148,7 @@ def _check_types(table: dict[str, Any], cls: type, where: str, skip: tuple[str, 
         else:
             continue
         if not ok:
-            raise NetworkError(f"bad {where}: {f.name} must be {want}, got {value!r}")
+            raise error(f"bad {where}: {f.name} must be {want}, got {value!r}")
 
 
 def parse_multiaddrs(addrs: tuple[str, ...] | list[str], *, what: str = "address") -> list[multiaddr.Multiaddr]:
