@@ -115,7 +115,7 @@ class FramedStream:
         lane with no write in flight the frame goes straight to the socket (no lock, no yield) when it fits."""
         if self.closed:
             raise StreamClosed(f"stream to {self.peer} is closed")
-        if self._try_write is not None and not self._lock.locked() and not self._tail:
+        if self.can_send_nowait:
             self._write_now(frame)
             if not self._tail:
                 return

@@ -72,11 +72,11 @@ class Outbox:
             except SangamaError as exc:
                 self._fail([item], exc)
                 return True
-            if sent:
-                if fs.pending:  # the socket took part of the frame: the writer sends the rest before anything else
-                    self._enqueue(_FLUSH)
-                return True
-            item = msg  # already built (and stamped): queue the message itself (not reached: checked above)
+            if not sent:
+                return self._enqueue(msg)  # built (and stamped) already: queue the message itself
+            if fs.pending:  # the socket took part of the frame: the writer sends the rest before anything else
+                self._enqueue(_FLUSH)
+            return True
         return self._enqueue(item)
 
     def _enqueue(self, item: Item | object) -> bool:

@@ -49,6 +49,10 @@ T = TypeVar("T")
 _DECODE_TOKENS = 16  # a step with at most this many tokens per job is decode-like (a prefill has more)
 
 
+def _decode_like(jobs: list[Job]) -> bool:
+    return sum(len(j.msg.token_ids) for j in jobs) <= _DECODE_TOKENS * len(jobs)
+
+
 class ComputeThread:
     """One long-lived thread that runs a stage's compute calls in order, off the trio thread.
 
@@ -201,8 +205,7 @@ class Scheduler:
         """Whether ``batch`` runs on the trio thread: decode-like, and decode-like steps have taken at most
         ``inline_max_s`` (smoothed; unknown before the first one, which goes to the compute thread)."""
         ewma = self.stats.ewma_step_s
-        return (0 < ewma <= self.inline_max_s
-                and sum(len(j.msg.token_ids) for j in batch) <= _DECODE_TOKENS * len(batch))
+        return 0 < ewma <= self.inline_max_s and _decode_like(batch)
 
     async def run(self) -> None:
         """The compute worker: forever take a batch, compute it (inline or in the compute thread), deliver."""
@@ -265,7 +268,7 @@ class Scheduler:
         s.jobs += len(ready)
         s.tokens += sum(len(batch[i].msg.token_ids) for i in ready)
         dt = (t1 - t0) / 1e9
-        if sum(len(batch[i].msg.token_ids) for i in ready) <= _DECODE_TOKENS * len(ready):  # decode-like steps
+        if _decode_like([batch[i] for i in ready]):
             s.ewma_step_s = dt if not s.ewma_step_s else 0.8 * s.ewma_step_s + 0.2 * dt
         for i, res in zip(ready, results):
             out = outcomes[i]
