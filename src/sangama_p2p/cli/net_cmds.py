@@ -56,13 +56,6 @@ def default_bootstrap_addrs() -> tuple[str, ...]:
     return tuple(line for line in lines if line)
 
 
-def check_ports_free(listen_addrs: tuple[str, ...]) -> None:
-    """Refuse a fixed TCP listen port that is already in use (see :func:`sangama_p2p.net.host.check_ports_free`)."""
-    from ..net.host import check_ports_free as check
-
-    check(listen_addrs)
-
-
 def _id(args: argparse.Namespace) -> int:
     from ..net.identity import load_or_create_key_pair, peer_id_of
 
@@ -101,7 +94,6 @@ def _bootstrap(args: argparse.Namespace) -> int:
         config = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/4001",))
         config = config.replace(**{k: v for k, v in overrides.items() if v is not None})
     config = config.replace(dht_server=True, relay_hop=True, bootstrap_addrs=())
-    check_ports_free(config.listen_addrs)
 
     async def main() -> None:
         traversal = Traversal(TraversalConfig(serve_relay=True, reachability="public", hole_punch=False))

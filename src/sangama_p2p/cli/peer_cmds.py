@@ -136,9 +136,6 @@ def _join(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     config = config.replace(host=host_config(args, serving=True))
-    from .net_cmds import check_ports_free
-
-    check_ports_free(config.host.listen_addrs)
     model = args.model or config.model_path
     if model is None:
         raise SangamaError("give the checkpoint to serve: --model DIR (or [stage] model in --config)")
