@@ -25,15 +25,21 @@ SYSTEM = "You are a tiny model."
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory):
-    from sangama_p2p.cli.local_fleet import ThreadFleet
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose tokenizer_config.json carries a ChatML template (its tokenizer has the markers)."""
     from sangama_p2p.model.make import make_model
 
-    work = tmp_path_factory.mktemp("chat")
-    model = make_model(work / "chat-llama", "llama", "tiny")
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=CHATML)))
-    with ThreadFleet(model, [(0, 3), (3, 6)], work / "fleet") as f:
+    path = make_model(tmp_path_factory.mktemp("chat") / "chat-llama", "llama", "tiny")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=CHATML)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fleet(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    from sangama_p2p.cli.local_fleet import ThreadFleet
+
+    with ThreadFleet(model, [(0, 3), (3, 6)], tmp_path_factory.mktemp("fleet")) as f:
         yield model, f
 
 
@@ -93,3 +99,35 @@ def test_a_long_conversation_drops_its_oldest_turns_and_plain_lines_are_said_onc
     tok = Tokenizer.from_dir(bare)
     last = tok.decode(answers[-1]["prompt_ids"])
     assert last.endswith(f"user: {lines[-1]}\nassistant:") and "question 0" not in last  # plain lines, trimmed
+
+
+def test_generate_local_chat_renders_one_turn(model: Path, capsys: pytest.CaptureFixture) -> None:
+    from sangama_p2p.cli.main import main
+    from sangama_p2p.model.chain import LocalChain
+    from sangama_p2p.model.checkpoint import open_checkpoint
+    from sangama_p2p.model.spec import LayerRange
+
+    assert main(["generate", "--local", str(model), "--chat", "--system", SYSTEM, "hello", "--json",
+                 "--max-new-tokens", "5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ckpt = open_checkpoint(model)
+    prompt = render_chat(load_chat_template(model), ckpt.tokenizer,
+                         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}])
+    assert out["prompt_ids"] == list(prompt.ids)
+    assert prompt.stop_ids == (ckpt.tokenizer.token_id("<|endoftext|>"), ckpt.tokenizer.token_id("<|im_end|>"))
+    chain = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])
+    assert out["tokens"] == chain.generate(list(prompt.ids), 5, stop_tokens=prompt.stop_ids).tokens
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--local", "M", "--chat", "--prompt-ids", "1,2"], "--chat needs a text prompt"),
+    (["--local", "M", "--system", "be brief", "hello"], "--system needs --chat"),
+    (["--model", "m", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWCMUhR2Vq8yRPLC9f7PxQVC8iN1zNj3i2pYJQaZLsDq9C",
+      "--chat", "hello"], "--chat is for --local"),
+])
+def test_generate_chat_flags_are_checked(argv: list[str], message: str, model: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
+    from sangama_p2p.cli.main import main
+
+    assert main(["generate", *[str(model) if a == "M" else a for a in argv]]) == 2
+    assert message in capsys.readouterr().err
