@@ -116,7 +116,9 @@ def test_generate_local_chat_renders_one_turn(model: Path, capsys: pytest.Captur
     assert out["prompt_ids"] == list(prompt.ids)
     assert prompt.stop_ids == (ckpt.tokenizer.token_id("<|endoftext|>"), ckpt.tokenizer.token_id("<|im_end|>"))
     chain = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])
-    assert out["tokens"] == chain.generate(list(prompt.ids), 5, stop_tokens=prompt.stop_ids).tokens
+    tokens = chain.generate(list(prompt.ids), 5, stop_tokens=prompt.stop_ids).tokens
+    assert out["tokens"] == tokens
+    assert out["text"] == ckpt.tokenizer.decode(tokens[:-1] if tokens[-1] in prompt.stop_ids else tokens)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -130,18 +130,26 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
     results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=args.guesses,
                                   stop_at_eos=not args.ignore_eos, stop_tokens=stops)
+    texts = [_answer_text(r, stops, ckpt.tokenizer) for r in results]
     if args.json:
-        out = results[0].as_dict() if args.batch == 1 else {"requests": [r.as_dict() for r in results]}
-        print(json.dumps(out))
+        dicts = [dict(r.as_dict(), text=t) for r, t in zip(results, texts)]
+        print(json.dumps(dicts[0] if args.batch == 1 else {"requests": dicts}))
         return 0
-    for r in results:
-        print(r.text if r.text is not None else " ".join(map(str, r.tokens)))
+    for r, text in zip(results, texts):
+        print(text if text is not None else " ".join(map(str, r.tokens)))
         print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
               f"decode, {r.steps} steps, {r.tokens_per_step:.2f} tokens/step, accepted guesses per step "
               f"{r.guesses_accepted / max(r.steps, 1):.2f}; stages "
               + ", ".join(f"{t.layers}: {t.seconds * 1e3 / max(t.calls, 1):.2f} ms/call" for t in r.stages)
               + "]", file=sys.stderr)
     return 0
+
+
+def _answer_text(result, stops: tuple[int, ...] | None, tokenizer) -> str | None:
+    """The text of a result; with ``--chat`` without the stop token that ended the answer."""
+    if stops is not None and result.tokens and result.tokens[-1] in stops:
+        return tokenizer.decode(result.tokens[:-1])
+    return result.text
 
 
 def _chat_prompt(args: argparse.Namespace, ckpt) -> tuple[list[int], tuple[int, ...]]:
