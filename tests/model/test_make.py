@@ -20,7 +20,7 @@ from sangama_p2p.model.spec import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ("qwen3_5_moe", "llama")
+ARCHS = ("qwen3_5_moe", "llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +223,10 @@ def test_package_does_not_import_transformers(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "q")], check=True, timeout=120)
 
 
-def test_presets_cover_both_archs_and_sizes() -> None:
-    assert {a: sorted(p) for a, p in PRESETS.items()} == {"qwen3_5_moe": ["small", "tiny"], "llama": ["small", "tiny"]}
+def test_presets_cover_every_arch_and_size() -> None:
+    dense = ["micro", "small", "tiny"]
+    assert {a: sorted(p) for a, p in PRESETS.items()} == {
+        "qwen3_5_moe": ["small", "tiny"], "llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": dense}
 
 
 @pytest.mark.slow
@@ -241,6 +243,9 @@ def test_small_presets_load_in_transformers(arch, tmp_path: Path) -> None:
 GOLDEN_SHA256 = {  # seed 0, float32, torch 2.13 CPU generator: changing the draw order or init changes these
     "qwen3_5_moe": "1d0e22a4eacd5f991b5403ef732498552147ad6da56b236a0936d89f33cb6794",
     "llama": "6d13a8b210e3894434738232943518a72a797c2689d89258be8da36fbcaccf68",
+    "qwen2": "ebfa1c526d0f01c0eb16aed8226b4de3f2c0ec2be382acab94974b2f2abee577",
+    "qwen3": "62c769178a00c8f7fee26209bf92f58deb157a9cfdfcea27e5fda97d542d13f9",
+    "qwen3_moe": "97176828c81d22352f1fcd53125342f950f4d2bd11894fad546c64308b064abf",
 }
 
 
