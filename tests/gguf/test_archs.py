@@ -151,3 +151,26 @@ def test_smollm2_q4_1_metadata_builds_a_tied_llama_spec() -> None:
     assert spec.tie_word_embeddings and spec.rope_theta == 100000.0 and spec.vocab_size == 49152
     assert spec.rope_freq_factors is None and spec.rope_linear is None
     f.close()
+
+
+@pytest.mark.parametrize("case,name", FILES)
+def test_our_writer_reproduces_the_converter(case, name, made, tmp_path) -> None:
+    """write_gguf on the same checkpoint gives the converter's tensors (bit for bit, same types) and metadata (but
+    the model's name and the tokenizer entries, which belong to the tokenizer code)."""
+    from sangama_p2p.model.gguf import write_gguf
+    from sangama_p2p.model.gguf.reader import GGUFFile
+
+    qtype = name.rsplit("-", 1)[1].removesuffix(".gguf")
+    (out,) = write_gguf(made[case], tmp_path / "ours.gguf", qtype)
+    ref, ours = GGUFFile(DATA / name), GGUFFile(out)
+    assert set(ours.tensors) == set(ref.tensors)
+    for t, info in ref.tensors.items():
+        assert ours.tensors[t].qtype == info.qtype, t
+        assert torch.equal(ours.view(t), ref.view(t)), t
+
+    def kept(key: str) -> bool:
+        return key not in ("general.name", "general.size_label") and not key.startswith("tokenizer.")
+
+    assert {k: v for k, v in ours.metadata.items() if kept(k)} == {k: v for k, v in ref.metadata.items() if kept(k)}
+    ref.close()
+    ours.close()
