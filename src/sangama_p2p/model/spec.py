@@ -135,8 +135,8 @@ class ModelSpec:
         arch = _MODEL_TYPES.get(str(model_type))
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture model_type={model_type!r}; Sangama runs model types "
-                f"{', '.join(sorted(_MODEL_TYPES))} (architectures {', '.join(ARCHITECTURES)})"
+                f"unknown architecture model_type={model_type!r}; Sangama runs model types "
+                f"{', '.join(sorted(_MODEL_TYPES))}"
             )
         try:
             return _BUILDERS[arch](config)
@@ -254,6 +254,8 @@ def _qwen3_moe(config: Mapping[str, Any]) -> ModelSpec:
     if list(config.get("mlp_only_layers") or []) or int(config.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError("qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step != 1) is not "
                                     "supported: every layer must be sparse")
+    if "num_experts" not in config and "num_local_experts" not in config:
+        raise CheckpointError("config.json for qwen3_moe lacks num_experts (or num_local_experts)")
     out = _dense(
         config, "qwen3_moe", qk_norm=True, mlp_bias=False,
         # published checkpoints say num_experts; transformers 5 writes num_local_experts
