@@ -296,3 +296,31 @@ def test_safetensors_source_serves_every_planned_tensor(arch, made) -> None:
             assert tuple(src.get(name, torch.float32).shape) == shape, name
     finally:
         src.close()
+
+
+def test_cli_tie_and_rope_scaling_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["make-model", str(tmp_path / "t"), "--arch", "qwen3", "--preset", "micro", "--tie-embeddings",
+                   "--rope-scaling", "llama3:8"])
+    assert rc == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg["rope_parameters"] == {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 64, "rope_theta": 1e6, "rope_type": "llama3"}
+    with safe_open(str(tmp_path / "t" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    assert cli_main(["make-model", str(tmp_path / "u"), "--arch", "qwen2", "--preset", "micro", "--untie-embeddings",
+                     "--rope-scaling", "linear:2.5"]) == 0
+    cfg = json.loads((tmp_path / "u" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["rope_parameters"]["factor"] == 2.5
+    # the untied file holds the tied one's draws plus an lm_head (drawn last): the option changes nothing else
+    tied = load_file(str(make_model(tmp_path / "v", "qwen2", "micro") / "model.safetensors"))
+    untied = load_file(str(tmp_path / "u" / "model.safetensors"))
+    assert set(untied) - set(tied) == {"lm_head.weight"}
+    assert all(torch.equal(t, untied[n]) for n, t in tied.items())
+    for bad in ("cubic:2", "linear", "llama3:1:2"):
+        with pytest.raises(SystemExit):
+            cli_main(["make-model", str(tmp_path / "w"), "--arch", "llama", "--rope-scaling", bad])
+    with pytest.raises(UnsupportedModelError, match="qwen3_5_moe checkpoints are made with their preset"):
+        make_model(tmp_path / "x", "qwen3_5_moe", "tiny", tie_word_embeddings=True)
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling"):
+        make_model(tmp_path / "x", "llama", "micro", rope_scaling={"rope_type": "yarn", "factor": 2.0})
