@@ -1,4 +1,5 @@
-"""Llama (tied/untied, llama3 and linear RoPE scaling), Qwen2, Qwen3 and Qwen3-MoE against transformers' own classes.
+"""Llama (tied/untied, llama3 and linear RoPE scaling, biases), Mistral, Qwen2, Qwen3 and Qwen3-MoE against
+transformers' own classes.
 
 Each checkpoint is made by make-model (or written by transformers itself: random init, ``save_pretrained``, which fuses
 the MoE experts) and run over a 3-stage chain. Tolerances: logits within 1e-4 (absolute, fp32; logits have std 2-6)
@@ -35,7 +36,7 @@ MADE = {
     "qwen3_moe": ("qwen3_moe", "tiny", {}),
 }
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM"}
+           "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM"}
 PREFILL, DECODE = 16, 16
 
 
@@ -69,6 +70,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     out["hf-qwen2"] = _hf_saved(root / "hf-qwen2", 4, model_type="qwen2", tie_word_embeddings=True, **small)
     out["hf-llama-bias"] = _hf_saved(root / "hf-llama-bias", 5, model_type="llama", attention_bias=True,
                                      mlp_bias=True, **small)
+    out["hf-mistral"] = _hf_saved(root / "hf-mistral", 6, model_type="mistral", sliding_window=None, **small)
     return out
 
 
@@ -90,7 +92,7 @@ def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (PREFILL + DECODE,), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.mark.parametrize("name", [*MADE, "hf-qwen3_moe", "hf-qwen2", "hf-llama-bias"])
+@pytest.mark.parametrize("name", [*MADE, "hf-qwen3_moe", "hf-qwen2", "hf-llama-bias", "hf-mistral"])
 def test_three_stage_logits_match_transformers(ckpts, oracle, reference_logits, name) -> None:
     path = ckpts[name]
     model = oracle(path)
@@ -157,3 +159,4 @@ def test_spec_fields_per_architecture(ckpts) -> None:
     assert (s["hf-llama-bias"].attention_bias, s["hf-llama-bias"].o_proj_bias, s["hf-llama-bias"].mlp_bias) == (
         True, True, True)
     assert all(not sp.attn_output_gate and not sp.zero_centered_norm for sp in s.values())
+    assert s["hf-mistral"].arch == "llama" and s["hf-mistral"].max_position_embeddings == 256
