@@ -174,3 +174,62 @@ def test_our_writer_reproduces_the_converter(case, name, made, tmp_path) -> None
     assert {k: v for k, v in ours.metadata.items() if kept(k)} == {k: v for k, v in ref.metadata.items() if kept(k)}
     ref.close()
     ours.close()
+
+
+@pytest.mark.parametrize("case,name", FILES)
+def test_generate_local_over_three_stages(case, name, capsys) -> None:
+    """``sangama-peer generate --local FILE.gguf`` (LocalChain) gives the same tokens as the stage-by-stage chain."""
+    from sangama_p2p.cli.main import main as cli_main
+
+    ref = REFS[case]
+    rc = cli_main(["generate", "--local", str(DATA / name), "--stages", "0:1,1:3,3:4", "--prompt-ids",
+                   ",".join(map(str, ref["prompt_ids"])), "--max-new-tokens", str(len(ref["transformers_greedy"])),
+                   "--ignore-eos", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    keep = Q8_PREFIX.get(name, len(ref["transformers_greedy"]))
+    assert out["tokens"][:keep] == ref["transformers_greedy"][:keep]
+    assert len(out["stages"]) == 3
+
+
+def _tiny_llama_gguf(path: Path, **extra) -> Path:
+    """A minimal one-block llama GGUF (metadata + tensors of the right shapes) with ``extra`` metadata/tensors."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in dict({"block_count": 1, "embedding_length": 32, "feed_forward_length": 64,
+                            "attention.head_count": 4, "attention.head_count_kv": 2}, **extra.get("u32", {})).items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, value in extra.get("str", {}).items():
+        w.add_string(f"llama.{key}", value)
+    z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+    w.add_tensor("token_embd.weight", z(16, 32))
+    w.add_tensor("blk.0.attn_norm.weight", z(32))
+    for name, t in extra.get("tensors", {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_rope_scaling_errors_are_typed(tmp_path) -> None:
+    import numpy as np
+
+    from sangama_p2p.errors import CheckpointError
+
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling 'yarn' is not supported"):
+        open_checkpoint(_tiny_llama_gguf(tmp_path / "a.gguf", str={"rope.scaling.type": "yarn"}))
+    wrong = {"rope_freqs.weight": np.ones(3, dtype=np.float32)}  # head_dim 8 needs 4 entries
+    with pytest.raises(CheckpointError, match=r"rope_freqs has shape \[3\]"):
+        open_checkpoint(_tiny_llama_gguf(tmp_path / "b.gguf", tensors=wrong))
+    zero = {"rope_freqs.weight": np.array([1, 1, 0, 8], dtype=np.float32)}
+    with pytest.raises(CheckpointError, match="factor <= 0"):
+        open_checkpoint(_tiny_llama_gguf(tmp_path / "c.gguf", tensors=zero))
+    ok = open_checkpoint(_tiny_llama_gguf(tmp_path / "d.gguf", tensors={"rope_freqs.weight": np.array(
+        [1, 2, 4, 8], dtype=np.float32)}))
+    assert ok.spec.rope_freq_factors == (1.0, 2.0, 4.0, 8.0) and ok.spec.tie_word_embeddings
+    ok.close()
