@@ -160,3 +160,54 @@ def test_spec_fields_per_architecture(ckpts) -> None:
         True, True, True)
     assert all(not sp.attn_output_gate and not sp.zero_centered_norm for sp in s.values())
     assert s["hf-mistral"].arch == "llama" and s["hf-mistral"].max_position_embeddings == 256
+
+
+# the keys that matter of published config.json files (older layouts: rope_theta at the top, rope_scaling, no head_dim)
+PUBLISHED = {
+    "Llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, rope_theta=10000.0,
+                       rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=False),
+    "Llama-3.2-1B": dict(model_type="llama", vocab_size=128256, hidden_size=2048, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                         rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "Mistral-7B-v0.1": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                            max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0),
+    "Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, rope_theta=1e6,
+                         max_position_embeddings=32768, sliding_window=32768, use_sliding_window=False,
+                         max_window_layers=24, tie_word_embeddings=True),
+    "Qwen3-0.6B": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+                       rope_theta=1e6, max_position_embeddings=40960, attention_bias=False, tie_word_embeddings=True,
+                       use_sliding_window=False, sliding_window=None),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6, max_position_embeddings=40960,
+                          tie_word_embeddings=False),
+}
+
+
+def test_specs_of_published_config_layouts() -> None:
+    from sangama_p2p.model.spec import ModelSpec
+
+    s = {name: ModelSpec.from_hf_config(cfg) for name, cfg in PUBLISHED.items()}
+    assert s["Llama-2-7b"].head_dim == 128 and s["Llama-2-7b"].rope_llama3 is None
+    assert s["Llama-3.2-1B"].rope_llama3 == (32.0, 1.0, 4.0, 8192) and s["Llama-3.2-1B"].tie_word_embeddings
+    assert s["Llama-3.2-1B"].rope_theta == 500000.0
+    assert (s["SmolLM2-135M"].head_dim, s["SmolLM2-135M"].num_kv_heads, s["SmolLM2-135M"].rope_theta) == (
+        64, 3, 100000.0)
+    assert s["Mistral-7B-v0.1"].arch == "llama" and s["Mistral-7B-v0.1"].max_position_embeddings == 4096
+    q2 = s["Qwen2.5-0.5B"]
+    assert q2.attention_bias and not q2.o_proj_bias and q2.tie_word_embeddings and q2.max_position_embeddings == 32768
+    assert s["Qwen3-0.6B"].head_dim == 128 and s["Qwen3-0.6B"].qk_norm and not s["Qwen3-0.6B"].attention_bias
+    moe = s["Qwen3-30B-A3B"]
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == (
+        128, 8, 768, True)
+    assert moe.shared_expert_intermediate_size == 0 and moe.qk_norm
