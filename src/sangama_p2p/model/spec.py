@@ -216,14 +216,15 @@ def _window(config: Mapping[str, Any], spec: dict[str, Any]) -> None:
     """A sliding window (Mistral v0.1, Qwen2 with use_sliding_window) changes nothing for sequences that fit in it:
     the model is served exactly up to the window, which becomes its maximum length."""
     window = config.get("sliding_window")
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if config.get("model_type") in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
         window = None
     if window is not None:
         spec["max_position_embeddings"] = min(spec["max_position_embeddings"], int(window))
 
 
 def _dense(config: Mapping[str, Any], arch: str, **extra: Any) -> ModelSpec:
-    """Llama, Qwen2 and Qwen3: full attention in every layer and a SwiGLU MLP."""
+    """Llama, Qwen2, Qwen3 (full attention in every layer and a SwiGLU MLP) and Qwen3-MoE (``extra`` sets its
+    experts)."""
     spec = _common(config, arch)
     _window(config, spec)
     bias = bool(config.get("attention_bias", False))
@@ -232,7 +233,9 @@ def _dense(config: Mapping[str, Any], arch: str, **extra: Any) -> ModelSpec:
     return ModelSpec(
         **spec,
         layer_types=(FULL,) * spec["num_layers"],
-        intermediate_size=int(config.get("intermediate_size") or 0),
+        # a MoE model's dense size is unused (qwen3_moe configs carry one anyway)
+        intermediate_size=int(config["intermediate_size"] if "num_experts" not in extra else
+                              config.get("intermediate_size") or 0),
         **fields,
     )
 
