@@ -104,7 +104,8 @@ def _step_mask(t: int, start: int, rep: int, device: torch.device) -> torch.Tens
 
 
 class Attention:
-    """Full attention with GQA and partial RoPE; Qwen3.5's variant adds q/k norms and a sigmoid output gate."""
+    """Full attention with GQA and partial RoPE; optional q/k/v biases (Qwen2; Llama's attention_bias, with an o_proj
+    bias), q/k head norms (Qwen3, Qwen3-MoE, Qwen3.5) and Qwen3.5's sigmoid output gate."""
 
     def __init__(self, spec: ModelSpec, load: Loader, layer_key: int) -> None:
         self.spec = spec
