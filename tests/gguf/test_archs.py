@@ -130,8 +130,8 @@ def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match=r"'phi3' is not supported \(supported: llama, qwen2, qwen3, qwen35moe, "
-                                                     r"qwen3moe\)"):
+    supported = r"'phi3' is not supported \(supported: llama, qwen2, qwen3, qwen35moe, qwen3moe\)"
+    with pytest.raises(UnsupportedModelError, match=supported):
         open_checkpoint(tmp_path / "x.gguf")
 
 

@@ -150,7 +150,8 @@ def test_tied_head_is_the_embedding_and_scaling_changes_the_logits(ckpts) -> Non
 
 def test_spec_fields_per_architecture(ckpts) -> None:
     s = {n: open_checkpoint(p).spec for n, p in ckpts.items()}
-    assert (s["qwen2-tied"].attention_bias, s["qwen2-tied"].o_proj_bias, s["qwen2-tied"].qk_norm) == (True, False, False)
+    q2 = s["qwen2-tied"]
+    assert (q2.attention_bias, q2.o_proj_bias, q2.qk_norm) == (True, False, False)
     assert (s["qwen3"].attention_bias, s["qwen3"].qk_norm, s["qwen3"].head_dim) == (False, True, 64)
     moe = s["qwen3_moe"]
     assert (moe.num_experts, moe.num_experts_per_tok, moe.shared_expert_intermediate_size, moe.norm_topk_prob) == (

@@ -13,7 +13,8 @@ from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.stage import StageModel, StepInput
 from sangama_p2p.model.weights import layer_of
 
-NAMES = ["hf-qwen", "hf-qwen-sharded", "hf-llama", "made-qwen", "made-llama", "made-qwen2", "made-qwen3", "made-qwen3moe"]
+NAMES = ["hf-qwen", "hf-qwen-sharded", "hf-llama", "made-qwen", "made-llama", "made-qwen2", "made-qwen3",
+         "made-qwen3moe"]
 PREFILL, DECODE = 16, 16
 
 

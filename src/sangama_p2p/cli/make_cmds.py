@@ -58,7 +58,8 @@ def _make_model(args: argparse.Namespace) -> int:
 
     try:
         out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
-                         tie_word_embeddings=getattr(args, "tie", None), rope_scaling=getattr(args, "rope_scaling", None))
+                         tie_word_embeddings=getattr(args, "tie", None),
+                         rope_scaling=getattr(args, "rope_scaling", None))
     except OSError as exc:  # a path that cannot be created or written: the user's to fix, not a crash
         from ..errors import CheckpointError
 

@@ -1,8 +1,10 @@
 """Make a random-weight model checkpoint in Hugging Face format: the project's own test and demo models.
 
-``make_model(out_dir, arch, preset, seed)`` (arch: llama, qwen2, qwen3, qwen3_moe, qwen3_5_moe) writes ``config.json`` (the keys transformers 5.24 writes),
-``generation_config.json``, ``model.safetensors`` (canonical HF tensor names; MoE experts un-fused, one tensor per
-expert and projection, as the published Qwen3-MoE and Qwen3.5-MoE checkpoints hold them, plus the MTP layer under ``mtp.*`` in the real checkpoint layout) and a byte-level
+``make_model(out_dir, arch, preset, seed)`` (arch: llama, qwen2, qwen3, qwen3_moe, qwen3_5_moe) writes
+``config.json`` (the keys transformers 5.24 writes), ``generation_config.json``, ``model.safetensors`` (canonical HF
+tensor names; MoE experts un-fused, one tensor per expert and projection, as the published Qwen3-MoE and Qwen3.5-MoE
+checkpoints hold them; Qwen3.5-MoE's MTP layer under ``mtp.*`` in the real checkpoint layout; no ``lm_head`` when the
+head is tied) and a byte-level
 BPE tokenizer. Same seed, same preset -> the same bytes on every run: every tensor is drawn from one
 ``torch.Generator`` in a fixed order, in float32, then cast.
 

@@ -23,7 +23,9 @@ from typing import Any, Mapping, Union
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["PRESETS", "DensePreset", "LlamaPreset", "Preset", "QwenMoePreset", "get_preset", "hf_config", "with_options"]
+__all__ = [
+    "PRESETS", "DensePreset", "LlamaPreset", "Preset", "QwenMoePreset", "get_preset", "hf_config", "with_options",
+]
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose config.json layout we reproduce
 

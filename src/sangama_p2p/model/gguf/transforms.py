@@ -38,7 +38,9 @@ __all__ = [
 ]
 
 # GGUF general.architecture -> our spec arch
-GGUF_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe"}
+GGUF_ARCHES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe",
+}
 GGUF_ARCH_OF = {v: k for k, v in GGUF_ARCHES.items()}  # our spec arch -> GGUF general.architecture
 
 # per-block tensors: GGUF stem -> HF suffix under model.layers.N.
