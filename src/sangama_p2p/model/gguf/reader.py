@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointError, UnsupportedModelError
-from .quants import BLOCK_SIZES, QType, row_bytes, type_name
+from .quants import BLOCK_SIZES, QType, row_bytes, type_name, unsupported_type
 
 __all__ = ["GGUFFile", "TensorInfo", "split_paths"]
 
@@ -169,6 +169,16 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
     return meta, infos, data_start, mm
 
 
+def _check_types(path: Path, infos: list[tuple[str, tuple[int, ...], int, int]]) -> None:
+    """One error for the first tensor type we cannot read, naming a tensor and how many share that type."""
+    bad = [(name, qtype) for name, _, qtype, _ in infos if qtype not in BLOCK_SIZES]
+    if bad:
+        name, qtype = bad[0]
+        same = sum(1 for _, t in bad if t == qtype)
+        others = f" and {same - 1} more" if same > 1 else ""
+        raise unsupported_type(qtype, f"the GGML type of tensor {name}{others} in {path.name}")
+
+
 class GGUFFile:
     """Metadata and tensor index of a (possibly split) GGUF checkpoint."""
 
@@ -184,6 +194,7 @@ class GGUFFile:
             self._maps.append(mm)
             if i == 0:
                 self.metadata = meta
+            _check_types(p, infos)
             for name, ne, qtype, rel in infos:
                 self._add(i, name, ne, qtype, data_start + rel, len(mm))
         count = int(self.metadata.get("split.count", 1))
@@ -194,11 +205,6 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: split.tensors.count={expected} but the files hold {len(self.tensors)}")
 
     def _add(self, file: int, name: str, ne: tuple[int, ...], qtype: int, offset: int, file_size: int) -> None:
-        if qtype not in BLOCK_SIZES:
-            raise UnsupportedModelError(
-                f"tensor {name} in {self.paths[file].name} has GGML type {type_name(qtype)}, which is not supported "
-                f"(supported: {', '.join(type_name(t) for t in sorted(BLOCK_SIZES))})"
-            )
         shape = tuple(int(x) for x in reversed(ne))
         if name in self.tensors:
             raise CheckpointError(f"tensor {name} appears twice in {self.path}")
