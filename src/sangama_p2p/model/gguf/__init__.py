@@ -17,15 +17,18 @@ if TYPE_CHECKING:
 __all__ = ["open_gguf", "write_gguf"]
 
 
-def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> "tuple[ModelSpec, GGUFSource, Any]":
+def open_gguf(
+    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True
+) -> "tuple[ModelSpec, GGUFSource, Any]":
     """Open a GGUF file (or the first of ``-0000K-of-0000N.gguf`` splits): ``(spec, source, tokenizer)``.
 
     ``mtp_from`` names a safetensors checkpoint directory whose ``mtp.*`` tensors replace (or supply, since GGUF files
-    usually lack them) the multi-token-prediction head.
+    usually lack them) the multi-token-prediction head. ``tokenizer=False`` skips building the tokenizer (the third
+    item is then None): for callers that only need the weights, or files whose tokenizer we cannot build.
     """
     from .open import open_gguf as _open
 
-    return _open(path, mtp_from)
+    return _open(path, mtp_from, tokenizer=tokenizer)
 
 
 def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F16", **kwargs: Any) -> list[Path]:

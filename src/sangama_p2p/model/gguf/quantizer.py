@@ -1,9 +1,10 @@
-"""Reference quantizers for the writer: Q4_K and Q6_K here (gguf-py only quantizes Q8_0 and simpler types).
+"""Reference quantizers for the writers: Q4_K, Q5_K and Q6_K here; Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are gguf-py's
+(bit-exact with ggml's reference code).
 
-Q4_K follows llama.cpp's ``quantize_row_q4_K_ref`` (``make_qkx2_quants``: a weighted affine fit per 32-element
-sub-block with a search over 21 candidate scales), vectorised over all sub-blocks. Q6_K is simpler than llama.cpp's
-``make_qx_quants`` (no scale search): a symmetric fit to each 16-element sub-block's largest magnitude. Both then
-store 6-bit (Q4_K) or 8-bit (Q6_K) sub-block scales under an fp16 super-block scale, in exactly ggml's layout, so
+Q4_K and Q5_K follow llama.cpp's ``quantize_row_q4_K_ref`` / ``q5_K_ref`` (``make_qkx2_quants``: a weighted affine
+fit per 32-element sub-block with a search over 21 / 16 candidate scales), vectorised over all sub-blocks. Q6_K is
+simpler than llama.cpp's ``make_qx_quants`` (no scale search): a symmetric fit to each 16-element sub-block's largest
+magnitude. All store 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block scales under an fp16 super-block scale, in exactly ggml's layout, so
 llama.cpp, gguf-py and our dequantizers all read these blocks alike.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 from ...errors import UnsupportedModelError
 from .quants import BLOCK_SIZES, QK_K, QType, type_name
 
-__all__ = ["quantize"]
+__all__ = ["QUANTIZE_TYPES", "quantize"]
 
 
 def _fp16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,12 +87,14 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: flo
     return best_scale.astype(np.float32), (-best_min).astype(np.float32)
 
 
-def quantize_q4_k(x: np.ndarray) -> np.ndarray:
-    """float32 [n, 256] -> Q4_K blocks uint8 [n, 144], following llama.cpp's ``quantize_row_q4_K_ref``."""
+def _k_affine(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shared part of llama.cpp's ``quantize_row_q4_K_ref`` / ``q5_K_ref``: per 32-element sub-block an affine
+    fit with codes in [0, nmax], 6-bit sub-block scales and mins under fp16 super-block scales. Returns (the 16
+    header bytes d, dmin, scales[12] as uint8 [n, 16], the codes uint8 [n, 8, 32])."""
     n = x.shape[0]
     sub = x.reshape(n * 8, 32)
     av = np.sqrt((sub * sub).mean(axis=-1, keepdims=True))
-    scale, neg_min = _make_qkx2(sub, av + np.abs(sub), 15, -1.0, 0.1, 20)
+    scale, neg_min = _make_qkx2(sub, av + np.abs(sub), nmax, rmin, rdelta, nstep)
     scale, neg_min = scale.reshape(n, 8), neg_min.reshape(n, 8)
     d_bytes, d = _fp16(scale.max(axis=-1) / 63.0)
     dmin_bytes, dmin = _fp16(neg_min.max(axis=-1) / 63.0)
@@ -100,26 +103,54 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
     eff = (d * sc.astype(np.float32))[..., None]
     off = (dmin * mn.astype(np.float32))[..., None]
-    q = np.clip(np.rint(_safe_div(x.reshape(n, 8, 32) + off, eff)), 0, 15).astype(np.uint8).reshape(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    q = np.clip(np.rint(_safe_div(x.reshape(n, 8, 32) + off, eff)), 0, nmax).astype(np.uint8)
     d_ = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     m_ = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
     m_d = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
-    return np.concatenate([d_bytes, dmin_bytes, d_, m_, m_d, qs], axis=1)
+    return np.concatenate([d_bytes, dmin_bytes, d_, m_, m_d], axis=1), q
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Low nibbles of the codes [n, 8, 32] in ggml's K-quant order: byte j of pair p holds sub-blocks 2p, 2p+1."""
+    n = q.shape[0]
+    low = (q & 0x0F).reshape(n, 4, 2, 32)
+    return (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> Q4_K blocks uint8 [n, 144], following llama.cpp's ``quantize_row_q4_K_ref``."""
+    head, q = _k_affine(x, 15, -1.0, 0.1, 20)
+    return np.concatenate([head, _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 [n, 256] -> Q5_K blocks uint8 [n, 176], following llama.cpp's ``quantize_row_q5_K_ref``."""
+    head, q = _k_affine(x, 31, -0.5, 0.1, 15)
+    high = (q >> 4).astype(np.uint8)  # [n, 8, 32]: bit s of qh[j] is the fifth bit of sub-block s, element j
+    qh = np.zeros((q.shape[0], 32), np.uint8)
+    for s in range(8):
+        qh |= high[:, s] << s
+    return np.concatenate([head, qh, _pack_nibbles(q)], axis=1)
+
+
+# types gguf-py quantizes bit-exactly like ggml's reference code, and the K-quants we quantize ourselves
+GGUF_PY_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0)
+_OURS = {QType.Q4_K: quantize_q4_k, QType.Q5_K: quantize_q5_k, QType.Q6_K: quantize_q6_k}
+QUANTIZE_TYPES = GGUF_PY_TYPES + tuple(_OURS)
 
 
 def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     """Quantize a float array whose last dimension is a whole number of blocks; returns uint8 ``[..., row_bytes]``."""
-    if qtype not in (QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q5_0, QType.Q4_0):
-        raise UnsupportedModelError(f"cannot quantize to {type_name(qtype)} (supported: Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)")
+    if qtype not in QUANTIZE_TYPES:
+        names = ", ".join(type_name(t) for t in sorted(QUANTIZE_TYPES))
+        raise UnsupportedModelError(f"cannot quantize to {type_name(qtype)} (supported: {names})")
     bs, ts = BLOCK_SIZES[qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.shape[-1] % bs:
         raise UnsupportedModelError(f"rows of {x.shape[-1]} are not a whole number of {type_name(qtype)} blocks")
-    if qtype in (QType.Q8_0, QType.Q5_0, QType.Q4_0):
+    if qtype in GGUF_PY_TYPES:
         import gguf
 
         return gguf.quants.quantize(x, gguf.GGMLQuantizationType(qtype))
-    blocks = x.reshape(-1, bs)
-    out = quantize_q4_k(blocks) if qtype == QType.Q4_K else quantize_q6_k(blocks)
+    out = _OURS[qtype](x.reshape(-1, bs))
     return out.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)
