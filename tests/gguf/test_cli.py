@@ -20,3 +20,7 @@ def test_make_model_gguf_flag(tmp_path: Path, capsys) -> None:
     assert ck.spec == ref.spec
     assert ck.tokenizer.encode("hello world") == ref.tokenizer.encode("hello world")
     assert isinstance(ck.source.get("model.layers.0.mlp.up_proj.weight", torch.float32), QuantTensor)
+    for p in (path, tmp_path / "m"):  # tokenizer=False: the weights only, for GGUF files and directories alike
+        bare = open_checkpoint(p, tokenizer=False)
+        assert bare.tokenizer is None and bare.spec == ref.spec
+        bare.close()

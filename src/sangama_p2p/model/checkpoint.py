@@ -42,9 +42,9 @@ def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None, tok
         raise CheckpointError(f"{p} is neither a checkpoint directory nor a .gguf file")
     spec = ModelSpec.from_dir(p)
     source = SafetensorsSource(p)
-    tokenizer = None
+    tok_dir = None
     if tokenizer and (p / "tokenizer.json").is_file():
         from .tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(p)
-    return Checkpoint(p, spec, source, tokenizer)
+        tok_dir = Tokenizer.from_dir(p)
+    return Checkpoint(p, spec, source, tok_dir)
