@@ -48,9 +48,11 @@ def test_unsupported_quant_type(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError) as info:
         GGUFFile(p)
     msg = str(info.value)
-    assert msg.startswith("IQ2_XXS is not supported (the GGML type of tensor blk.0.ffn_up.weight and 2 more in iq.gguf)")
+    assert msg.startswith(
+        "IQ2_XXS is not supported (the GGML type of tensor blk.0.ffn_up.weight and 2 more in iq.gguf); supported: "
+    )
     assert msg.count("IQ2_XXS") == 1 and "ggml type" not in msg
-    assert msg.endswith("; supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16")
+    assert msg.endswith("F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16")
 
 
 def test_missing_metadata(tmp_path: Path) -> None:

@@ -115,3 +115,19 @@ def test_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no GGUF file"):
         requantize_gguf(tmp_path / "missing.gguf", tmp_path / "x.gguf", "F16")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destination that cannot be created is a typed error; a failure while writing the tensors leaves neither
+    DST nor its .part file behind."""
+    with pytest.raises(CheckpointError, match="cannot write"):
+        requantize_gguf(LLAMA_F16, tmp_path / "no" / "dir" / "x.gguf", "Q8_0")
+    import sangama_p2p.model.gguf.requantize as rq
+
+    def fail(x: np.ndarray, qtype: int) -> np.ndarray:
+        raise UnsupportedModelError("cannot quantize (test)")
+
+    monkeypatch.setattr(rq, "_encode", fail)
+    with pytest.raises(UnsupportedModelError, match="test"):
+        requantize_gguf(LLAMA_F16, tmp_path / "x.gguf", "Q8_0")
+    assert list(tmp_path.iterdir()) == []

@@ -137,8 +137,14 @@ def _fallback(qtype: int, cols: int) -> int:
 
 
 def plan_types(
-    tensors: list[TensorPlan], preset: str, *, arch: str, n_layer: int, n_expert: int = 0, n_head: int = 0,
-    n_head_kv: int = 0
+    tensors: list[TensorPlan],
+    preset: str,
+    *,
+    arch: str,
+    n_layer: int,
+    n_expert: int = 0,
+    n_head: int = 0,
+    n_head_kv: int = 0,
 ) -> dict[str, int]:
     """{tensor name: ggml type} for ``preset`` (a key of :data:`PRESETS`), as llama-quantize would choose."""
     if preset not in PRESETS:

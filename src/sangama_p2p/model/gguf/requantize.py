@@ -136,14 +136,18 @@ def _write(f: GGUFFile, dst: Path, types: dict[str, int], file_type: int) -> int
         offset += -(-size // align) * align
     head = struct.pack("<4sIQQ", b"GGUF", 3, len(infos), len(kv)) + b"".join(kv) + b"".join(infos)
     head += bytes(-len(head) % align)
-    tmp = dst.with_name(dst.name + ".part")
-    with open(tmp, "wb") as out:
-        out.write(head)
-        for name, info in f.tensors.items():
-            qtype = types[name]
-            data = f.raw(name) if qtype == info.qtype else _encode(_float32(f, name), qtype)
-            out.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-            out.write(bytes(-data.nbytes % align))
-        size = out.tell()
-    os.replace(tmp, dst)
+    tmp = dst.with_name(dst.name + ".part")  # dst appears only when complete
+    try:
+        with open(tmp, "wb") as out:
+            out.write(head)
+            for name, info in f.tensors.items():
+                qtype = types[name]
+                data = f.raw(name) if qtype == info.qtype else _encode(_float32(f, name), qtype)
+                out.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+                out.write(bytes(-data.nbytes % align))
+            size = out.tell()
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return size
