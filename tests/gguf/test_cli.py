@@ -20,3 +20,23 @@ def test_make_model_gguf_flag(tmp_path: Path, capsys) -> None:
     assert ck.spec == ref.spec
     assert ck.tokenizer.encode("hello world") == ref.tokenizer.encode("hello world")
     assert isinstance(ck.source.get("model.layers.0.mlp.up_proj.weight", torch.float32), QuantTensor)
+    for p in (path, tmp_path / "m"):  # tokenizer=False: the weights only, for GGUF files and directories alike
+        bare = open_checkpoint(p, tokenizer=False)
+        assert bare.tokenizer is None and bare.spec == ref.spec
+        bare.close()
+
+
+def test_requantize_command(tmp_path: Path, capsys) -> None:
+    from helpers import LLAMA_F16
+
+    from sangama_p2p.cli.make_cmds import REQUANT_PRESETS
+    from sangama_p2p.model.gguf.mix import PRESETS
+    from sangama_p2p.model.gguf.reader import GGUFFile
+
+    assert REQUANT_PRESETS == tuple(PRESETS)
+    out = tmp_path / "q.gguf"
+    assert cli_main(["requantize", str(LLAMA_F16), str(out), "Q4_K_M"]) == 0
+    printed = capsys.readouterr().out
+    assert "GGUF Q4_K_M" in printed and "Q4_K 2, Q5_0 23, Q6_K 2, Q8_0 3" in printed
+    assert GGUFFile(out).metadata["general.file_type"] == 15
+    assert cli_main(["requantize", str(tmp_path / "missing.gguf"), str(out), "F16"]) != 0  # a typed error, no crash

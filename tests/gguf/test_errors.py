@@ -39,10 +39,20 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
+    """One error naming the type once by its ggml name, one tensor, how many more share it, and what we read."""
     blocks = np.zeros((2, 66), np.uint8)  # two rows of one IQ2_XXS block each
-    p = _write(tmp_path / "iq.gguf", "llama", {"blk.0.ffn_up.weight": (blocks, gguf.GGMLQuantizationType.IQ2_XXS)})
-    with pytest.raises(UnsupportedModelError, match="IQ2_XXS|type 16"):
+    iq2 = gguf.GGMLQuantizationType.IQ2_XXS
+    tensors = {f"blk.{i}.ffn_up.weight": (blocks, iq2) for i in range(3)}
+    tensors["blk.0.attn_norm.weight"] = (np.ones(256, np.float32), None)
+    p = _write(tmp_path / "iq.gguf", "llama", tensors)
+    with pytest.raises(UnsupportedModelError) as info:
         GGUFFile(p)
+    msg = str(info.value)
+    assert msg.startswith(
+        "IQ2_XXS is not supported (the GGML type of tensor blk.0.ffn_up.weight and 2 more in iq.gguf); supported: "
+    )
+    assert msg.count("IQ2_XXS") == 1 and "ggml type" not in msg
+    assert msg.endswith("F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16")
 
 
 def test_missing_metadata(tmp_path: Path) -> None:

@@ -13,17 +13,25 @@ from sangama_p2p.model.gguf.quants import (
     QType,
     QuantTensor,
     dequantize_blocks,
+    type_name,
 )
 
 # byte offsets of the fp16 scale fields in each block layout
 _FP16_FIELDS = {
     QType.Q4_0: (0,),
+    QType.Q4_1: (0, 2),
     QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
     QType.Q8_0: (0,),
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
 }
+_EXTREME = np.array([65504.0, -65504.0, 6e-8, -6e-8, 6.1e-5, 1024.0], np.float16)  # fp16 max, smallest subnormal
 
 
 def random_blocks(qtype: int, n: int, seed: int) -> np.ndarray:
@@ -37,6 +45,8 @@ def random_blocks(qtype: int, n: int, seed: int) -> np.ndarray:
         scale[0] = np.float16(0.0)
         if n > 1:
             scale[1] = np.float16(-6.1e-5)  # subnormal neighbourhood
+        if n > 2 + len(_EXTREME):
+            scale[2 : 2 + len(_EXTREME)] = rng.permutation(_EXTREME)  # extreme scales (and mins) in every field
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(n, 2)
     return blocks
 
@@ -70,9 +80,21 @@ def test_quant_tensor_rows_and_column_permutation(qtype: int) -> None:
     assert torch.equal(QuantTensor(qtype, data, cols, perm).dequantize(torch.float32), ref[:, perm])
 
 
+def test_every_read_type_is_in_the_tables() -> None:
+    """Block sizes and names agree with gguf-py for every type we read; the other types keep gguf-py's names."""
+    for qtype, (bs, ts) in BLOCK_SIZES.items():
+        gt = gguf.GGMLQuantizationType(qtype)
+        assert gguf.GGML_QUANT_SIZES[gt] == (bs, ts) and type_name(qtype) == gt.name
+    assert set(BLOCK_SIZES) - {QType.F32, QType.F16, QType.BF16} == set(_FP16_FIELDS)
+    assert type_name(int(gguf.GGMLQuantizationType.TQ1_0)) == "TQ1_0"
+    assert type_name(250) == "ggml type 250"
+
+
 def test_unsupported_type_is_typed() -> None:
-    with pytest.raises(UnsupportedModelError, match="IQ2_XXS|not supported"):
+    with pytest.raises(UnsupportedModelError, match=r"^IQ2_XXS is not supported; supported: F32, F16, Q4_0, Q4_1,"):
         dequantize_blocks(int(gguf.GGMLQuantizationType.IQ2_XXS), torch.zeros(1, 66, dtype=torch.uint8))
+    with pytest.raises(UnsupportedModelError, match=r"^ggml type 250 is not supported; supported: F32,"):
+        dequantize_blocks(250, torch.zeros(1, 66, dtype=torch.uint8))
     with pytest.raises(UnsupportedModelError, match="uint8"):
         dequantize_blocks(QType.Q8_0, torch.zeros(1, 33, dtype=torch.uint8))
 

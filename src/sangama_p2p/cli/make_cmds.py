@@ -1,4 +1,5 @@
-"""``sangama-peer make-model``: write a random-weight tiny/small checkpoint the project can serve and test with."""
+"""``sangama-peer make-model``: write a random-weight tiny/small checkpoint the project can serve and test with;
+``sangama-peer requantize``: re-quantize a GGUF file with one of llama-quantize's presets."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 _ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe")
 _PRESETS = ("tiny", "small", "micro")
 _DTYPES = ("float32", "bfloat16")
+# model.gguf.mix.PRESETS (spelt out so that registering the command imports no torch; a test keeps them equal)
+REQUANT_PRESETS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q4_K_M")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +39,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also write OUT/model-TYPE.gguf the way llama.cpp's converter would (F32, F16, Q8_0, Q4_K, Q6_K)",
     )
     p.set_defaults(handler=_make_model)
+    q = subparsers.add_parser(
+        "requantize",
+        help="re-quantize a GGUF file with a llama-quantize preset (e.g. Q4_K_M)",
+        description="Write SRC (a GGUF file) as DST with llama-quantize's per-tensor type mix for PRESET; "
+        "metadata is kept as is apart from general.file_type. The same input always gives the same bytes.",
+    )
+    q.add_argument("src", metavar="SRC", help="GGUF file (or the first of its -0000K-of-0000N splits)")
+    q.add_argument("dst", metavar="DST", help="output GGUF file")
+    q.add_argument("preset", metavar="PRESET", choices=REQUANT_PRESETS, help=", ".join(REQUANT_PRESETS))
+    q.set_defaults(handler=_requantize)
 
 
 def _rope_scaling(text: str) -> dict:
@@ -71,4 +84,13 @@ def _make_model(args: argparse.Namespace) -> int:
 
         for path in write_gguf(out, out / f"model-{args.gguf}.gguf", args.gguf):
             print(f"{path}  GGUF {args.gguf}")
+    return 0
+
+
+def _requantize(args: argparse.Namespace) -> int:
+    from ..model.gguf import requantize_gguf
+
+    r = requantize_gguf(args.src, args.dst, args.preset)
+    types = ", ".join(f"{k} {v}" for k, v in r.types.items())
+    print(f"{r.path}  GGUF {args.preset}  {r.nbytes:,} bytes in {r.seconds:.1f} s  ({types})")
     return 0

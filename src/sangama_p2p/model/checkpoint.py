@@ -24,8 +24,11 @@ class Checkpoint:
         self.source.close()
 
 
-def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None) -> Checkpoint:
-    """Open ``path`` (a directory with config.json + safetensors, or a ``.gguf`` file); reads no tensor yet."""
+def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None, tokenizer: bool = True) -> Checkpoint:
+    """Open ``path`` (a directory with config.json + safetensors, or a ``.gguf`` file); reads no tensor yet.
+
+    ``tokenizer=False`` opens the weights without building a tokenizer (``Checkpoint.tokenizer`` is then None).
+    """
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist")
@@ -33,15 +36,15 @@ def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None) -> 
         from .gguf import open_gguf  # GGUF support lives in its own subpackage
         from .tokenizer import Tokenizer
 
-        spec, source, tok = open_gguf(p, mtp_from=mtp_from)
+        spec, source, tok = open_gguf(p, mtp_from=mtp_from, tokenizer=tokenizer)
         return Checkpoint(p, spec, source, Tokenizer(tok, spec.eos_token_ids) if tok is not None else None)
     if not p.is_dir():
         raise CheckpointError(f"{p} is neither a checkpoint directory nor a .gguf file")
     spec = ModelSpec.from_dir(p)
     source = SafetensorsSource(p)
-    tokenizer = None
-    if (p / "tokenizer.json").is_file():
+    tok_dir = None
+    if tokenizer and (p / "tokenizer.json").is_file():
         from .tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_dir(p)
-    return Checkpoint(p, spec, source, tokenizer)
+        tok_dir = Tokenizer.from_dir(p)
+    return Checkpoint(p, spec, source, tok_dir)

@@ -2,7 +2,8 @@
 
 ``open_gguf(path)`` gives the model's :class:`ModelSpec`, a :class:`TensorSource` with canonical Hugging Face names
 (llama.cpp's transforms undone, quantized tensors as :class:`QuantTensor`) and the tokenizer. ``write_gguf`` writes
-a Hugging Face checkpoint the way llama.cpp's converter does (F16, Q8_0, Q4_K, Q6_K).
+a Hugging Face checkpoint the way llama.cpp's converter does (F16, Q8_0, Q4_K, Q6_K); ``requantize_gguf`` rewrites a
+GGUF file with one of llama-quantize's presets (F16, Q8_0, Q4_K_M, ...).
 """
 
 from __future__ import annotations
@@ -12,20 +13,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..spec import ModelSpec
+    from .requantize import RequantizeReport
     from .source import GGUFSource
 
-__all__ = ["open_gguf", "write_gguf"]
+__all__ = ["open_gguf", "requantize_gguf", "write_gguf"]
 
 
-def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> "tuple[ModelSpec, GGUFSource, Any]":
+def open_gguf(
+    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True
+) -> "tuple[ModelSpec, GGUFSource, Any]":
     """Open a GGUF file (or the first of ``-0000K-of-0000N.gguf`` splits): ``(spec, source, tokenizer)``.
 
     ``mtp_from`` names a safetensors checkpoint directory whose ``mtp.*`` tensors replace (or supply, since GGUF files
-    usually lack them) the multi-token-prediction head.
+    usually lack them) the multi-token-prediction head. ``tokenizer=False`` skips building the tokenizer (the third
+    item is then None): for callers that only need the weights, or files whose tokenizer we cannot build.
     """
     from .open import open_gguf as _open
 
-    return _open(path, mtp_from)
+    return _open(path, mtp_from, tokenizer=tokenizer)
 
 
 def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F16", **kwargs: Any) -> list[Path]:
@@ -33,3 +38,11 @@ def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F16", **k
     from .writer import write_gguf as _write
 
     return _write(hf_dir, out_path, qtype, **kwargs)
+
+
+def requantize_gguf(src: str | Path, dst: str | Path, preset: str) -> "RequantizeReport":
+    """Write the GGUF file ``src`` as ``dst`` with llama-quantize's per-tensor mix for ``preset`` (F32, F16, BF16,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, Q4_K_M); deterministic; metadata kept except ``general.file_type``."""
+    from .requantize import requantize_gguf as _requantize
+
+    return _requantize(src, dst, preset)

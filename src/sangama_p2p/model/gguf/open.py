@@ -19,7 +19,9 @@ __all__ = ["open_gguf"]
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[ModelSpec, GGUFSource, Any]:
+def open_gguf(
+    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True
+) -> tuple[ModelSpec, GGUFSource, Any]:
     """(spec, source, tokenizer or None); see :func:`sangama_p2p.model.gguf.open_gguf`."""
     f = GGUFFile(path)
     try:
@@ -30,14 +32,14 @@ def open_gguf(path: str | Path, mtp_from: str | Path | None = None) -> tuple[Mod
         source = GGUFSource(f, spec, mtp_from)
         spec = dataclasses.replace(spec, mtp_num_layers=_mtp_layers(source, spec))
         source.spec = spec
-        tokenizer = tokenizer_from_gguf(f)
+        tok = tokenizer_from_gguf(f) if tokenizer else None
     except BaseException:
         f.close()
         raise
-    if tokenizer is not None and tokenizer.get_vocab_size() > spec.vocab_size:
+    if tok is not None and tok.get_vocab_size() > spec.vocab_size:
         f.close()
-        raise CheckpointError(f"{path}: tokenizer has {tokenizer.get_vocab_size()} tokens, model {spec.vocab_size}")
-    return spec, source, tokenizer
+        raise CheckpointError(f"{path}: tokenizer has {tok.get_vocab_size()} tokens, model {spec.vocab_size}")
+    return spec, source, tok
 
 
 def _check_mtp_from(path: Path, spec: ModelSpec) -> None:

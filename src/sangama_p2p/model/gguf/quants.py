@@ -23,6 +23,8 @@ __all__ = [
     "dequantize_rows",
     "fp16_at",
     "row_bytes",
+    "type_name",
+    "unsupported_type",
 ]
 
 QK_K = 256
@@ -34,11 +36,17 @@ class QType:
     F32 = 0
     F16 = 1
     Q4_0 = 2
+    Q4_1 = 3
     Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ4_XS = 23
     BF16 = 30
 
 
@@ -48,23 +56,19 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
     QType.F16: (1, 2),
     QType.BF16: (1, 2),
     QType.Q4_0: (32, 18),
+    QType.Q4_1: (32, 20),
     QType.Q5_0: (32, 22),
+    QType.Q5_1: (32, 24),
     QType.Q8_0: (32, 34),
+    QType.Q2_K: (QK_K, 84),
+    QType.Q3_K: (QK_K, 110),
     QType.Q4_K: (QK_K, 144),
     QType.Q5_K: (QK_K, 176),
     QType.Q6_K: (QK_K, 210),
+    QType.IQ4_NL: (32, 18),
+    QType.IQ4_XS: (QK_K, 136),
 }
-NAMES = {
-    QType.F32: "F32",
-    QType.F16: "F16",
-    QType.BF16: "BF16",
-    QType.Q4_0: "Q4_0",
-    QType.Q5_0: "Q5_0",
-    QType.Q8_0: "Q8_0",
-    QType.Q4_K: "Q4_K",
-    QType.Q5_K: "Q5_K",
-    QType.Q6_K: "Q6_K",
-}
+NAMES = {v: k for k, v in vars(QType).items() if not k.startswith("_")}
 
 
 def fp16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -96,6 +100,13 @@ def dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32).mul_(d)
 
 
+def dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, m = fp16_at(b, 0), fp16_at(b, 2)
+    q = _nibbles(b[:, 4:], 1).reshape(n, 32)
+    return q.to(torch.float32).mul_(d).add_(m)
+
+
 def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = fp16_at(b, 0)
@@ -104,9 +115,41 @@ def dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
     return q.view(torch.int8).sub_(16).to(torch.float32).mul_(d)
 
 
+def dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, m = fp16_at(b, 0), fp16_at(b, 2)
+    qh = _bits(b[:, 4:8], 8, 1, 2).reshape(n, 32)
+    q = _nibbles(b[:, 8:], 1).reshape(n, 32).bitwise_or_(qh.bitwise_left_shift_(4))
+    return q.to(torch.float32).mul_(d).add_(m)
+
+
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
     d = fp16_at(b, 0)
     return b[:, 2:].view(torch.int8).to(torch.float32).mul_(d)
+
+
+def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    # layout: scales[16] (low nibble scale, high nibble min), qs[64], d fp16, dmin fp16
+    n = b.shape[0]
+    sc = b[:, :16]
+    dl = (fp16_at(b, 80) * (sc & 0x0F).to(torch.float32)).reshape(n, 16, 1)
+    ml = (fp16_at(b, 82) * (sc >> 4).to(torch.float32)).reshape(n, 16, 1)
+    q = _bits(b[:, 16:80].reshape(n, 2, 32), 4, 2, 2).reshape(n, 16, 16)
+    return q.to(torch.float32).mul_(dl).sub_(ml).reshape(n, QK_K)
+
+
+def dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    # layout: hmask[32], qs[64], scales[12] (16 6-bit scales: low nibbles in bytes 0-7, high 2 bits in 8-11), d fp16
+    n = b.shape[0]
+    low = _nibbles(b[:, 96:104], 1).reshape(n, 16)
+    high = _bits(b[:, 104:108], 4, 2, 1).reshape(n, 16)
+    sc = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    dl = (fp16_at(b, 108) * sc.to(torch.float32)).reshape(n, 16, 1)
+    ql = _bits(b[:, 32:96].reshape(n, 2, 32), 4, 2, 2).reshape(n, 16, 16)
+    qh = _bits(b[:, :32].reshape(n, 1, 32), 8, 1, 2).reshape(n, 16, 16)
+    # a set hmask bit means no offset, a clear one subtracts 4
+    q = ql.view(torch.int8).sub_(qh.bitwise_xor_(1).bitwise_left_shift_(2).view(torch.int8))
+    return q.to(torch.float32).mul_(dl).reshape(n, QK_K)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,25 +194,75 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     return q.reshape(n, QK_K // 16, 16).to(torch.float32).mul_(d).reshape(n, QK_K)
 
 
+# IQ4_NL's non-linear 4-bit code book (ggml's kvalues_iq4nl), shared by IQ4_XS
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_lookup(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.to(torch.int64)]  # uint8 indices would be read as a boolean mask
+
+
+def dequantize_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = fp16_at(b, 0)
+    return _iq4_lookup(_nibbles(b[:, 2:], 1).reshape(n, 32)).mul_(d)
+
+
+def dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    # layout: d fp16, scales_h uint16 (2 bits per sub-block), scales_l[4] (4 bits per sub-block), qs[128]
+    n = b.shape[0]
+    low = _nibbles(b[:, 4:8], 2).reshape(n, 8)
+    high = _bits(b[:, 2:4], 4, 2, 2).reshape(n, 8)  # the little-endian uint16's 2-bit fields, lowest first
+    sc = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
+    dl = (fp16_at(b, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
+    q = _nibbles(b[:, 8:].reshape(n, 8, 16), 2).reshape(n, 8, 32)
+    return _iq4_lookup(q).mul_(dl).reshape(n, QK_K)
+
+
 _DEQUANT: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q4_0: dequantize_q4_0,
+    QType.Q4_1: dequantize_q4_1,
     QType.Q5_0: dequantize_q5_0,
+    QType.Q5_1: dequantize_q5_1,
     QType.Q8_0: dequantize_q8_0,
+    QType.Q2_K: dequantize_q2_k,
+    QType.Q3_K: dequantize_q3_k,
     QType.Q4_K: dequantize_q4_k,
     QType.Q5_K: dequantize_q5_k,
     QType.Q6_K: dequantize_q6_k,
+    QType.IQ4_NL: dequantize_iq4_nl,
+    QType.IQ4_XS: dequantize_iq4_xs,
 }
 QUANT_TYPES = frozenset(_DEQUANT)
 
 
 def type_name(qtype: int) -> str:
-    return NAMES.get(qtype, f"ggml type {qtype}")
+    """The ggml name of ``qtype`` ("Q4_K"), also for types we do not read; "ggml type N" for unknown ids."""
+    name = NAMES.get(qtype)
+    if name is not None:
+        return name
+    import gguf  # only for the names of types we do not read
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"ggml type {qtype}"
+
+
+def unsupported_type(qtype: int, where: str = "") -> UnsupportedModelError:
+    """The one error for a tensor type we cannot read: ``IQ2_XXS is not supported (...); supported: F32, ...``."""
+    context = f" ({where})" if where else ""
+    return UnsupportedModelError(
+        f"{type_name(qtype)} is not supported{context}; supported: "
+        f"{', '.join(type_name(t) for t in sorted(BLOCK_SIZES))}"
+    )
 
 
 def row_bytes(qtype: int, n_cols: int) -> int:
     """Bytes one row of ``n_cols`` elements takes in ``qtype``."""
     if qtype not in BLOCK_SIZES:
-        raise UnsupportedModelError(f"GGUF quantization type {type_name(qtype)} is not supported")
+        raise unsupported_type(qtype)
     bs, ts = BLOCK_SIZES[qtype]
     if n_cols % bs:
         raise UnsupportedModelError(f"a row of {n_cols} elements is not a whole number of {type_name(qtype)} blocks")
@@ -180,9 +273,8 @@ def dequantize_blocks(qtype: int, blocks: torch.Tensor) -> torch.Tensor:
     """Dequantize ``[n_blocks, type_size]`` uint8 blocks to float32 ``[n_blocks, block_size]``."""
     fn = _DEQUANT.get(qtype)
     if fn is None:
-        raise UnsupportedModelError(
-            f"GGUF quantization type {type_name(qtype)} is not supported "
-            f"(supported: F32, F16, BF16, {', '.join(type_name(t) for t in sorted(_DEQUANT))})"
+        raise unsupported_type(qtype) if qtype not in BLOCK_SIZES else UnsupportedModelError(
+            f"{type_name(qtype)} is not a block type (only quantized types are dequantized block-wise)"
         )
     _, ts = BLOCK_SIZES[qtype]
     if blocks.dtype != torch.uint8 or blocks.shape[-1] != ts:

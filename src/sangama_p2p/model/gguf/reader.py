@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointError, UnsupportedModelError
-from .quants import BLOCK_SIZES, QType, row_bytes, type_name
+from .quants import BLOCK_SIZES, QType, row_bytes, type_name, unsupported_type
 
 __all__ = ["GGUFFile", "GGUFMetadata", "TensorInfo", "read_metadata", "split_paths"]
 
@@ -136,8 +136,9 @@ class _Cursor:
         raise CheckpointError(f"unknown GGUF value type {vtype} in {self.path}")
 
 
-def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int, np.memmap]:
-    """Parse one GGUF file: (metadata, [(name, ne, ggml type, relative offset)], data start, memory map)."""
+def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int, np.memmap, dict]:
+    """Parse one GGUF file: (metadata, [(name, ne, ggml type, relative offset)], data start, memory map,
+    {key: (start, end) byte span of its whole key/value entry})."""
     if not path.is_file():
         raise CheckpointError(f"no GGUF file at {path}")
     try:
@@ -151,9 +152,12 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
     if version not in (2, 3):
         raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2, 3; big-endian files neither)")
     meta: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for _ in range(n_kv):
+        start = cur.pos
         key = cur.string()
         meta[key] = cur.value(cur.scalar(4))
+        spans[key] = (start, cur.pos)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -166,7 +170,17 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
     if align <= 0 or align & (align - 1):
         raise CheckpointError(f"{path}: bad general.alignment {align}")
     data_start = -(-cur.pos // align) * align
-    return meta, infos, data_start, mm
+    return meta, infos, data_start, mm, spans
+
+
+def _check_types(path: Path, infos: list[tuple[str, tuple[int, ...], int, int]]) -> None:
+    """One error for the first tensor type we cannot read, naming a tensor and how many share that type."""
+    bad = [(name, qtype) for name, _, qtype, _ in infos if qtype not in BLOCK_SIZES]
+    if bad:
+        name, qtype = bad[0]
+        same = sum(1 for _, t in bad if t == qtype)
+        others = f" and {same - 1} more" if same > 1 else ""
+        raise unsupported_type(qtype, f"the GGML type of tensor {name}{others} in {path.name}")
 
 
 class GGUFFile:
@@ -179,11 +193,13 @@ class GGUFFile:
         self._maps: list[np.memmap] = []
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self.kv_spans: dict[str, tuple[int, int]] = {}  # the first file's raw key/value entries, for re-writing
         for i, p in enumerate(self.paths):
-            meta, infos, data_start, mm = _parse(p)
+            meta, infos, data_start, mm, spans = _parse(p)
             self._maps.append(mm)
             if i == 0:
-                self.metadata = meta
+                self.metadata, self.kv_spans = meta, spans
+            _check_types(p, infos)
             for name, ne, qtype, rel in infos:
                 self._add(i, name, ne, qtype, data_start + rel, len(mm))
         count = int(self.metadata.get("split.count", 1))
@@ -194,11 +210,6 @@ class GGUFFile:
             raise CheckpointError(f"{self.path}: split.tensors.count={expected} but the files hold {len(self.tensors)}")
 
     def _add(self, file: int, name: str, ne: tuple[int, ...], qtype: int, offset: int, file_size: int) -> None:
-        if qtype not in BLOCK_SIZES:
-            raise UnsupportedModelError(
-                f"tensor {name} in {self.paths[file].name} has GGML type {type_name(qtype)}, which is not supported "
-                f"(supported: {', '.join(type_name(t) for t in sorted(BLOCK_SIZES))})"
-            )
         shape = tuple(int(x) for x in reversed(ne))
         if name in self.tensors:
             raise CheckpointError(f"tensor {name} appears twice in {self.path}")
@@ -241,6 +252,16 @@ class GGUFFile:
         if info.is_quantized:
             return raw.reshape(*info.shape[:-1], -1)
         return raw.view(_DTYPES[info.qtype]).reshape(info.shape)
+
+    def raw_kv(self, key: str) -> bytes:
+        """The stored bytes of one key/value entry of the first file (key, value type and value), as in the file."""
+        start, end = self.kv_spans[key]
+        return bytes(self._maps[0][start:end])
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of a tensor, as a uint8 view of the map."""
+        info = self.tensors[name]
+        return self._maps[info.file][info.offset : info.offset + info.nbytes]
 
     def read(self, name: str) -> torch.Tensor:
         """Like :meth:`view` but read into memory we own (for tensors about to be transformed)."""
