@@ -79,7 +79,8 @@ def test_survey_lists_peers_ranges_and_links_and_prints_a_table(capsys):
         with trio.fail_after(60):
             async with swarm(3) as nodes:
                 for i, node in enumerate(nodes[1:]):
-                    await Announcer(node).update(Offer("org/m", i * 4, i * 4 + 4, throughput=7.5, free_cache=2))
+                    await Announcer(node).update(Offer("org/m", i * 4, i * 4 + 4, throughput=7.5, free_cache=2,
+                                                             fingerprint="5a" * 16, num_layers=8))
                 boot = nodes[0]
                 async with open_host(config(dht_server=False, bootstrap_addrs=(str(boot.advertised_addrs()[0]),))) as me:
                     status = await survey(me, models=["org/m"], timeout=3)

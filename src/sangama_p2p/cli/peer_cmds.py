@@ -218,11 +218,18 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
         raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
                               "id such as the directory's name)")
     model = str(Path(model).expanduser())
+    fingerprint = None
     if Path(model).is_dir():
         model_id = default_model_id(model)
         tokenizer = tokenizer or Path(model)
-    config = PeerConfig(host=host_config(args, serving=False), client=ClientConfig(model_id=model_id),
-                        tokenizer_path=tokenizer)
+        weights = ("model.safetensors", "model.safetensors.index.json")
+        if (Path(model) / "config.json").is_file() and any((Path(model) / w).is_file() for w in weights):
+            # a checkpoint, not just its tokenizer: chain only peers serving this very checkpoint
+            from ..model.fingerprint import checkpoint_identity
+
+            fingerprint = checkpoint_identity(model).fingerprint
+    config = PeerConfig(host=host_config(args, serving=False),
+                        client=ClientConfig(model_id=model_id, fingerprint=fingerprint), tokenizer_path=tokenizer)
     return config, model_id
 
 
