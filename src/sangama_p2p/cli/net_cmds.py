@@ -169,7 +169,7 @@ def _print_table(status) -> None:
         covered = _coverage(spans)
         console.print(f"[bold]{model}[/bold]: layers covered {covered}")
         for line in lineup_lines(lineups[model]):
-            console.print(line, markup=False)
+            console.print(line, markup=False, soft_wrap=True)
 
 
 def lineup_lines(lineup) -> list[str]:
