@@ -137,6 +137,9 @@ def test_expired_and_far_future_records_are_rejected():
         {"lh": {"01": b"\x01" * 16}},  # not the canonical spelling of layer 1
         {"lh": {"mtp": b"\x01" * 16}},  # parts are layers, embed and head
         {"lh": {"0": b"\x01" * 8}},
+        {"lh": {"\u00b2": b"\x01" * 16}},  # a Unicode digit (str.isdigit says yes, int() refuses)
+        {"lh": {"9" * 5000: b"\x01" * 16}},  # more digits than int() converts
+        {"lh": {1: b"\x01" * 16}},
     ],
 )
 def test_schema_violations_are_rejected_even_when_signed(change):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,7 @@ _FIELDS = frozenset(
      "fp", "depth", "lh"}
 )
 _PART_NAMES = ("embed", "head")
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,6}")  # ASCII, canonical decimal, below MAX_DEPTH
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,7 @@ def _is_part(key: Any, body: dict[str, Any]) -> bool:
         return False
     if key in _PART_NAMES:
         return True
-    return key.isdigit() and key == str(int(key)) and body["start"] <= int(key) < body["end"]
+    return _LAYER_KEY.fullmatch(key) is not None and body["start"] <= int(key) < body["end"]
 
 
 def _part_key(part: str) -> tuple[int, int]:
