@@ -103,7 +103,8 @@ def test_forged_and_stale_records_are_refused_by_remote_peers():
                                     free_cache=1, addrs=[], fingerprint=FP, num_layers=40, seq=honest.record.seq - 1)
                 await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), stale.value)
                 expired = sign_record(victim.key_pair, model_id=MODEL, start=0, end=4, throughput=1.0,
-                                      free_cache=1, addrs=[], fingerprint=FP, num_layers=40, seq=honest.record.seq + 5, ttl=1,
+                                      free_cache=1, addrs=[], fingerprint=FP, num_layers=40,
+                                      seq=honest.record.seq + 5, ttl=1,
                                       now=time.time() - 10)
                 assert not await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), expired.value)
                 stored = store.dht.value_store.get(key.encode())

@@ -19,8 +19,8 @@ class ClientConfig:
     the depth in the chosen peers' records, from their checkpoint's config; never the largest announced ``end``).
     ``fingerprint``: the model fingerprint of the client's own copy of the checkpoint
     (:func:`sangama_p2p.model.fingerprint.checkpoint_identity`); only peers of that fingerprint are chained (None:
-    the fingerprint group chosen by :func:`sangama_p2p.net.lineup.choose_lineup`). ``step_timeout``: a trip that takes longer counts as a failed
-    stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
+    the fingerprint group chosen by :func:`sangama_p2p.net.lineup.choose_lineup`). ``step_timeout``: a trip that
+    takes longer counts as a failed stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
     giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/2`` round trip
     (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).

@@ -17,8 +17,8 @@ What ``generate`` does: find the peers serving ``model_id`` (DHT), measure each 
 ``/sangama/info/2`` round trip (which also brings its fresh throughput and queue), pick the cheapest chain
 (:func:`~sangama_p2p.client.routing.plan_route`) among the peers of one checkpoint fingerprint
 (:func:`~sangama_p2p.net.lineup.choose_lineup`: the model's depth comes from that checkpoint's config, and peers of
-other checkpoints under the same model id are left out with a log line), open a session on every stage, then run trips: STEP to the first
-stage, which forwards hidden states stage to stage; the last stage checks the guesses, samples, drafts new guesses
+other checkpoints under the same model id are left out with a log line), open a session on every stage, then run
+trips: STEP to the first stage, which forwards hidden states stage to stage; the last stage checks the guesses, samples, drafts new guesses
 and answers the client directly. ``guesses`` is a fixed count (0..8) or ``"auto"`` (adaptive, up to 6). When a
 stage fails (stream reset, peer gone, timeout), the client probes the chain, re-routes around the dead peers and
 replays the prompt plus the tokens produced so far to the new chain, so the generation completes with the same
