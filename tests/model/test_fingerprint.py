@@ -188,3 +188,18 @@ def test_a_part_the_checkpoint_lacks_and_a_truncated_file_are_errors(made, tmp_p
     f.write_bytes(data[:4])
     with pytest.raises(CheckpointError):
         checkpoint_identity(d)
+
+
+def test_an_mtp_layer_taken_from_safetensors_is_part_of_the_gguf_identity(made, tmp_path):
+    from sangama_p2p.model.gguf.writer import write_gguf
+
+    (q8,) = write_gguf(made["a"], tmp_path / "q.gguf", "Q8_0")
+    alone = checkpoint_identity(q8, parts=["head"])
+    with_mtp = checkpoint_identity(q8, parts=["head"], mtp_from=made["a"])
+    other_mtp = checkpoint_identity(q8, parts=["head"], mtp_from=made["seed1"])
+    assert len({alone.fingerprint, with_mtp.fingerprint, other_mtp.fingerprint}) == 3
+    assert len({alone.hash_of("head"), with_mtp.hash_of("head"), other_mtp.hash_of("head")}) == 3
+    ckpt = open_checkpoint(q8, mtp_from=made["a"])
+    names = [e.name for e in tensor_table(ckpt.source, ckpt.spec)[1] if e.name.startswith("mtp_from:")]
+    ckpt.close()
+    assert names and all(n.startswith("mtp_from:mtp.") for n in names)
