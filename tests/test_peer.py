@@ -123,6 +123,7 @@ def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:
             console.print(_panel(p))  # join's live panel, from a real server's figures
             text = console.export_text()
             assert "peer-tiny" in text and "2:5" in text
+            assert p.servers[0].identity.fingerprint[:12] in text  # which checkpoint this peer serves
             with pytest.raises(StageError, match="already serves peer-tiny 2:5"):
                 await p.serve(tiny, "5:8")  # one stage per peer: a second would take the first one's streams
             assert len(p.servers) == 1

@@ -180,17 +180,19 @@ def _panel(peer: Any) -> Any:
     from rich.table import Table
 
     table = Table(title=f"sangama peer {peer.peer_id[:12]}…", title_justify="left")
-    for col in ("model", "layers", "sessions", "free", "queue", "steps/s (measured)", "links"):
+    for col in ("model", "layers", "fingerprint", "sessions", "free", "queue", "steps/s (measured)", "links"):
         table.add_column(col)
     for server in peer.servers:
         try:
             info = server.info()
         except Exception as exc:  # a panel must never take the peer down
-            table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?",
+            table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?", "?",
                           f"error: {exc}", "?")
             continue
         links = ", ".join(f"{n} {kind}" for kind, n in server.link_kinds().items() if n) or "-"
-        table.add_row(info.model_id, f"{info.start}:{info.end}", str(server.open_sessions),
+        ident = server.identity
+        table.add_row(info.model_id, f"{info.start}:{info.end}", ident.fingerprint[:12] if ident else "-",
+                      str(server.open_sessions),
                       str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}", links)
     return table
 
