@@ -213,3 +213,22 @@ def test_a_model_path_that_is_not_there_is_not_taken_for_a_model_id(command: lis
     # a typo in the directory went to the swarm as a model id: "no live peer serves '/srv/models/qwne'"
     assert main([*command, "--model", str(tmp_path / "typo"), "--bootstrap", BOOT]) == 2
     assert f"checkpoint {tmp_path / 'typo'} does not exist" in capsys.readouterr().err
+
+
+def test_generate_with_a_checkpoint_directory_pins_its_fingerprint(tmp_path: Path) -> None:
+    """``--model DIR`` chains only peers of that very checkpoint; a tokenizer-only directory or a bare id pins none."""
+    from sangama_p2p.cli.main import build_parser
+    from sangama_p2p.cli.peer_cmds import client_peer_config
+    from sangama_p2p.model.fingerprint import checkpoint_identity
+    from sangama_p2p.model.make import make_model
+
+    ckpt = make_model(tmp_path / "m", "llama", "tiny")
+    tok_only = tmp_path / "tok"
+    tok_only.mkdir()
+    (tok_only / "tokenizer.json").write_bytes((ckpt / "tokenizer.json").read_bytes())
+    got = {}
+    for name, model in (("dir", str(ckpt)), ("tok", str(tok_only)), ("id", "org/m")):
+        args = build_parser().parse_args(["generate", "--model", model, "--prompt-ids", "1", "--bootstrap", BOOT])
+        config, _ = client_peer_config(args, args.model)
+        got[name] = config.client.fingerprint
+    assert got == {"dir": checkpoint_identity(ckpt).fingerprint, "tok": None, "id": None}

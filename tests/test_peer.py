@@ -85,6 +85,30 @@ def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) 
     assert seen["own"] == expected and len(seen["own_route"]) == 3
 
 
+def test_auto_and_own_chains_ignore_another_checkpoint_under_the_same_id(tiny: Path, tmp_path: Path) -> None:
+    other = make_model(tmp_path / "peer-tiny", "qwen3_5_moe", "tiny", seed=1)  # same name, other weights
+    prompt = [5, 17, 300, 42, 7]
+    expected = local_tokens(tiny, prompt, 6)
+    seen: dict = {}
+
+    async def main() -> None:
+        async with Peer(PeerConfig(host=host(tmp_path, "a"))) as a:
+            assert await a.serve(other, "0:3") == (0, 3)
+            async with Peer(PeerConfig(host=host(tmp_path, "b", (a.addrs[0],)))) as b:
+                seen["b"] = await b.serve(tiny, "auto:8")  # a's 0:3 is another checkpoint: nothing is served yet
+                g = await b.generate(prompt, 6, stop_at_eos=False)
+                client = await b.client()
+                seen.update(tokens=list(g.tokens), route=g.result.route, pinned=client.config.fingerprint,
+                            mine=b.servers[0].identity.fingerprint, theirs=a.servers[0].identity.fingerprint,
+                            left=dict(client.left_out), a=a.peer_id, b_id=b.peer_id)
+
+    trio.run(main)
+    assert seen["b"] == (0, 8)
+    assert seen["mine"] != seen["theirs"] and seen["pinned"] == seen["mine"]
+    assert seen["tokens"] == expected and seen["route"] == [seen["b_id"]]
+    assert set(seen["left"]) == {seen["a"]} and "differs from the local checkpoint" in seen["left"][seen["a"]].reason
+
+
 def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:
     async def main() -> tuple[int, int, str]:
         config = PeerConfig(host=host(tmp_path, "s"), model_path=tiny, layers="2:5")
@@ -99,6 +123,7 @@ def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:
             console.print(_panel(p))  # join's live panel, from a real server's figures
             text = console.export_text()
             assert "peer-tiny" in text and "2:5" in text
+            assert p.servers[0].identity.fingerprint[:12] in text  # which checkpoint this peer serves
             with pytest.raises(StageError, match="already serves peer-tiny 2:5"):
                 await p.serve(tiny, "5:8")  # one stage per peer: a second would take the first one's streams
             assert len(p.servers) == 1

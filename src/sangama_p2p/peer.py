@@ -285,7 +285,7 @@ class Peer:
         template = self.config.stage
         mid = model_id or (template.model_id if template is not None else default_model_id(model))
         base = template or StageConfig(model_id=mid, start=0, end=1)
-        start, end = await self._resolve_layers(layers, mid, num_layers)
+        start, end = await self._resolve_layers(layers, mid, num_layers, ckpt)
         ckpt.spec.check_range(start, end)
         config = base.replace(model_id=mid, start=start, end=end, **stage_options)
         server = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
@@ -294,7 +294,8 @@ class Peer:
         await self._drop_client(mid)
         return start, end
 
-    async def _resolve_layers(self, layers: str | tuple[int, int], model_id: str, num_layers: int) -> tuple[int, int]:
+    async def _resolve_layers(self, layers: str | tuple[int, int], model_id: str, num_layers: int,
+                              ckpt: Any = None) -> tuple[int, int]:
         if isinstance(layers, tuple):
             return int(layers[0]), int(layers[1])
         text = str(layers)
@@ -315,6 +316,11 @@ class Peer:
         from .net.discovery import find_serving_peers
 
         records = await find_serving_peers(self.node, model_id, include_self=False)
+        if ckpt is not None:  # only peers of our own checkpoint count: others will never be chained with us
+            from .model.fingerprint import stage_identity
+
+            mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint
+            records = [r for r in records if r.fingerprint == mine]
         return choose_layers([(r.start, r.end) for r in records], num_layers, span)
 
     @staticmethod
@@ -369,6 +375,8 @@ class Peer:
                 own = [s for s in self.servers if s.config.model_id == model_id]
                 if config.num_layers is None and own:
                     config = config.replace(num_layers=self._spec_num_layers)
+                if config.fingerprint is None and own and own[0].identity is not None:
+                    config = config.replace(fingerprint=own[0].identity.fingerprint)  # chain our own checkpoint
                 # our own stage joins our chains through an in-process stream (libp2p cannot dial itself)
                 local = own[0].open_local_stream if own else None
                 client = ChainClient(self.node, config, local_stage=local)

@@ -61,8 +61,9 @@ class Fleet:
     def boot_addr(self) -> str:
         return str(self.boot.advertised_addrs()[0])
 
-    async def add_stage(self, start: int, end: int, **config: Any) -> StageServer:
-        """A new peer serving ``[start, end)``; cancel ``stages[i][2]`` to kill it (node and server)."""
+    async def add_stage(self, start: int, end: int, *, ckpt: Checkpoint | None = None, **config: Any) -> StageServer:
+        """A new peer serving ``[start, end)`` of ``ckpt`` (default: the fleet's checkpoint); cancel
+        ``stages[i][2]`` to kill it (node and server)."""
         ready: list[Any] = []
         done = trio.Event()
 
@@ -72,7 +73,7 @@ class Fleet:
                     async with open_host(host_config(bootstrap_addrs=(self.boot_addr,)),
                                          key_pair=generate_key_pair()) as node:
                         cfg = StageConfig(model_id=MODEL, start=start, end=end, **config)
-                        server = await trio.to_thread.run_sync(StageServer.load, node, self.ckpt, cfg)
+                        server = await trio.to_thread.run_sync(StageServer.load, node, ckpt or self.ckpt, cfg)
                         async with server:
                             ready.append((node, server, scope))
                             task_status.started()

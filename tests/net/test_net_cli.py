@@ -77,26 +77,43 @@ def test_bootstrap_node_serves_without_torch_and_status_reads_it(tmp_path):
 def test_survey_lists_peers_ranges_and_links_and_prints_a_table(capsys):
     async def main():
         with trio.fail_after(60):
-            async with swarm(3) as nodes:
-                for i, node in enumerate(nodes[1:]):
-                    await Announcer(node).update(Offer("org/m", i * 4, i * 4 + 4, throughput=7.5, free_cache=2))
+            async with swarm(5) as nodes:
+                for i, node in enumerate(nodes[1:3]):
+                    await Announcer(node).update(Offer("org/m", i * 4, i * 4 + 4, throughput=7.5, free_cache=2,
+                                                       fingerprint="5a" * 16, num_layers=8))
+                # left out: a range beyond its checkpoint's depth, and another checkpoint under the same id
+                await Announcer(nodes[3]).update(Offer("org/m", 7, 1_000_000, fingerprint="5a" * 16, num_layers=8))
+                await Announcer(nodes[4]).update(Offer("org/m", 0, 8, fingerprint="6b" * 16, num_layers=8))
                 boot = nodes[0]
                 async with open_host(config(dht_server=False, bootstrap_addrs=(str(boot.advertised_addrs()[0]),))) as me:
                     status = await survey(me, models=["org/m"], timeout=3)
                 by_id = {p.peer_id: p for p in status.peers}
                 assert set(by_id) == {n.peer_id.to_base58() for n in nodes}
                 assert by_id[boot.peer_id.to_base58()].records == ()
-                for i, node in enumerate(nodes[1:]):
+                for i, node in enumerate(nodes[1:3]):
                     peer = by_id[node.peer_id.to_base58()]
                     (rec,) = peer.records
                     assert (rec.model_id, rec.start, rec.end, rec.throughput) == ("org/m", i * 4, i * 4 + 4, 7.5)
                     assert peer.link == "direct" and peer.rtt_ms is not None and peer.rtt_ms > 0
-                assert status.models() == {"org/m": [(nodes[1].peer_id.to_base58(), 0, 4),
-                                                     (nodes[2].peer_id.to_base58(), 4, 8)]}
-                json.dumps(status.to_json())  # serialisable as is
+                ids = [n.peer_id.to_base58() for n in nodes]
+                assert status.models() == {"org/m": [(ids[1], 0, 4), (ids[4], 0, 8), (ids[2], 4, 8),
+                                                     (ids[3], 7, 1_000_000)]}
+                lineup = status.lineups()["org/m"]
+                assert (lineup.fingerprint, lineup.num_layers) == ("5a" * 16, 8)
+                assert [r.peer_id for r in lineup.members] == ids[1:3]
+                reasons = {o.peer_id: o.reason for o in lineup.left_out}
+                assert set(reasons) == {ids[3], ids[4]}
+                assert "beyond its checkpoint's 8 layers" in reasons[ids[3]]
+                assert "another checkpoint serves this model id" in reasons[ids[4]]
+                as_json = json.loads(json.dumps(status.to_json()))  # serialisable as is
+                assert {o["peer_id"] for o in as_json["lineups"]["org/m"]["left_out"]} == {ids[3], ids[4]}
                 _print_table(status)
+                return ids
 
-    trio.run(main)
+    ids = trio.run(main)
     out = capsys.readouterr().out
-    assert "org/m" in out and "0:4" in out and "4:8" in out and "layers covered 0:8" in out
+    assert "org/m" in out and "0:4" in out and "4:8" in out and "layers covered 0:1000000" in out
+    assert "chained: fingerprint 5a5a5a5a5a5a, 8 layers, 2 peers, layers covered 0:8" in out
+    assert f"left out {ids[3][:8]}…{ids[3][-6:]} 7:1000000: announces layers 7:1000000 beyond" in out
+    assert f"left out {ids[4][:8]}…{ids[4][-6:]} 0:8: another checkpoint" in out
     assert _coverage([("a", 0, 4), ("b", 6, 9), ("c", 3, 5)]) == "0:5, 6:9"

@@ -24,11 +24,13 @@ from sangama_p2p.net.records import (
 KP = generate_key_pair()
 OTHER = generate_key_pair()
 MODEL = "Qwen/Qwen3.5-35B-A3B"
+FP = "5a" * 16
 ADDRS = ["/ip4/203.0.113.7/tcp/4001", "/ip4/10.0.0.2/tcp/4001"]
 
 
 def signed(**changes):
-    args = dict(model_id=MODEL, start=0, end=20, throughput=42.5, free_cache=7, addrs=ADDRS, seq=5)
+    args = dict(model_id=MODEL, start=0, end=20, throughput=42.5, free_cache=7, addrs=ADDRS, seq=5, fingerprint=FP,
+                num_layers=40, layer_hashes=[("0", "11" * 16), ("embed", "22" * 16)])
     args.update(changes)
     key_pair = args.pop("key_pair", KP)
     return sign_record(key_pair, **args)
@@ -56,6 +58,23 @@ def test_round_trip_keeps_every_field():
     assert 85 < rec.expires_at - time.time() <= 90
     assert len(KEY) <= 50  # py-libp2p's DHT ignores FIND_NODE for longer keys
     assert record_key(MODEL, peer_id_of(OTHER)) != KEY and record_key("other", peer_id_of(KP)) != KEY
+
+
+def test_identity_round_trips_and_schema_1_records_are_refused():
+    rec = signed().record
+    assert (rec.fingerprint, rec.num_layers) == (FP, 40)
+    assert rec.layer_hashes == (("embed", "22" * 16), ("0", "11" * 16))  # embed, layers in order, head
+    # a record of the previous schema (no identity) is refused, not read as "unknown fingerprint"
+    body = body_of(signed().value)
+    for field in ("fp", "depth", "lh"):
+        del body[field]
+    body["schema"] = "sangama/serving/1"
+    with pytest.raises(RecordError, match="fields"):
+        decode_record(KEY, resign(body))
+    with pytest.raises(RecordError, match="32 hex digits"):
+        signed(fingerprint="5a" * 8)
+    with pytest.raises(RecordError, match="not hex"):
+        signed(layer_hashes=[("1", "zz" * 16)])
 
 
 def test_forged_signer_is_rejected():
@@ -110,6 +129,17 @@ def test_expired_and_far_future_records_are_rejected():
         {"schema": "sangama/serving/0"},
         {"model": ""},
         {"extra": 1},
+        {"fp": b"\x01" * 15},  # a fingerprint is 16 bytes
+        {"fp": "5a" * 16},  # ... as bin, not hex text
+        {"depth": 0},
+        {"depth": 1_000_001},
+        {"lh": {"20": b"\x01" * 16}},  # a layer the stage does not serve (it serves 0:20)
+        {"lh": {"01": b"\x01" * 16}},  # not the canonical spelling of layer 1
+        {"lh": {"mtp": b"\x01" * 16}},  # parts are layers, embed and head
+        {"lh": {"0": b"\x01" * 8}},
+        {"lh": {"\u00b2": b"\x01" * 16}},  # a Unicode digit (str.isdigit says yes, int() refuses)
+        {"lh": {"9" * 5000: b"\x01" * 16}},  # more digits than int() converts
+        {"lh": {1: b"\x01" * 16}},
     ],
 )
 def test_schema_violations_are_rejected_even_when_signed(change):

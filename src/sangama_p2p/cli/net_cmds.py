@@ -151,21 +151,41 @@ def _print_table(status) -> None:
     from rich.table import Table
 
     table = Table(title=f"Sangama swarm: {len(status.peers)} peers")
-    for column in ("peer", "model", "layers", "tok/s", "free", "link", "rtt ms", "reach", "addresses"):
+    for column in ("peer", "model", "layers", "fingerprint", "tok/s", "free", "link", "rtt ms", "reach", "addresses"):
         table.add_column(column, overflow="fold")
     for peer in status.peers:
         short = peer.peer_id[:8] + "…" + peer.peer_id[-6:]
         rtt = f"{peer.rtt_ms:.1f}" if peer.rtt_ms is not None else "-"
         if not peer.records:
-            table.add_row(short, "-", "-", "-", "-", peer.link, rtt, "-", peer.error or "")
+            table.add_row(short, "-", "-", "-", "-", "-", peer.link, rtt, "-", peer.error or "")
         for rec in peer.records:
-            table.add_row(short, rec.model_id, f"{rec.start}:{rec.end}", f"{rec.throughput:.1f}",
+            table.add_row(short, rec.model_id, f"{rec.start}:{rec.end}", f"{rec.fingerprint[:12]} ({rec.num_layers})",
+                          f"{rec.throughput:.1f}",
                           str(rec.free_cache), peer.link, rtt, rec.reachability[:14], "\n".join(rec.addrs[:3]))
     console = Console()
     console.print(table)
+    lineups = status.lineups()
     for model, spans in status.models().items():
         covered = _coverage(spans)
         console.print(f"[bold]{model}[/bold]: layers covered {covered}")
+        for line in lineup_lines(lineups[model]):
+            console.print(line, markup=False, soft_wrap=True)
+
+
+def lineup_lines(lineup) -> list[str]:
+    """What a client would chain of one model, and every peer left out with the reason (plain text lines)."""
+    if lineup.fingerprint is None:
+        lines = ["  no usable peer"]
+    else:
+        spans = [(r.peer_id, r.start, r.end) for r in lineup.members]
+        lines = [f"  chained: fingerprint {lineup.fingerprint[:12]}, {lineup.num_layers} layers, "
+                 f"{len(lineup.members)} peers, layers covered {_coverage(spans)}"]
+    for out in lineup.left_out:
+        lines.append(f"  left out {out.peer_id[:8]}…{out.peer_id[-6:]} {out.start}:{out.end}: {out.reason}")
+    for c in lineup.conflicts:
+        held = "; ".join(f"{h[:12]} by {', '.join(p[:8] + '…' for p in peers)}" for h, peers in c.hashes)
+        lines.append(f"  part {c.part} differs between peers of one fingerprint: {held}")
+    return lines
 
 
 def _coverage(spans: list[tuple[str, int, int]]) -> str:

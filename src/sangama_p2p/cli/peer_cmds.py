@@ -169,17 +169,19 @@ def _panel(peer: Any) -> Any:
     from rich.table import Table
 
     table = Table(title=f"sangama peer {peer.peer_id[:12]}…", title_justify="left")
-    for col in ("model", "layers", "sessions", "free", "queue", "steps/s (measured)", "links"):
+    for col in ("model", "layers", "fingerprint", "sessions", "free", "queue", "steps/s (measured)", "links"):
         table.add_column(col)
     for server in peer.servers:
         try:
             info = server.info()
         except Exception as exc:  # a panel must never take the peer down
-            table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?",
+            table.add_row(server.config.model_id, f"{server.config.start}:{server.config.end}", "?", "?", "?", "?",
                           f"error: {exc}", "?")
             continue
         links = ", ".join(f"{n} {kind}" for kind, n in server.link_kinds().items() if n) or "-"
-        table.add_row(info.model_id, f"{info.start}:{info.end}", str(server.open_sessions),
+        ident = server.identity
+        table.add_row(info.model_id, f"{info.start}:{info.end}", ident.fingerprint[:12] if ident else "-",
+                      str(server.open_sessions),
                       str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}", links)
     return table
 
@@ -207,11 +209,18 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
         raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
                               "id such as the directory's name)")
     model = str(Path(model).expanduser())
+    fingerprint = None
     if Path(model).is_dir():
         model_id = default_model_id(model)
         tokenizer = tokenizer or Path(model)
-    config = PeerConfig(host=host_config(args, serving=False), client=ClientConfig(model_id=model_id),
-                        tokenizer_path=tokenizer)
+        weights = ("model.safetensors", "model.safetensors.index.json")
+        if (Path(model) / "config.json").is_file() and any((Path(model) / w).is_file() for w in weights):
+            # a checkpoint, not just its tokenizer: chain only peers serving this very checkpoint
+            from ..model.fingerprint import checkpoint_identity
+
+            fingerprint = checkpoint_identity(model).fingerprint
+    config = PeerConfig(host=host_config(args, serving=False),
+                        client=ClientConfig(model_id=model_id, fingerprint=fingerprint), tokenizer_path=tokenizer)
     return config, model_id
 
 

@@ -16,8 +16,11 @@ class ClientConfig:
     """A client's settings.
 
     ``model_id``: the swarm-wide model name to search the DHT for. ``num_layers``: the model's layer count (None =
-    the largest ``end`` any serving peer announces). ``step_timeout``: a trip that takes longer counts as a failed
-    stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
+    the depth in the chosen peers' records, from their checkpoint's config; never the largest announced ``end``).
+    ``fingerprint``: the model fingerprint of the client's own copy of the checkpoint
+    (:func:`sangama_p2p.model.fingerprint.checkpoint_identity`); only peers of that fingerprint are chained (None:
+    the fingerprint group chosen by :func:`sangama_p2p.net.lineup.choose_lineup`). ``step_timeout``: a trip that
+    takes longer counts as a failed stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
     giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/2`` round trip
     (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).
@@ -31,6 +34,7 @@ class ClientConfig:
 
     model_id: str
     num_layers: int | None = None
+    fingerprint: str | None = None
     step_timeout: float = 60.0
     open_timeout: float = 20.0
     probe_timeout: float = 3.0
@@ -49,6 +53,9 @@ class ClientConfig:
             raise RouteError("num_layers must be positive")
         if min(self.step_timeout, self.open_timeout, self.probe_timeout, self.lane_timeout) <= 0 or self.survey_max_age < 0:
             raise RouteError("timeouts must be positive")
+        if self.fingerprint is not None and (len(self.fingerprint) != 32
+                                             or any(c not in "0123456789abcdef" for c in self.fingerprint)):
+            raise RouteError(f"fingerprint must be 32 lowercase hex digits, got {self.fingerprint!r}")
         if self.max_failovers < 0:
             raise RouteError("max_failovers must be >= 0")
         if self.max_step_tokens <= 0:

@@ -15,8 +15,10 @@ Usage (trio; ``node`` from :func:`sangama_p2p.net.open_host`)::
 
 What ``generate`` does: find the peers serving ``model_id`` (DHT), measure each one's RTT with an
 ``/sangama/info/2`` round trip (which also brings its fresh throughput and queue), pick the cheapest chain
-(:func:`~sangama_p2p.client.routing.plan_route`), open a session on every stage, then run trips: STEP to the first
-stage, which forwards hidden states stage to stage; the last stage checks the guesses, samples, drafts new guesses
+(:func:`~sangama_p2p.client.routing.plan_route`) among the peers of one checkpoint fingerprint
+(:func:`~sangama_p2p.net.lineup.choose_lineup`: the model's depth comes from that checkpoint's config, and peers of
+other checkpoints under the same model id are left out with a log line), open a session on every stage, then run
+trips: STEP to the first stage, which forwards hidden states stage to stage; the last stage checks the guesses, samples, drafts new guesses
 and answers the client directly. ``guesses`` is a fixed count (0..8) or ``"auto"`` (adaptive, up to 6). When a
 stage fails (stream reset, peer gone, timeout), the client probes the chain, re-routes around the dead peers and
 replays the prompt plus the tokens produced so far to the new chain, so the generation completes with the same
@@ -110,7 +112,8 @@ class ChainClient:
         self._versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
         self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
         self._survey_lock = trio.Lock()
-        self._depth = 0
+        self.left_out: dict[str, Any] = {}  # peer id -> net.lineup.LeftOut, from the last routing decision
+        self._reported: set[tuple[str, str]] = set()  # (peer, reason) already logged
         self.active: dict[int, ChainSession] = {}  # the chain session of each running generation
 
     async def __aenter__(self) -> ChainClient:
@@ -179,7 +182,8 @@ class ChainClient:
                 if info.model_id != self.config.model_id or info.peer != rec.peer_id:
                     return
                 offers.append(PeerOffer(rec.peer_id, info.start, info.end, info.throughput_tps, info.queue,
-                                        info.free_sessions, rtt, tuple(rec.addrs)))
+                                        info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
+                                        rec.num_layers, rec.layer_hashes))
                 self.silent.pop(rec.peer_id, None)
                 return
             self._mark_silent(rec.peer_id)  # no answer within probe_timeout
@@ -205,31 +209,54 @@ class ChainClient:
         seen = self.silent.get(rec.peer_id)
         return seen is not None and (rec.seq, rec.expires_at) <= seen
 
-    def _num_layers(self, offers: Sequence[PeerOffer]) -> int:
-        """The model's depth: configured, else the deepest range ever announced (a failed last stage must not
-        make the model look shorter)."""
-        if self.config.num_layers is not None:
-            return self.config.num_layers
-        self._depth = max([self._depth, *(o.end for o in offers)])
-        if not self._depth:
-            raise RouteError(f"no live peer serves {self.config.model_id!r}")
-        return self._depth
+    def _lineup(self, offers: Sequence[PeerOffer], pin: str | None) -> Any:
+        """The peers of one checkpoint fingerprint (``pin``, else the configured one, else the best group) and the
+        model's depth from it; every peer left out is logged once per reason."""
+        from ..net.lineup import choose_lineup
 
-    async def _open_chain(self, params: SessionParams, exclude: set[str], max_age: float) -> ChainSession:
+        lineup = choose_lineup(offers, local_fingerprint=pin or self.config.fingerprint,
+                               num_layers=self.config.num_layers)
+        self.left_out = {o.peer_id: o for o in lineup.left_out}
+        for o in lineup.left_out:
+            if (o.peer_id, o.reason) not in self._reported:
+                self._reported.add((o.peer_id, o.reason))
+                log.warning("left out peer %s (layers %d:%d of %s): %s", o.peer_id, o.start, o.end,
+                            self.config.model_id, o.reason)
+        for c in lineup.conflicts:
+            log.warning("peers of fingerprint %s disagree on the content of part %s: %s", lineup.fingerprint,
+                        c.part, "; ".join(f"{h[:12]}: {', '.join(p)}" for h, p in c.hashes))
+        return lineup
+
+    def _route(self, offers: Sequence[PeerOffer], exclude: set[str], pin: str | None) -> tuple[list[PeerOffer], str]:
+        lineup = self._lineup(offers, pin)
+        left = "; ".join(f"{o.peer_id} {o.start}:{o.end}: {o.reason}" for o in lineup.left_out)
+        if lineup.fingerprint is None:
+            raise RouteError(f"no live peer serves {self.config.model_id!r}" + (f" (left out: {left})" if left else ""))
+        try:
+            return plan_route(lineup.members, lineup.num_layers, exclude=exclude), lineup.fingerprint
+        except RouteError as exc:
+            if not left:
+                raise
+            raise RouteError(f"{exc} (left out: {left})") from exc
+
+    async def _open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
+                          pin: str | None = None) -> ChainSession:
         """Route (on a survey at most ``max_age`` old), open the session on every stage; re-route around peers
-        that fail (on a fresh survey when ``config.rediscover``)."""
+        that fail (on a fresh survey when ``config.rediscover``). ``pin``: chain only peers of this fingerprint
+        (a generation's re-routes keep to the checkpoint it started on)."""
         tries = 0
         refused: StageRefused | None = None
         while True:
             offers = await self.survey(frozenset(exclude), max_age=max_age)
             try:
-                route = plan_route(offers, self._num_layers(offers), exclude=exclude)
+                route, fingerprint = self._route(offers, exclude, pin)
             except RouteError as exc:
                 if refused is not None:  # the peers that could serve refused: say why, with their code
                     raise refused from exc
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
                                    step_timeout=self.config.step_timeout)
+            session.fingerprint = fingerprint
             try:
                 await session.open()
                 return session
@@ -363,7 +390,8 @@ class ChainClient:
                     if result.failovers > self.config.max_failovers:
                         raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
                     exclude |= bad
-                    session = await self._open_chain(params, exclude, 0.0 if self.config.rediscover else math.inf)
+                    session = await self._open_chain(params, exclude, 0.0 if self.config.rediscover else math.inf,
+                                                     pin=session.fingerprint)
                     self.active[id(result)] = session
                     # replay: everything the model has seen, from position 0, no guesses
                     pending, start, n_guesses = [*prompt, *out], 0, 0

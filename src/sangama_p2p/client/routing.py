@@ -37,7 +37,8 @@ class PeerOffer:
 
     ``throughput``: single-request steps per second the stage announces (0 = unknown). ``queue``: steps waiting
     at the stage. ``rtt``: the client's measured round trip to the peer in seconds (None = not measured).
-    ``addrs``: where to dial it.
+    ``addrs``: where to dial it. ``fingerprint``/``num_layers``/``layer_hashes``: its checkpoint's identity (routing
+    ignores them; the client chains only offers of one fingerprint, see :mod:`sangama_p2p.net.lineup`).
     """
 
     peer_id: str
@@ -48,6 +49,9 @@ class PeerOffer:
     free_sessions: int = 1
     rtt: float | None = None
     addrs: tuple[str, ...] = ()
+    fingerprint: str = ""  # the checkpoint's fingerprint, from the peer's signed record
+    num_layers: int = 0  # the model's depth under that fingerprint (from the record)
+    layer_hashes: tuple[tuple[str, str], ...] = ()
 
 
 def step_cost(offer: PeerOffer) -> float:

@@ -88,6 +88,7 @@ class ChainSession:
         self.open_timeout = open_timeout
         self.step_timeout = step_timeout
         self.links: list[Link] = []
+        self.fingerprint: str | None = None  # the checkpoint fingerprint the route was chosen for
         self._send, self._recv = trio.open_memory_channel[Delivery](math.inf)
 
     @property

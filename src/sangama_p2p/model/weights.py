@@ -149,6 +149,10 @@ class SafetensorsSource:
     def names(self) -> Iterable[str]:
         return self._where.keys()
 
+    def tensor_files(self) -> dict[str, tuple[str, str]]:
+        """Canonical name -> (file name in ``path``, name stored in that file), for every tensor (model.fingerprint)."""
+        return dict(self._where)
+
     def has(self, name: str) -> bool:
         if name in self._where:
             return True

@@ -32,7 +32,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Offer:
-    """What a serving peer announces for one model (the record fields it controls)."""
+    """What a serving peer announces for one model (the record fields it controls).
+
+    ``fingerprint``, ``num_layers`` and ``layer_hashes`` are its checkpoint's identity
+    (:class:`sangama_p2p.model.fingerprint.ModelIdentity`): clients chain only peers of one fingerprint and take the
+    model's depth from ``num_layers``.
+    """
 
     model_id: str
     start: int
@@ -40,6 +45,9 @@ class Offer:
     throughput: float = 0.0
     free_cache: int = 0
     ttl: float = DEFAULT_TTL
+    fingerprint: str = ""
+    num_layers: int = 0
+    layer_hashes: tuple[tuple[str, str], ...] = ()
 
 
 def _reachability(node: Node) -> str:
@@ -69,6 +77,9 @@ async def publish(node: Node, offer: Offer, *, seq: int) -> SignedRecord:
         reachability=_reachability(node),
         ttl=offer.ttl,
         seq=seq,
+        fingerprint=offer.fingerprint,
+        num_layers=offer.num_layers,
+        layer_hashes=offer.layer_hashes,
     )
     try:
         await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)

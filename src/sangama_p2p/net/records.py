@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from ..errors import RecordError
 
 __all__ = [
     "DEFAULT_TTL",
+    "MAX_DEPTH",
     "MAX_TTL",
     "NAMESPACE",
     "RecordValidator",
@@ -42,15 +44,19 @@ __all__ = [
 ]
 
 NAMESPACE = "sangama"  # the DHT key namespace: keys look like /sangama/<hash of model id and peer id>
-SCHEMA = "sangama/serving/1"
+SCHEMA = "sangama/serving/2"  # 2 added the checkpoint's identity (fp, depth, lh); records of schema 1 are refused
 SIGNING_DOMAIN = b"sangama-serving-record-v1\x00"
 DEFAULT_TTL = 180.0
 MAX_TTL = 3600.0  # a record claiming to live longer is rejected (no near-immortal records)
 MAX_RECORD_BYTES = 8192
 MAX_ADDRS = 16
+MAX_DEPTH = 1_000_000  # layer indices and the model's depth stay below this
 _FIELDS = frozenset(
-    {"schema", "model", "peer", "pk", "start", "end", "tps", "free", "addrs", "reach", "sw", "exp", "seq"}
+    {"schema", "model", "peer", "pk", "start", "end", "tps", "free", "addrs", "reach", "sw", "exp", "seq",
+     "fp", "depth", "lh"}
 )
+_PART_NAMES = ("embed", "head")
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,6}")  # ASCII, canonical decimal, below MAX_DEPTH
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,9 @@ class ServingRecord:
     version: str
     expires_at: float  # unix seconds
     seq: int
+    fingerprint: str = ""  # the checkpoint's model fingerprint, 32 hex digits (model.fingerprint)
+    num_layers: int = 0  # the model's depth, from the fingerprinted config
+    layer_hashes: tuple[tuple[str, str], ...] = ()  # (part, 32 hex digits) for the parts this stage holds
 
     @property
     def ttl_left(self) -> float:
@@ -111,8 +120,15 @@ def sign_record(
     ttl: float = DEFAULT_TTL,
     seq: int = 0,
     now: float | None = None,
+    fingerprint: str,
+    num_layers: int,
+    layer_hashes: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
 ) -> SignedRecord:
-    """Build, sign and encode a record; the result decodes with :func:`decode_record` (which checks everything)."""
+    """Build, sign and encode a record; the result decodes with :func:`decode_record` (which checks everything).
+
+    ``fingerprint`` (32 hex digits), ``num_layers`` and ``layer_hashes`` are the checkpoint's identity
+    (:class:`sangama_p2p.model.fingerprint.ModelIdentity`); a malformed one raises :class:`RecordError`.
+    """
     if version == "":
         from .. import __version__
 
@@ -133,6 +149,9 @@ def sign_record(
         "sw": version,
         "exp": float(exp),
         "seq": int(seq),
+        "fp": _unhex(fingerprint, "fingerprint"),
+        "depth": int(num_layers),
+        "lh": {str(part): _unhex(digest, f"layer hash of {part}") for part, digest in layer_hashes},
     }
     body_bytes = msgpack.packb(body, use_bin_type=True)
     signature = key_pair.private_key.sign(SIGNING_DOMAIN + body_bytes)
@@ -194,8 +213,8 @@ def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
     _check(body, "model", str, lambda v: 0 < len(v) <= 256)
     _check(body, "peer", str, lambda v: 0 < len(v) <= 128)
     _check(body, "pk", bytes, lambda v: 0 < len(v) <= 128)
-    _check(body, "start", int, lambda v: 0 <= v < 1_000_000)
-    _check(body, "end", int, lambda v: body["start"] < v <= 1_000_000)
+    _check(body, "start", int, lambda v: 0 <= v < MAX_DEPTH)
+    _check(body, "end", int, lambda v: body["start"] < v <= MAX_DEPTH)
     _check(body, "tps", float, lambda v: math.isfinite(v) and v >= 0)
     _check(body, "free", int, lambda v: 0 <= v < 2**63)
     _check(body, "addrs", list, lambda v: len(v) <= MAX_ADDRS and all(_is_multiaddr(a) for a in v))
@@ -203,6 +222,10 @@ def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
     _check(body, "sw", str, lambda v: len(v) <= 64)
     _check(body, "exp", float, math.isfinite)
     _check(body, "seq", int, lambda v: 0 <= v < 2**63)
+    _check(body, "fp", bytes, lambda v: len(v) == 16)
+    _check(body, "depth", int, lambda v: 0 < v <= MAX_DEPTH)
+    _check(body, "lh", dict, lambda v: all(_is_part(k, body) and isinstance(h, bytes) and len(h) == 16
+                                           for k, h in v.items()))
     record = ServingRecord(
         model_id=body["model"],
         peer_id=body["peer"],
@@ -215,6 +238,9 @@ def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
         version=body["sw"],
         expires_at=body["exp"],
         seq=body["seq"],
+        fingerprint=body["fp"].hex(),
+        num_layers=body["depth"],
+        layer_hashes=tuple(sorted(((k, h.hex()) for k, h in body["lh"].items()), key=lambda kv: _part_key(kv[0]))),
     )
     return record, body["pk"]
 
@@ -223,6 +249,31 @@ def _check(body: dict[str, Any], name: str, kind: type, ok: Any) -> None:
     value = body[name]
     if not isinstance(value, kind) or isinstance(value, bool) or not ok(value):
         raise RecordError(f"record field {name!r} is invalid: {value!r:.80}")
+
+
+def _unhex(text: str, what: str) -> bytes:
+    try:
+        raw = bytes.fromhex(text)
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"{what} {text!r:.40} is not hex") from exc
+    if len(raw) != 16:
+        raise RecordError(f"{what} must be 16 bytes (32 hex digits), got {len(raw)}")
+    return raw
+
+
+def _is_part(key: Any, body: dict[str, Any]) -> bool:
+    """A part a stage of ``[start, end)`` may hash: one of its layers (``"3"``), ``embed`` or ``head``."""
+    if not isinstance(key, str):
+        return False
+    if key in _PART_NAMES:
+        return True
+    return _LAYER_KEY.fullmatch(key) is not None and body["start"] <= int(key) < body["end"]
+
+
+def _part_key(part: str) -> tuple[int, int]:
+    if part == "embed":
+        return (0, 0)
+    return (1, int(part)) if part.isdigit() else (2, 0)
 
 
 def _is_multiaddr(text: Any) -> bool:

@@ -2,7 +2,9 @@
 
 Peers are found from the DHT (our routing table after random-key lookups, plus the providers of any model asked
 for); each one is asked over ``/sangama/records/1`` for its signed records, which are validated like DHT records.
-The survey is a pure data structure (:class:`SwarmStatus`) so the CLI can print it as a table or as JSON.
+The survey is a pure data structure (:class:`SwarmStatus`) so the CLI can print it as a table or as JSON;
+:meth:`SwarmStatus.lineups` sorts each model's records as a client would (:mod:`.lineup`): the peers a client
+chains, and every other one with the reason it is left out.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..errors import NetworkError
 from .discovery import RECORDS_PROTOCOL, find_serving_peers
 from .holepunch import link_info
 from .host import Node
+from .lineup import Lineup, choose_lineup
 from .records import ServingRecord, decode_record, record_key
 
 __all__ = ["PeerStatus", "SwarmStatus", "fetch_records", "survey"]
@@ -55,8 +58,21 @@ class SwarmStatus:
                 out.setdefault(rec.model_id, []).append((peer.peer_id, rec.start, rec.end))
         return {m: sorted(v, key=lambda x: (x[1], x[2])) for m, v in sorted(out.items())}
 
+    def lineups(self) -> dict[str, Lineup[ServingRecord]]:
+        """model id -> which peers a client (without a local checkpoint) would chain, and who is left out why."""
+        by_model: dict[str, list[ServingRecord]] = {}
+        for peer in self.peers:
+            for rec in peer.records:
+                by_model.setdefault(rec.model_id, []).append(rec)
+        return {m: choose_lineup(recs) for m, recs in sorted(by_model.items())}
+
     def to_json(self) -> dict[str, object]:
-        return {"surveyed_at": self.surveyed_at, "peers": [asdict(p) for p in self.peers], "models": self.models()}
+        lineups = {m: {"fingerprint": ln.fingerprint, "num_layers": ln.num_layers,
+                       "members": [r.peer_id for r in ln.members], "left_out": [asdict(o) for o in ln.left_out],
+                       "conflicts": [asdict(c) for c in ln.conflicts]}
+                   for m, ln in self.lineups().items()}
+        return {"surveyed_at": self.surveyed_at, "peers": [asdict(p) for p in self.peers], "models": self.models(),
+                "lineups": lineups}
 
 
 async def fetch_records(

@@ -1,4 +1,4 @@
-"""Keeps a stage's DHT record current: layer range, measured throughput and free sessions.
+"""Keeps a stage's DHT record current: layer range, measured throughput, free sessions, checkpoint identity.
 
 The record is published when the server starts, re-published by :class:`~sangama_p2p.net.discovery.Announcer`
 before it expires, and refreshed every ``StageConfig.announce_every`` seconds when the figures moved (throughput by
@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from ..errors import NetworkError
+from ..errors import NetworkError, StageError
 from ..net.discovery import Announcer, Offer
 
 __all__ = ["StageAnnouncer"]
@@ -30,8 +30,13 @@ class StageAnnouncer:
 
     def current(self) -> Offer:
         s = self.server
+        ident = s.identity
+        if ident is None:
+            raise StageError("a stage announces its checkpoint's fingerprint: build it with StageServer.load, or pass "
+                             "identity= (model.fingerprint.stage_identity)")
         return Offer(s.config.model_id, s.model.start, s.model.end, throughput=round(float(s.throughput), 3),
-                     free_cache=int(s.free_sessions), ttl=s.config.record_ttl)
+                     free_cache=int(s.free_sessions), ttl=s.config.record_ttl, fingerprint=ident.fingerprint,
+                     num_layers=ident.num_layers, layer_hashes=tuple(ident.layer_hashes))
 
     def changed(self, offer: Offer) -> bool:
         old = self.offer

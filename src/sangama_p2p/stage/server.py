@@ -63,13 +63,16 @@ log = logging.getLogger(__name__)
 class StageServer:
     """One stage served on one node; an ``async with`` object (see the module docstring)."""
 
-    def __init__(self, node: Any, model: Any, config: StageConfig) -> None:
-        """``model``: a loaded :class:`~sangama_p2p.model.stage.StageModel` for ``config.start``..``config.end``."""
+    def __init__(self, node: Any, model: Any, config: StageConfig, identity: Any = None) -> None:
+        """``model``: a loaded :class:`~sangama_p2p.model.stage.StageModel` for ``config.start``..``config.end``;
+        ``identity``: its checkpoint's :class:`~sangama_p2p.model.fingerprint.ModelIdentity` (what the DHT record
+        announces; :meth:`load` computes it, and a stage without one cannot announce)."""
         if (model.start, model.end) != (config.start, config.end):
             raise StageError(f"model holds layers {model.start}:{model.end}, config says {config.start}:{config.end}")
         self.node = node
         self.model = model
         self.config = config
+        self.identity = identity
         self.peer_id: str = node.peer_id.to_base58()
         self.table = SessionTable(model, config)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
@@ -86,12 +89,18 @@ class StageServer:
 
     @classmethod
     def load(cls, node: Any, checkpoint: Any, config: StageConfig) -> StageServer:
-        """Load only this stage's tensors from ``checkpoint`` (a ``model.checkpoint.Checkpoint``); blocking."""
+        """Load only this stage's tensors from ``checkpoint`` (a ``model.checkpoint.Checkpoint``) and fingerprint
+        the checkpoint (metadata, content samples, and the full bytes of the parts loaded); blocking."""
+        from ..model.fingerprint import parts_of, stage_identity
         from ..model.stage import StageModel
 
         model = StageModel.load(checkpoint.spec, checkpoint.source, config.start, config.end, dtype=config.dtype,
                                 batch_invariant=config.batch_invariant)
-        return cls(node, model, config)
+        t0 = time.perf_counter()
+        identity = stage_identity(checkpoint.spec, checkpoint.source, parts_of(model.loaded_names))
+        log.info("checkpoint fingerprint %s (%d layers), %d parts hashed in %.2f s", identity.fingerprint,
+                 identity.num_layers, len(identity.layer_hashes), time.perf_counter() - t0)
+        return cls(node, model, config, identity)
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     async def __aenter__(self) -> StageServer:

@@ -46,6 +46,18 @@ class GGUFSource:
         extra = [n for n in self._mtp.names() if n.startswith("mtp.")] if self._mtp is not None else []
         return own + extra
 
+    def canonical_names(self) -> dict[str, str]:
+        """GGUF tensor name -> one canonical name it answers for (model.fingerprint assigns tensors to layers)."""
+        out: dict[str, str] = {}
+        for hf, mapping in self._index.items():
+            out.setdefault(mapping.gguf, hf)
+        return out
+
+    @property
+    def mtp_source(self) -> SafetensorsSource | None:
+        """The safetensors checkpoint the MTP layer comes from (``mtp_from``), if any."""
+        return self._mtp
+
     def has(self, name: str) -> bool:
         if self._mtp is not None and name.startswith("mtp."):
             return self._mtp.has(name)
