@@ -296,7 +296,7 @@ def checkpoint_identity(path: str | Path, *, parts: Iterable[str] = (),
     if p.is_dir():  # spec and tensor index only: the tokenizer is not needed here
         spec, source = ModelSpec.from_dir(p), SafetensorsSource(p)
     else:
-        ckpt = open_checkpoint(p, mtp_from=mtp_from)
+        ckpt = open_checkpoint(p, mtp_from=mtp_from, tokenizer=False)
         spec, source = ckpt.spec, ckpt.source
     try:
         return stage_identity(spec, source, parts)
