@@ -339,3 +339,31 @@ def test_a_lane_port_that_resets_the_connection_falls_back_to_libp2p():
                 await listener.aclose()
 
     trio.run(main)
+
+
+def test_idle_connections_cannot_hold_the_handshake_slots():
+    """256 connections that never send a byte: the stage keeps at most 8 from one source (the oldest are cut), cuts
+    the rest after the handshake timeout, and a real dialler from the same address still gets a lane."""
+
+    async def main():
+        with trio.fail_after(30):
+            async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+                async def on_lane(lane: LaneStream) -> None:
+                    pass
+
+                listener = LaneListener(b, on_lane, handshake_timeout=1.0)
+                await nursery.start(listener.run)
+                idle = [await trio.open_tcp_stream("127.0.0.1", listener.bound_port) for _ in range(256)]
+                await trio.sleep(0.2)
+                assert len(listener._handshakes) <= 8
+                lane = await open_lane(a, await _pair(a, b))
+                assert isinstance(lane, LaneStream)
+                t0 = trio.current_time()
+                assert await _closed_on_us(idle[-1])  # the newest idle one: cut at the timeout
+                assert 0.5 < trio.current_time() - t0 < 1.5
+                assert not listener._handshakes
+                for sock in idle:
+                    await sock.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
