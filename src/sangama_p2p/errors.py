@@ -68,6 +68,7 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_GUESSES = 7
     WRONG_MODEL = 8
     OVERLOADED = 9
+    NON_FINITE = 10
 
 
 class SangamaError(Exception):
