@@ -318,7 +318,8 @@ class Scheduler:
         if not self.model.is_last:
             chunks = torch.split(hidden, [len(j.msg.token_ids) for j in jobs])
             return [to_wire(c, self.wire_dtype) for c in chunks]
-        snapshots = [_DecoderSnapshot(j.session.decoder) for j in jobs] if len(jobs) > 1 else []
+        snapshots = [_DecoderSnapshot(j.session.decoder) for j in jobs if j.session.decoder is not None] \
+            if len(jobs) > 1 else []
         try:
             return list(self._finish(jobs, hidden))
         except Exception as exc:  # noqa: BLE001
