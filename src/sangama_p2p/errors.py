@@ -21,6 +21,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- InvalidMessageError    a field breaks the wire rules (type, bound, dtype, shape)
     +-- NetworkError          identity, dialling, records, relays, private fleets
     |   +-- RecordError           a signed DHT record failed validation
+    |   +-- ListenError           a listen address refused (not covered by the fleet secret) or not listened on
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
 
@@ -39,6 +40,7 @@ __all__ = [
     "FrameTooLargeError",
     "InvalidMessageError",
     "LayerRangeError",
+    "ListenError",
     "MalformedFrameError",
     "ModelError",
     "NetworkError",
@@ -68,6 +70,7 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_GUESSES = 7
     WRONG_MODEL = 8
     OVERLOADED = 9
+    NON_FINITE = 10
 
 
 class SangamaError(Exception):
@@ -153,6 +156,11 @@ class NetworkError(SangamaError):
 
 class RecordError(NetworkError):
     """A signed DHT record is forged, tampered, expired, malformed or in the wrong namespace."""
+
+
+class ListenError(NetworkError):
+    """A configured listen address cannot be used: its transport bypasses the fleet secret (QUIC, WebSocket, ...
+    on a private fleet), or the host did not actually listen on it (e.g. ``/udp/5000`` names no transport)."""
 
 
 class RouteError(SangamaError):

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import pytest
 import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from sangama_p2p.errors import TruncatedFrameError
 from sangama_p2p.net.host import open_host
-from sangama_p2p.net.lane import HELLO, LaneDialer, LaneError, LaneListener, LaneStream, open_lane
+from sangama_p2p.net.lane import LaneDialer, LaneError, LaneListener, LaneStream, _receive_exactly, open_lane
+from sangama_p2p.net.lane_handshake import NONCE_BYTES, READY, lane_key, seal_hello
 from sangama_p2p.streams import FramedStream
 from sangama_p2p.wire.codec import encode, encode_message_frame
 from sangama_p2p.wire.messages import CloseSession, InfoRequest, LaneOffer
-from sangama_p2p.wire.protocols import LANE_PROTOCOL
+from sangama_p2p.wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 
 from .net_swarm import config
 
@@ -28,7 +32,7 @@ async def _closed_on_us(sock) -> bool:
 
 
 def _offer_port(port: int):
-    """A /sangama/lane/2 handler that offers ``port`` (with a token and key nobody listens for)."""
+    """A /sangama/lane/3 handler that offers ``port`` (with a token and key nobody listens for)."""
 
     async def handler(stream) -> None:
         fs = FramedStream(stream)
@@ -77,6 +81,16 @@ def test_lane_carries_frames_both_ways_and_belongs_to_the_dialling_peer():
     trio.run(main)
 
 
+async def _ready(sock, offer, dialler_nonce: bytes, peer_id) -> LaneStream | None:
+    """The dialler's side after its hello: the lane if the stage answered ready, None if it closed on us."""
+    try:
+        stage_nonce = await _receive_exactly(sock, NONCE_BYTES, "ready")
+    except LaneError:
+        return None
+    lane = LaneStream(sock, lane_key(offer.key, offer.token, dialler_nonce, stage_nonce), peer_id, dialer=True)
+    return lane if await lane.read_record() == READY else None
+
+
 def test_offers_are_single_use_and_need_the_key():
     """A stolen token without the key (or a token used twice) gets no lane; the real owner still does."""
     accepted: list = []
@@ -90,27 +104,89 @@ def test_offers_are_single_use_and_need_the_key():
                 listener = LaneListener(b, on_lane)
                 await nursery.start(listener.run)
                 offer = listener.offer(a.peer_id)
-                # 1. the token with a record under the wrong key: closed, no lane, offer kept
+                # 1. the token with a hello under the wrong key: closed, no lane, offer kept
                 thief = await trio.open_tcp_stream("127.0.0.1", offer.port)
-                forged = LaneStream(thief, b"x" * 32, a.peer_id, dialer=True)
-                await thief.send_all(offer.token + forged.seal(HELLO))
+                await thief.send_all(seal_hello(offer.token, b"x" * 32)[0])
                 assert await _closed_on_us(thief)
                 # 2. an unknown token: closed
                 stranger = await trio.open_tcp_stream("127.0.0.1", offer.port)
-                await stranger.send_all(b"t" * 16 + forged.seal(HELLO))
+                await stranger.send_all(seal_hello(b"t" * 16, offer.key)[0])
                 assert await _closed_on_us(stranger)
                 # 3. the owner: ready
                 sock = await trio.open_tcp_stream("127.0.0.1", offer.port)
-                lane = LaneStream(sock, offer.key, b.peer_id, dialer=True)
-                await sock.send_all(offer.token + lane.seal(HELLO))
-                assert await lane.read_record() == b"sangama lane ready"
-                # 4. the same token again: closed
+                hello, nonce = seal_hello(offer.token, offer.key)
+                await sock.send_all(hello)
+                assert await _ready(sock, offer, nonce, b.peer_id) is not None
+                # 4. the same hello again: closed
                 again = await trio.open_tcp_stream("127.0.0.1", offer.port)
-                replay = LaneStream(again, offer.key, b.peer_id, dialer=True)
-                await again.send_all(offer.token + replay.seal(HELLO))
+                await again.send_all(hello)
                 assert await _closed_on_us(again)
                 await trio.sleep(0.05)
                 assert len(accepted) == 1
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_handshake_replayed_on_a_second_connection_at_once_is_refused():
+    """Issue 15, item 1: the same token + hello on two connections inside one handshake's window gave two ready
+    lanes with one key and one counter (two replies under one (key, nonce)). Now exactly one gets ready."""
+    accepted: list[LaneStream] = []
+
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+                async def on_lane(lane: LaneStream) -> None:
+                    accepted.append(lane)
+
+                listener = LaneListener(b, on_lane)
+                await nursery.start(listener.run)
+                for _ in range(5):
+                    offer = listener.offer(a.peer_id)
+                    socks = [await trio.open_tcp_stream("127.0.0.1", offer.port) for _ in range(2)]
+                    hello, nonce = seal_hello(offer.token, offer.key)
+                    # split so that both stage tasks have read the token before either has the whole hello
+                    for part in (hello[:20], hello[20:]):
+                        for sock in socks:
+                            await sock.send_all(part)
+                        await trio.sleep(0.02)
+                    ready = [await _ready(sock, offer, nonce, b.peer_id) for sock in socks]
+                    assert sum(r is not None for r in ready) == 1
+                    for sock in socks:
+                        await sock.aclose()
+                await trio.sleep(0.05)
+                assert len(accepted) == 5
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_two_lanes_never_share_a_key_and_records_do_not_cross_lanes():
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+                served: list[LaneStream] = []
+
+                async def on_lane(lane: LaneStream) -> None:
+                    served.append(lane)
+
+                listener = LaneListener(b, on_lane)
+                await nursery.start(listener.run)
+                pid = await _pair(a, b)
+                one, two = await open_lane(a, pid), await open_lane(a, pid)
+                while len(served) < 2:
+                    await trio.sleep(0.01)
+                assert one._key == served[0]._key and two._key == served[1]._key
+                assert len({one._key, two._key}) == 2
+                # the same offer key with other nonces never gives the same lane key
+                offer = listener.offer(a.peer_id)
+                assert lane_key(offer.key, offer.token, b"a" * 16, b"b" * 16) != \
+                    lane_key(offer.key, offer.token, b"a" * 16, b"c" * 16)
+                # a record of lane one (the first after ready on both) written onto lane two: refused
+                frame = encode_message_frame(InfoRequest())
+                await two.sock.send_all(one.seal(frame))
+                with pytest.raises(LaneError, match="failed authentication"):
+                    await served[1].read(1 << 16)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -227,3 +303,67 @@ def test_offers_are_bounded_per_peer_and_in_all():
     b = [listener.offer(f"peer-{i}") for i in range(4)]
     assert list(listener._offers) == [a[3].token, *(o.token for o in b)]  # 5 in all: the oldest went first
     assert len({o.key for o in a + b}) == 8 and len({o.token for o in a + b}) == 8  # fresh every time
+
+
+def test_a_lane_port_that_resets_the_connection_falls_back_to_libp2p():
+    """A stage whose handshake slots are full (or any port that resets us) must not break the link: the dialler
+    sees a LaneError, never StreamClosed, and uses a libp2p stream."""
+
+    async def main():
+        with trio.fail_after(30):
+            async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+                listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+                port = listener.socket.getsockname()[1]
+
+                async def reset_each() -> None:
+                    while True:
+                        sock = await listener.accept()
+                        await sock.receive_some(1)  # the dialler's handshake has arrived: unread bytes remain
+                        sock.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        await sock.aclose()  # with linger 0: a reset
+
+                nursery.start_soon(reset_each)
+                pid = await _pair(a, b)
+                b.host.set_stream_handler(LANE_PROTOCOL, _offer_port(port))
+                with pytest.raises(LaneError):
+                    await open_lane(a, pid)
+
+                async def stage_handler(stream) -> None:
+                    await stream.write(b"libp2p")
+                    await stream.close()
+
+                b.host.set_stream_handler(STAGE_PROTOCOL, stage_handler)
+                stream = await LaneDialer(a).stage_stream(pid)
+                assert not isinstance(stream, LaneStream) and await stream.read(6) == b"libp2p"
+                nursery.cancel_scope.cancel()
+                await listener.aclose()
+
+    trio.run(main)
+
+
+def test_idle_connections_cannot_hold_the_handshake_slots():
+    """256 connections that never send a byte: the stage keeps at most 8 from one source (the oldest are cut), cuts
+    the rest after the handshake timeout, and a real dialler from the same address still gets a lane."""
+
+    async def main():
+        with trio.fail_after(30):
+            async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+                async def on_lane(lane: LaneStream) -> None:
+                    pass
+
+                listener = LaneListener(b, on_lane, handshake_timeout=1.0)
+                await nursery.start(listener.run)
+                idle = [await trio.open_tcp_stream("127.0.0.1", listener.bound_port) for _ in range(256)]
+                await trio.sleep(0.2)
+                assert len(listener._handshakes) <= 8
+                lane = await open_lane(a, await _pair(a, b))
+                assert isinstance(lane, LaneStream)
+                t0 = trio.current_time()
+                assert await _closed_on_us(idle[-1])  # the newest idle one: cut at the timeout
+                assert 0.5 < trio.current_time() - t0 < 1.5
+                assert not listener._handshakes
+                for sock in idle:
+                    await sock.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -64,3 +64,25 @@ def test_a_server_that_cannot_be_dialled_any_more_is_dropped_from_the_routing_ta
                 assert gone not in _table(boot)
 
     trio.run(main)
+
+
+def test_a_dht_query_that_arrives_while_the_node_closes_does_not_crash_it():
+    """Found while timing SIGTERM (issue 15, item 6): a DHT request handled during shutdown made ``add_peer`` start
+    a task in the node's closed nursery, and ``sangama-peer join`` exited 1 with 'Nursery is closed to new
+    arrivals' instead of 0."""
+    from libp2p.kad_dht.kad_dht import DHTMode
+
+    from sangama_p2p.net.dht import _ServerDHT
+    from sangama_p2p.net.identity import peer_id_of
+
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as node:
+                async with trio.open_nursery() as closed:
+                    pass
+                dht = _ServerDHT(node.host, DHTMode.SERVER, closed)
+                stranger = peer_id_of(generate_key_pair())  # identify knows nothing of it: the deferred path
+                assert await dht.add_peer(stranger) is False
+                assert stranger not in dht._identifying
+
+    trio.run(main)

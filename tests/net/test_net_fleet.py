@@ -7,7 +7,7 @@ import time
 import pytest
 import trio
 
-from sangama_p2p.errors import NetworkError
+from sangama_p2p.errors import ListenError, NetworkError
 from sangama_p2p.net.fleet import psk_from_secret, read_fleet_secret
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair, peer_id_of
@@ -52,3 +52,16 @@ def test_secret_file_and_key_derivation(tmp_path):
         read_fleet_secret(path)
     with pytest.raises(NetworkError, match="cannot read"):
         read_fleet_secret(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("addr", ["/ip4/127.0.0.1/udp/0/quic-v1", "/ip4/127.0.0.1/tcp/0/ws"])
+def test_a_private_fleet_refuses_transports_the_secret_does_not_cover(addr):
+    """Issue 15, item 3: a private-fleet node on QUIC (py-libp2p's own TLS, no private-network layer) let in a node
+    without the secret. Such an address is now refused at start, before anything listens."""
+
+    async def main():
+        with pytest.raises(ListenError, match="private fleet: only plain TCP"):
+            async with open_host(config(fleet_secret=SECRET, listen_addrs=("/ip4/127.0.0.1/tcp/0", addr))):
+                pass
+
+    trio.run(main)

@@ -14,8 +14,8 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from sangama_p2p.errors import NetworkError
-from sangama_p2p.net.host import open_host, order_addrs, remote_addr
+from sangama_p2p.errors import ListenError, NetworkError
+from sangama_p2p.net.host import check_listening, open_host, order_addrs, remote_addr
 from sangama_p2p.net.identity import generate_key_pair
 
 from .net_swarm import config, first_addr
@@ -192,3 +192,27 @@ def test_widened_window_lets_the_peer_send_a_large_frame_without_waiting():
                 assert stream.muxed_stream.send_window >= FRAME_WINDOW - 1 - (4 << 20)
 
     trio.run(main)
+
+
+def test_a_listen_address_no_transport_takes_fails_the_start():
+    """Issue 15, item 3: ``/ip4/127.0.0.1/udp/5000`` names no transport; py-libp2p skipped it with a log line and the
+    node started listening nowhere. Now the start fails naming it; what does listen (QUIC without a secret) passes."""
+
+    async def main():
+        with trio.fail_after(30):
+            with pytest.raises(ListenError, match="not listening on /ip4/127.0.0.1/udp/5000"):
+                async with open_host(config(listen_addrs=("/ip4/127.0.0.1/udp/5000",))):
+                    pass
+            quic = ("/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/0/quic-v1")
+            async with open_host(config(listen_addrs=quic)) as node:
+                assert len(node.listen_addrs()) == 2
+
+    trio.run(main)
+
+
+def test_check_listening_matches_port_0_and_nothing_else():
+    got = [multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/4001"), multiaddr.Multiaddr("/ip4/127.0.0.1/udp/4002/quic-v1")]
+    check_listening(["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/tcp/4001", "/ip4/127.0.0.1/udp/0/quic-v1"], got)
+    for bad in ("/ip4/0.0.0.0/tcp/4002", "/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/4002", "/ip4/0.0.0.0/tcp/0/ws"):
+        with pytest.raises(ListenError, match=bad):
+            check_listening([bad], got)

@@ -189,3 +189,32 @@ def test_a_bad_field_fails_only_its_session_and_garbage_closes_only_that_stream(
                 assert (await sa.recv()).step == 7
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_hidden_states_are_refused_to_their_owner_with_a_typed_code(ckpt, fl, poison):
+    import torch
+
+    from sangama_p2p.tensors import to_wire
+
+    async def main():
+        with trio.fail_after(60):
+            async with fl.fleet(ckpt, [(4, 8)], clients=1) as f:
+                (_, server, _), (a,) = f.stages[0], f.clients
+                s = await _raw(a, server)
+                good, bad = os.urandom(16), os.urandom(16)
+                for sid in (good, bad):
+                    await s.send(_open(sid, a.peer_id.to_base58(), 4, 8, None))
+                    assert isinstance(await s.recv(), SessionOpened)
+                width = server.model.spec.hidden_size
+                hidden = torch.randn(2, width)
+                poisoned = hidden.clone()
+                poisoned[1, 7] = poison
+                await s.send(Step(bad, 3, 0, (1, 2), to_wire(poisoned, "bf16"), (), ()))
+                await s.send(Step(good, 4, 0, (1, 2), to_wire(hidden, "bf16"), (), ()))
+                replies = {msg.session_id: msg for msg in [await s.recv(), await s.recv()]}
+                err = replies[bad]
+                assert isinstance(err, ErrorMessage) and err.code == ErrorCode.NON_FINITE and err.step == 3
+                assert replies[good].step == 4 and len(replies[good].tokens) == 1
+
+    trio.run(main)

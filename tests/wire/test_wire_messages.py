@@ -91,7 +91,7 @@ def test_type_tags_are_pinned() -> None:
         "LaneOffer": 18,
     }
     assert WIRE_VERSION == 2
-    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/2", "/sangama/info/2", "/sangama/lane/2")
+    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/2", "/sangama/info/2", "/sangama/lane/3")
 
 
 def test_payload_layout_is_pinned() -> None:

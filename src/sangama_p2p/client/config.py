@@ -28,7 +28,7 @@ class ClientConfig:
     ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
     states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
     exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.
-    ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/2``, see
+    ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/3``, see
     :mod:`sangama_p2p.net.lane`), set up within ``lane_timeout`` seconds, else over libp2p streams.
     """
 

@@ -94,8 +94,11 @@ class _ServerDHT(KadDHT):
         server = offers_dht(self.host, peer_id)
         if server is None:
             if peer_id not in self._identifying and peer_id != self.local_peer_id:
+                try:
+                    self._nursery.start_soon(self._add_once_identified, peer_id)
+                except RuntimeError:  # the node is closing (its nursery takes no new tasks): nothing to add to
+                    return False
                 self._identifying.add(peer_id)
-                self._nursery.start_soon(self._add_once_identified, peer_id)
             return False
         if not server:
             self.routing_table.remove_peer(peer_id)

@@ -1,7 +1,9 @@
 """Private fleets: a shared secret that keeps strangers out.
 
-Every connection of a fleet member is wrapped in libp2p's private-network layer (XSalsa20 keyed by a pre-shared key)
-before Noise runs, so a peer without the secret cannot even complete a handshake. The key is derived from the
+Every connection of a fleet member is wrapped in libp2p's private-network layer (in py-libp2p 0.8.1: Salsa20 with an
+8-byte random nonce per direction, keyed by a pre-shared key; not the XSalsa20 of libp2p's spec) before Noise runs, so
+a peer without the secret cannot even complete a handshake. Only TCP connections go through that layer; QUIC does
+not, so ``open_host`` refuses other transports while a secret is set (``host.check_fleet_transports``). The key is derived from the
 secret with a domain-separated SHA-256, so the secret file may hold any text (e.g. ``openssl rand -hex 32``).
 
 py-libp2p does not fail on a wrong key: both sides decrypt garbage and wait for bytes that never come. Sangama

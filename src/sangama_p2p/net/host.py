@@ -3,7 +3,9 @@
 Choices (see ``/work/shared/notes/py-libp2p-0.8.1.md`` for the measurements behind them):
 
 * TCP + Noise + Yamux only. A default py-libp2p host also accepts plaintext and secio; we pass a Noise-only
-  ``sec_opt`` and a Yamux-only ``muxer_opt``.
+  ``sec_opt`` and a Yamux-only ``muxer_opt``. With a fleet secret only plain TCP listen addresses are accepted
+  (QUIC's own TLS bypasses the private-network layer), and every configured listen address must really be listened
+  on (py-libp2p skips unknown ones silently).
 * A resource manager that counts connections and streams but never refuses a peer for the memory its process uses
   (a serving peer holds gigabytes of weights by design).
 * Listen and announce addresses are separate. Announced addresses are advertised first and :meth:`Node.connect`
@@ -49,7 +51,7 @@ from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFail
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.utils.address_validation import expand_wildcard_address
 
-from ..errors import NetworkError, group_leaves
+from ..errors import ListenError, NetworkError, group_leaves
 from .config import HostConfig, parse_multiaddrs
 from .fleet import mismatch_error, psk_from_secret
 from .identity import load_or_create_key_pair
@@ -60,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FRAME_WINDOW",
     "Dialer",
+    "check_fleet_transports",
+    "check_listening",
     "Node",
     "check_ports_free",
     "is_relayed",
@@ -385,6 +389,42 @@ def check_ports_free(listen_addrs: Sequence[str]) -> None:
                                    "machine? pick another port, or tcp/0 for any free one)") from exc
 
 
+def check_fleet_transports(listen_addrs: Sequence[str], *, fleet_secret: bool) -> None:
+    """With a fleet secret, refuse (:class:`ListenError`) every listen address but plain TCP.
+
+    py-libp2p 0.8.1 applies the private-network layer in the swarm's raw-connection upgrade; its QUIC transport
+    secures connections with its own TLS and never passes through it, so a private fleet listening on
+    ``/udp/N/quic-v1`` let in nodes without the secret (issue 15, item 3). Only ``/ip4|ip6/<ip>/tcp/<port>`` is
+    known to go through the layer, so nothing else is allowed while a secret is set.
+    """
+    if not fleet_secret:
+        return
+    for addr in listen_addrs:
+        parts = str(addr).strip("/").split("/")
+        if len(parts) != 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
+            raise ListenError(f"cannot listen on {addr} in a private fleet: only plain TCP addresses "
+                              "(/ip4/<ip>/tcp/<port>, /ip6/...) go through the fleet secret's layer; QUIC, WebSocket "
+                              "and others would let in peers without the secret")
+
+
+def check_listening(configured: Sequence[str], actual: Sequence[multiaddr.Multiaddr]) -> None:
+    """Every configured listen address has a listener (:class:`ListenError` naming those without one).
+
+    py-libp2p 0.8.1 skips, with only a log line, an address no transport handles (``/ip4/127.0.0.1/udp/5000``):
+    the node would start and be unreachable. Port 0 matches any port; everything else must match exactly.
+    """
+    have = [str(a).strip("/").split("/") for a in actual]
+
+    def matches(want: list[str], got: list[str]) -> bool:
+        return len(want) == len(got) and all(
+            w == g or (i > 0 and want[i - 1] in ("tcp", "udp") and w == "0") for i, (w, g) in enumerate(zip(want, got)))
+
+    missing = [str(a) for a in configured if not any(matches(str(a).strip("/").split("/"), g) for g in have)]
+    if missing:
+        raise ListenError(f"not listening on {', '.join(missing)}: no transport took it (listening on "
+                          f"{', '.join(str(a) for a in actual) or 'nothing'}); use /ip4/<ip>/tcp/<port>")
+
+
 def _is_wildcard(addr: multiaddr.Multiaddr) -> bool:
     return "/ip4/0.0.0.0/" in str(addr) or "/ip6/::/" in str(addr)
 
@@ -401,19 +441,23 @@ async def open_host(
     Starts the host on ``config.listen_addrs``, the Kademlia DHT (server mode when ``config.dht_server``), the
     given ``services`` (each ``await service(node)`` runs in the node's nursery), then connects to the bootstrap
     addresses. If bootstrap addresses are configured and none answers, raises :class:`NetworkError`; so does a fixed
-    TCP listen port that another socket already listens on (:func:`check_ports_free`).
+    TCP listen port that another socket already listens on (:func:`check_ports_free`). A listen address that is
+    not plain TCP while a fleet secret is set (:func:`check_fleet_transports`), or that the host did not actually
+    listen on (:func:`check_listening`), raises :class:`~sangama_p2p.errors.ListenError`.
     """
     from .dht import bootstrap, run_dht  # local: dht imports this module
 
     key_pair = key_pair or load_or_create_key_pair(config.key_path)
     if config.batch_window_updates:
         os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # see HostConfig.batch_window_updates
+    check_fleet_transports(config.listen_addrs, fleet_secret=config.fleet_secret is not None)
     check_ports_free(config.listen_addrs)  # before any host exists: py-libp2p would share the port silently
     node_ref: list[Node] = []
     host = _build_host(config, key_pair, node_ref)
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
     try:
         async with host.run(listen), trio.open_nursery() as nursery:
+            check_listening(config.listen_addrs, host.get_transport_addrs())
             node = Node(host, config, key_pair, nursery)
             node_ref.append(node)
             await nursery.start(run_dht, node)

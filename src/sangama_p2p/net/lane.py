@@ -9,20 +9,28 @@ long-lived stage traffic between two directly connected peers onto a TCP connect
 Handshake (the upstream side, a client or the previous stage, always dials; only stage servers listen)::
 
     upstream                                             stage (LaneListener)
-    -- /sangama/lane/2 stream (Noise, peer ids checked) -->
-    <-------------- LaneOffer(port, token, key) ----------   single use, expires after ``offer_ttl`` s
+    -- /sangama/lane/3 stream (Noise, peer ids checked) -->
+    <-------------- LaneOffer(port, token, key) ----------   used once, expires after ``offer_ttl`` s
     == TCP connect to <remote IP of that libp2p connection>:port ==>
-    -- token (16 bytes) + record(b"sangama lane hello") -->   token looked up, hello must decrypt with its key
-    <------------- record(b"sangama lane ready") ---------   the lane now serves /sangama/stage/2 frames
+    -- token + dialler nonce + record(hello) ------------->   all of it read, then checked and claimed at once
+    <------------- stage nonce + record(ready) -----------   the lane now serves /sangama/stage/2 frames
+
+The bytes and the key schedule are in :mod:`sangama_p2p.net.lane_handshake`: each connection's key is derived from
+the offer's key and fresh nonces of both sides, and the offer is claimed without yielding between looking it up and
+removing it, so a handshake replayed on a second connection is refused and no two lanes ever share a key.
 
 After the handshake every write is one record ``[u32 big-endian length][AES-256-GCM ciphertext + 16-byte tag]``
 with the nonce ``direction byte (0 upstream->stage, 1 back) + 3 zero bytes + u64 record counter``: records cannot be
-forged, replayed, dropped or reordered without failing authentication, which closes the lane. The key travelled
-inside the Noise-encrypted stream to the authenticated peer, so the lane belongs to that peer id
+forged, replayed, dropped or reordered without failing authentication, which closes the lane. The key derives from
+one that travelled inside the Noise-encrypted stream to the authenticated peer, so the lane belongs to that peer id
 (:attr:`LaneStream.muxed_conn` ``.peer_id``) exactly as the libp2p stream did, and session ownership checks work
 unchanged. Relayed connections never get a lane (the address would be the relay's). Anything that fails before
-``ready`` (no lane protocol, a closed port, NAT, a timeout) raises :class:`LaneError`, and the caller uses a
-``/sangama/stage/2`` stream over libp2p instead.
+``ready`` (no lane protocol, a closed port, a reset, NAT, a timeout) raises :class:`LaneError`, and the caller uses
+a ``/sangama/stage/2`` stream over libp2p instead.
+
+Handshakes are bounded before anyone has proved anything: at most ``max_handshakes`` at once and
+``max_handshakes_per_source`` per source IP (a new connection over either bound cuts the oldest handshake, so idle
+connections cannot hold the slots), each cut after ``handshake_timeout`` (2 s).
 
 :class:`LaneStream` has the surface :class:`~sangama_p2p.streams.FramedStream` reads from a py-libp2p stream
 (``read``, ``write``, ``close``, ``reset``, ``muxed_conn.peer_id``), so everything above it is unchanged.
@@ -48,17 +56,13 @@ from ..wire.framing import DEFAULT_MAX_FRAME, FrameDecoder
 from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
 from ..wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 from .holepunch import stream_link
+from .lane_handshake import (DOWN, HELLO, HELLO_BYTES, NONCE_BYTES, READY, TAG_BYTES, UP, lane_key, open_hello,
+                             parse_hello, record_nonce, seal_hello)
 
-__all__ = ["LaneDialer", "LaneError", "LaneListener", "LaneStream", "open_lane"]
+__all__ = ["HELLO", "READY", "LaneDialer", "LaneError", "LaneListener", "LaneStream", "open_lane"]
 
 log = logging.getLogger(__name__)
 
-HELLO: Final = b"sangama lane hello"
-READY: Final = b"sangama lane ready"
-TAG_BYTES: Final = 16
-UP: Final = 0  # direction byte of records from the dialling (upstream) side
-DOWN: Final = 1
-_NONCE = struct.Struct(">B3xQ")
 _LEN = struct.Struct(">I")
 RECV_CHUNK: Final = 256 * 1024
 _SYNC_WRITES: Final = os.name == "posix"  # os.write on a socket's fd; elsewhere try_write leaves it all to write_raw
@@ -81,6 +85,7 @@ class LaneStream:
                  max_frame: int = DEFAULT_MAX_FRAME, decoder: FrameDecoder | None = None) -> None:
         self.sock = sock
         self.muxed_conn = PeerConn(peer_id)
+        self._key = key
         self._aead = AESGCM(key)
         self._send_dir, self._recv_dir = (UP, DOWN) if dialer else (DOWN, UP)
         self._send_n = 0
@@ -95,13 +100,13 @@ class LaneStream:
 
     # ---- records -------------------------------------------------------------------------------------------
     def seal(self, data: bytes | bytearray | memoryview) -> bytes:
-        nonce = _NONCE.pack(self._send_dir, self._send_n)
+        nonce = record_nonce(self._send_dir, self._send_n)
         self._send_n += 1
         body = self._aead.encrypt(nonce, bytes(data), None)
         return _LEN.pack(len(body)) + body
 
     def open(self, body: bytes) -> bytes:
-        nonce = _NONCE.pack(self._recv_dir, self._recv_n)
+        nonce = record_nonce(self._recv_dir, self._recv_n)
         self._recv_n += 1
         try:
             return self._aead.decrypt(nonce, body, None)
@@ -200,7 +205,7 @@ def _remote(sock: trio.SocketStream) -> str:
 
 # ---- the stage side ----------------------------------------------------------------------------------------
 class LaneListener:
-    """Accept lanes for a stage server: register ``/sangama/lane/2`` on ``node`` and listen on TCP.
+    """Accept lanes for a stage server: register ``/sangama/lane/3`` on ``node`` and listen on TCP.
 
     ``on_lane(lane)`` receives each ready :class:`LaneStream` (the server treats it as a new stage stream).
     ``hosts`` are the IPs to listen on (default: those of the node's listen addresses); ``port`` 0 picks a free
@@ -210,7 +215,7 @@ class LaneListener:
     def __init__(self, node: Any, on_lane: Callable[[LaneStream], Awaitable[None]], *, port: int = 0,
                  hosts: tuple[str, ...] | None = None, max_frame: int = DEFAULT_MAX_FRAME, offer_ttl: float = 10.0,
                  max_offers: int = 256, max_offers_per_peer: int = 4, max_handshakes: int = 64,
-                 handshake_timeout: float = 5.0) -> None:
+                 max_handshakes_per_source: int = 8, handshake_timeout: float = 2.0) -> None:
         self.node = node
         self.on_lane = on_lane
         self.port = port
@@ -220,8 +225,9 @@ class LaneListener:
         self.max_offers = max_offers
         self.max_offers_per_peer = max_offers_per_peer
         self.max_handshakes = max_handshakes
-        self._handshakes = 0
+        self.max_handshakes_per_source = max_handshakes_per_source
         self.handshake_timeout = handshake_timeout
+        self._handshakes: dict[trio.CancelScope, str] = {}  # handshakes in progress, oldest first -> source IP
         self._offers: dict[bytes, tuple[Any, bytes, float]] = {}  # token -> (peer id, key, expiry)
         self._listeners: list[trio.SocketListener] = []
         self._nursery: trio.Nursery | None = None
@@ -311,46 +317,70 @@ class LaneListener:
                 continue
             self._nursery.start_soon(self._on_tcp, sock)
 
+    def _handshake_slot(self, source: str) -> trio.CancelScope:
+        """A cancel scope for one more handshake from ``source``, ending after ``handshake_timeout``. When the
+        source already holds ``max_handshakes_per_source`` (or all ``max_handshakes`` are taken) the oldest of them
+        (of all) is cut: a handshake takes milliseconds, so only connections that idle are ever old."""
+        mine = [scope for scope, ip in self._handshakes.items() if ip == source]
+        victim = None
+        if len(mine) >= self.max_handshakes_per_source:
+            victim = mine[0]
+        elif len(self._handshakes) >= self.max_handshakes:
+            victim = next(iter(self._handshakes))
+        if victim is not None:
+            victim.cancel()
+            del self._handshakes[victim]
+        scope = trio.CancelScope(deadline=trio.current_time() + self.handshake_timeout)
+        self._handshakes[scope] = source
+        return scope
+
     async def _on_tcp(self, sock: trio.SocketStream) -> None:
         lane = None
-        if self._handshakes < self.max_handshakes:  # else: too many half-open lanes, close this one at once
-            self._handshakes += 1
-            try:
-                with trio.move_on_after(self.handshake_timeout):
-                    lane = await self._accept(sock)
-            except (LaneError, WireError, StreamClosed, trio.BrokenResourceError, OSError) as exc:
-                log.debug("lane from %s refused: %s", _remote(sock), exc)
-            finally:
-                self._handshakes -= 1
+        scope = self._handshake_slot(_remote(sock).rsplit(":", 1)[0])
+        try:
+            with scope:
+                lane = await self._accept(sock)
+        except (LaneError, WireError, StreamClosed, trio.BrokenResourceError, OSError) as exc:
+            log.debug("lane from %s refused: %s", _remote(sock), exc)
+        finally:
+            self._handshakes.pop(scope, None)
         if lane is None:
+            if scope.cancelled_caught:
+                log.debug("lane handshake from %s cut (idle, or crowded out)", _remote(sock))
             with trio.CancelScope(shield=True):
                 await sock.aclose()
             return
         await self.on_lane(lane)
 
-    async def _accept(self, sock: trio.SocketStream) -> LaneStream | None:
-        """Read the token and the hello; answer ready. ``None`` (close quietly) for an unknown token."""
-        head = b""
-        while len(head) < LANE_TOKEN_BYTES:
-            chunk = await sock.receive_some(LANE_TOKEN_BYTES - len(head))
-            if not chunk:
-                raise LaneError("connection closed before the lane token")
-            head += chunk
-        entry = self._offers.get(head)
+    async def _accept(self, sock: trio.SocketStream) -> LaneStream:
+        """Read the whole hello, then (without yielding) check it and claim its offer; answer ready."""
+        hello = parse_hello(await _receive_exactly(sock, HELLO_BYTES, "the lane hello"))
+        entry = self._offers.get(hello.token)
         if entry is None or entry[2] < time.monotonic():
-            raise LaneError("unknown or expired lane token")
-        peer_id, key, _ = entry
-        lane = LaneStream(sock, key, peer_id, dialer=False, max_frame=self.max_frame,
-                          decoder=FrameDecoder(len(HELLO) + TAG_BYTES))
-        hello = await lane.read_record()  # a wrong key fails here and leaves the offer for its real owner
-        if hello != HELLO:
-            raise LaneError("bad lane hello")
-        if lane._plain or not lane._records.at_boundary:
-            raise LaneError("bytes after the lane hello before ready")  # the dialler must wait for ready
-        self._offers.pop(head, None)
-        lane._records = FrameDecoder(self.max_frame + 4 + TAG_BYTES)
-        await lane.write(READY)
+            raise LaneError("unknown, used or expired lane token")
+        peer_id, offer_key, _ = entry
+        if not open_hello(hello, offer_key):  # a stolen token without the key: the offer stays for its owner
+            raise LaneError("a lane hello that does not authenticate under its offer's key")
+        del self._offers[hello.token]  # claimed: no await since the lookup, so no second connection gets it
+        stage_nonce = os.urandom(NONCE_BYTES)
+        key = lane_key(offer_key, hello.token, hello.dialler_nonce, stage_nonce)
+        lane = LaneStream(sock, key, peer_id, dialer=False, max_frame=self.max_frame)
+        await lane.write_raw(stage_nonce + lane.seal(READY))
         return lane
+
+
+async def _receive_exactly(sock: trio.SocketStream, n: int, what: str) -> bytes:
+    """Exactly ``n`` bytes (never more: what follows stays in the socket); :class:`LaneError` if it closes first."""
+    data = b""
+    while len(data) < n:
+        try:
+            chunk = await sock.receive_some(n - len(data))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise LaneError(f"connection failed before {what}: {type(exc).__name__}: {exc}") from exc
+        if not chunk:
+            raise LaneError(f"connection closed before {what}")
+        data += chunk
+    return data
 
 
 def listen_hosts(node: Any) -> tuple[str, ...]:
@@ -402,9 +432,16 @@ async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
     except OSError as exc:
         raise LaneError(f"cannot reach the lane port {ip}:{msg.port}: {exc}") from exc
     try:
-        lane = LaneStream(sock, msg.key, peer_id, dialer=True, max_frame=max_frame)
-        await sock.send_all(msg.token + lane.seal(HELLO))
-        if await lane.read_record() != READY:
+        hello, dialler_nonce = seal_hello(msg.token, msg.key)
+        try:
+            await sock.send_all(hello)
+            stage_nonce = await _receive_exactly(sock, NONCE_BYTES, "the lane's ready")
+            lane = LaneStream(sock, lane_key(msg.key, msg.token, dialler_nonce, stage_nonce), peer_id, dialer=True,
+                              max_frame=max_frame)
+            ready = await lane.read_record()
+        except (StreamClosed, WireError, trio.BrokenResourceError, OSError) as exc:  # a reset, a cut record
+            raise LaneError(f"the lane handshake with {peer_id} failed: {type(exc).__name__}: {exc}") from exc
+        if ready != READY:
             raise LaneError(f"{peer_id} did not confirm the lane")
     except BaseException:
         with trio.CancelScope(shield=True):
@@ -436,7 +473,8 @@ class LaneDialer:
             return None
         try:
             lane = await open_lane(self.node, peer_id, timeout=self.timeout, max_frame=self.max_frame)
-        except LaneError as exc:
+        except NetworkError as exc:  # LaneError, and anything else a hostile or broken port makes us see
+            exc = exc if isinstance(exc, LaneError) else LaneError(f"{type(exc).__name__}: {exc}")
             log.info("no lane to %s, using libp2p streams: %s", key, exc)
             if exc.lasting:
                 self.failed[key] = (time.monotonic(), str(exc))

@@ -23,7 +23,7 @@ class StageConfig:
     ``wire_dtype`` is the dtype of hidden states sent to the next stage (fp32 keeps tokens identical to the local
     chain; bf16 halves the bytes). ``announce`` publishes a DHT record (layer range, measured throughput, free
     sessions) and refreshes it every ``announce_every`` seconds while the load changes.
-    ``lanes``: accept direct lanes (``/sangama/lane/2``: stage frames on a TCP connection of their own, keyed
+    ``lanes``: accept direct lanes (``/sangama/lane/3``: stage frames on a TCP connection of their own, keyed
     through libp2p, see :mod:`sangama_p2p.net.lane`) on ``lane_port`` (0: any free port; set one to open it in a
     firewall) and use them towards the next stage (set up within ``lane_timeout`` seconds, else libp2p streams).
     ``inline_step_s``: decode-like steps run on the event loop's thread instead of the compute thread while they

@@ -1,4 +1,4 @@
-"""The typed messages of ``/sangama/stage/2`` and ``/sangama/info/2`` (and the ``LaneOffer`` of ``/sangama/lane/2``).
+"""The typed messages of ``/sangama/stage/2`` and ``/sangama/info/2`` (and the ``LaneOffer`` of ``/sangama/lane/3``).
 
 Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
 Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
@@ -252,7 +252,7 @@ LANE_KEY_BYTES: Final = 32
 
 @dataclass(frozen=True, slots=True)
 class LaneOffer:
-    """Stage -> upstream peer on ``/sangama/lane/2``: dial ``port`` (at the address this libp2p connection came
+    """Stage -> upstream peer on ``/sangama/lane/3``: dial ``port`` (at the address this libp2p connection came
     from) for a direct lane, present ``token`` and encrypt every record with ``key`` (AES-256-GCM). The offer
     travels inside the Noise-encrypted stream to the authenticated peer, so only that peer can use it; it is
     single-use and short-lived (see :mod:`sangama_p2p.net.lane`)."""
