@@ -23,7 +23,7 @@ import torch
 from ...errors import CheckpointError, UnsupportedModelError
 from .quants import BLOCK_SIZES, QType, row_bytes, type_name
 
-__all__ = ["GGUFFile", "TensorInfo", "split_paths"]
+__all__ = ["GGUFFile", "TensorInfo", "read_metadata", "split_paths"]
 
 _DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -167,6 +167,11 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
         raise CheckpointError(f"{path}: bad general.alignment {align}")
     data_start = -(-cur.pos // align) * align
     return meta, infos, data_start, mm
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The key/value metadata of one GGUF file, without indexing (or judging) its tensors."""
+    return _parse(Path(path))[0]
 
 
 class GGUFFile:
