@@ -127,5 +127,5 @@ def test_no_unicode_normalization() -> None:
 def test_unknown_names_list_the_supported_ones() -> None:
     with pytest.raises(UnsupportedModelError, match=r"pre-tokenizer 'kimi-k2' is not supported \(supported: .*smollm"):
         tokenizer_from_metadata(make_refs.bpe_fields(VOCABS, "kimi-k2"))
-    with pytest.raises(UnsupportedModelError, match=r"tokenizer model 'bert' is not supported \(supported: gpt2, llama\)"):
+    with pytest.raises(UnsupportedModelError, match=r"model 'bert' is not supported \(supported: gpt2, llama\)"):
         tokenizer_from_metadata({**make_refs.bpe_fields(VOCABS, "gpt-2"), "tokenizer.ggml.model": "bert"})

@@ -24,8 +24,11 @@ class Checkpoint:
         self.source.close()
 
 
-def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None) -> Checkpoint:
-    """Open ``path`` (a directory with config.json + safetensors, or a ``.gguf`` file); reads no tensor yet."""
+def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None, need_tokenizer: bool = True) -> Checkpoint:
+    """Open ``path`` (a directory with config.json + safetensors, or a ``.gguf`` file); reads no tensor yet.
+
+    ``need_tokenizer=False``: a GGUF tokenizer we cannot rebuild leaves ``tokenizer`` None instead of failing.
+    """
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist")
@@ -33,7 +36,7 @@ def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None) -> 
         from .gguf import open_gguf  # GGUF support lives in its own subpackage
         from .tokenizer import Tokenizer
 
-        spec, source, tok = open_gguf(p, mtp_from=mtp_from)
+        spec, source, tok = open_gguf(p, mtp_from=mtp_from, need_tokenizer=need_tokenizer)
         return Checkpoint(p, spec, source, Tokenizer(tok, spec.eos_token_ids) if tok is not None else None)
     if not p.is_dir():
         raise CheckpointError(f"{p} is neither a checkpoint directory nor a .gguf file")

@@ -74,7 +74,8 @@ ORACLE_CPP = r"""
 std::vector<std::string> unicode_regex_split(const std::string &, const std::vector<std::string> &, bool);
 static std::string rd() { uint32_t n = 0; if (fread(&n, 4, 1, stdin) != 1) return ""; std::string s(n, '\0');
     if (n && fread(&s[0], 1, n, stdin) != n) return ""; return s; }
-static void wr(const std::string & s) { uint32_t n = s.size(); fwrite(&n, 4, 1, stdout); fwrite(s.data(), 1, n, stdout); }
+static void wr(const std::string & s) {
+    uint32_t n = s.size(); fwrite(&n, 4, 1, stdout); fwrite(s.data(), 1, n, stdout); }
 int main() {
     uint32_t nr = 0, nt = 0;
     if (fread(&nr, 4, 1, stdin) != 1) return 1;
@@ -131,7 +132,8 @@ def llama_cpp_rules(vocab_cpp: str) -> tuple[dict[str, list[str]], dict[str, dic
     names: dict[str, dict] = {}
     found: list[str] = []
     group: list[str] = []
-    for m in re.finditer(r'tokenizer_pre == "([^"]+)"|pre_type = LLAMA_VOCAB_PRE_TYPE_(\w+);|(ignore_merges|add_bos) = true', load):
+    events = r'tokenizer_pre == "([^"]+)"|pre_type = LLAMA_VOCAB_PRE_TYPE_(\w+);|(ignore_merges|add_bos) = true'
+    for m in re.finditer(events, load):
         if m.group(1):
             found.append(m.group(1))
         elif m.group(2):
@@ -174,8 +176,8 @@ def train_vocabs() -> dict:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], max_token_length=8)
+    trainer = trainers.BpeTrainer(vocab_size=1500, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], max_token_length=8)
     bpe.train_from_iterator(corpus, trainer=trainer)
     j = json.loads(bpe.to_str())
     tokens = [t for t, _ in sorted(j["model"]["vocab"].items(), key=lambda kv: kv[1])] + ["<think>"]

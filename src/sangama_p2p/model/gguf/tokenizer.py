@@ -189,7 +189,8 @@ def _post_processor(tok: Any, tokens: list[str], bos: int, eos: int, kind: str, 
     specials = [(tokens[i], i) for i in sorted({i for i in (bos, eos) if i >= 0})]
 
     def seq(name: str, seg: int) -> str:
-        return " ".join([f"{tokens[bos]}:{seg}"] * (bos >= 0) + [f"{name}:{seg}"] + [f"{tokens[eos]}:{seg}"] * (eos >= 0))
+        parts = [tokens[bos]] * (bos >= 0) + [name] + [tokens[eos]] * (eos >= 0)
+        return " ".join(f"{p}:{seg}" for p in parts)
 
     try:
         tok.post_processor = processors.TemplateProcessing(
