@@ -7,6 +7,7 @@ checked when present.
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import unicodedata
@@ -80,6 +81,17 @@ def test_sentencepiece_ids_equal_llama_tokenize(variant: str) -> None:
     tok = tokenizer_from_metadata(make_refs.spm_fields(VOCABS, variant), f"spm vocab {variant}")
     for text, ids in zip(TEXTS, REFS["spm_ids"][variant]):
         assert tok.encode(text).ids == ids, (variant, text)
+
+
+def test_real_sentencepiece_vocabulary_ids_equal_llama_tokenize() -> None:
+    """Mistral 7B v0.1's 32000-piece vocabulary (scores, byte tokens, <unk>/<s>/</s>) with llama.cpp's defaults."""
+    ref = REFS["real_spm_ids"]
+    with gzip.open(DATA / "spm_real_vocab.json.gz", "rt", encoding="utf-8") as fh:
+        vocab = json.load(fh)
+    assert vocab["source"] == ref["source"] and len(vocab["tokens"]) == 32000
+    tok = tokenizer_from_metadata(make_refs.spm_fields({"spm": vocab}, "defaults"), ref["source"])
+    for text, ids in zip(TEXTS, ref["ids"]):
+        assert tok.encode(text).ids == ids, text
 
 
 def test_sentencepiece_decodes_back_and_bytes_fall_back() -> None:

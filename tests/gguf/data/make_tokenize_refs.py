@@ -1,6 +1,7 @@
 """Regenerate ``tokenize_stress.json``: llama.cpp's own pieces and token ids for the stress texts.
 
     python tests/gguf/data/make_tokenize_refs.py --llama-cpp /path/to/llama.cpp [--work /tmp/tok] [--smollm2 FILE]
+        [--spm-model tokenizer.model] [--retrain]
 
 Needs a llama.cpp tree with ``build/bin/llama-tokenize`` and ``build/bin/libllama.so`` (a CPU build), g++, and
 gguf-py. llama.cpp is the oracle only; nothing of it is stored here except its outputs:
@@ -13,6 +14,10 @@ gguf-py. llama.cpp is the oracle only; nothing of it is stored here except its o
   every boundary a rule could put), written as one GGUF per pre-tokenizer name into ``--work``.
 - ``spm_ids``: the same for a small SentencePiece vocabulary (``tokenizer.ggml.model = llama``; scores, byte
   fallback, a control and a user-defined marker) with llama.cpp's defaults and with the flags flipped.
+- ``real_spm_ids``: the same for a real SentencePiece vocabulary when ``--spm-model`` names a ``tokenizer.model``
+  (e.g. Mistral 7B v0.1's, shipped in the Apache-2.0 ``mistral-common`` wheel as ``data/tokenizer.model.v1``; needs
+  the ``sentencepiece`` package). Its pieces, scores and types, read as llama.cpp's converter reads them, are stored
+  in ``spm_real_vocab.json.gz``.
 - ``file_ids``: the same for real files (SmolLM2's ``smollm``, the shared Llama and Qwen fixtures) when present.
 Run it again after changing the texts or updating llama.cpp; the tests compare our tokenizer with these.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
 import json
 import re
 import struct
@@ -259,6 +265,21 @@ def spm_fields(vocabs: dict, variant: str) -> dict:
             "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0, **SPM_VARIANTS[variant]}
 
 
+def real_spm_vocab(model: Path) -> dict:
+    """Pieces, scores and types of a SentencePiece model, as llama.cpp's converter (``_create_vocab_sentencepiece``)."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(model))
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.IdToPiece(i))
+        scores.append(sp.GetScore(i))
+        types.append(UNKNOWN if sp.IsUnknown(i) else CONTROL if sp.IsControl(i) else 5 if sp.IsUnused(i)
+                     else BYTE if sp.IsByte(i) else NORMAL)
+    return {"source": model.name, "tokens": tokens, "scores": scores, "token_type": types}
+
+
 def llama_tokenize(exe: Path, model: Path, text: str, work: Path) -> list[int]:
     prompt = work / "prompt.txt"
     prompt.write_bytes(text.encode())
@@ -272,6 +293,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/sangama-tok"))
     ap.add_argument("--smollm2", type=Path, default=Path.home() / ".cache/sangama-test/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--retrain", action="store_true", help="train new small vocabularies (tokenize_vocabs.json)")
+    ap.add_argument("--spm-model", type=Path, default=None, help="a real SentencePiece tokenizer.model")
     ap.add_argument("--fixtures", type=Path, default=Path("/work/shared/fixtures/gguf"))
     args = ap.parse_args()
     bin_dir = args.llama_cpp / "build" / "bin"
@@ -284,8 +307,10 @@ def main() -> None:
     names = {n: v for n, v in names.items() if v["type"] in types}
     used = {v["type"] for n, v in names.items() if n not in NOT_SUPPORTED}
     splits = {t: oracle_splits(exe, rx, STRESS) for t, rx in sorted(types.items()) if t in used}
-    vocabs = train_vocabs()
-    (HERE / "tokenize_vocabs.json").write_text(json.dumps(vocabs, ensure_ascii=False) + "\n", encoding="utf-8")
+    vocab_file = HERE / "tokenize_vocabs.json"
+    if args.retrain or not vocab_file.is_file():  # training is not bit-reproducible (tie order): keep the stored one
+        vocab_file.write_text(json.dumps(train_vocabs(), ensure_ascii=False) + "\n", encoding="utf-8")
+    vocabs = json.loads(vocab_file.read_text(encoding="utf-8"))
     tokenize = bin_dir / "llama-tokenize"
     one_per_type = {v["type"]: n for n, v in sorted(names.items(), reverse=True) if n not in NOT_SUPPORTED}
     pre_ids = {}
@@ -298,13 +323,21 @@ def main() -> None:
         path = args.work / f"spm-{variant}.gguf"
         write_gguf(path, spm_fields(vocabs, variant))
         spm_ids[variant] = [llama_tokenize(tokenize, path, s, args.work) for s in STRESS]
+    real_spm_ids = {}
+    if args.spm_model is not None:
+        real = real_spm_vocab(args.spm_model)
+        with gzip.open(HERE / "spm_real_vocab.json.gz", "wt", encoding="utf-8") as fh:
+            json.dump(real, fh, ensure_ascii=False)
+        path = args.work / "spm-real.gguf"
+        write_gguf(path, spm_fields({"spm": real}, "defaults"))
+        real_spm_ids = {"source": real["source"], "ids": [llama_tokenize(tokenize, path, s, args.work) for s in STRESS]}
     files = {"smollm2": args.smollm2, "llama-h32": args.fixtures / "llama-h32/tiny-llama-F16.gguf",
              "qwen35moe-h16": args.fixtures / "qwen35moe-h16/tiny-qwen35moe-F32.gguf"}
     file_ids = {k: {"file": p.name, "ids": [llama_tokenize(tokenize, p, s, args.work) for s in STRESS]}
                 for k, p in files.items() if p.is_file()}
     commit = subprocess.run(["git", "-C", str(args.llama_cpp), "rev-parse", "HEAD"], capture_output=True, text=True)
     out = {"llama_cpp_commit": commit.stdout.strip() or "unknown", "texts": STRESS, "names": names, "splits": splits,
-           "pre_ids": pre_ids, "spm_ids": spm_ids, "file_ids": file_ids}
+           "pre_ids": pre_ids, "spm_ids": spm_ids, "real_spm_ids": real_spm_ids, "file_ids": file_ids}
     (HERE / "tokenize_stress.json").write_text(json.dumps(out, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
     print(f"{len(STRESS)} texts, {len(splits)} pre types, {len(names)} names, {len(pre_ids)} GGUF copies, "
           f"{len(spm_ids)} SPM variants, files: {', '.join(file_ids)}")
