@@ -76,6 +76,13 @@ def test_ids_equal_llama_tokenize_per_pre_name(bpe_tokenizers, pre: str) -> None
         assert tok.encode(text).ids == ids, (pre, text)
 
 
+@pytest.mark.parametrize("variant", sorted(REFS["bpe_variant_ids"]))
+def test_bpe_flag_variants_equal_llama_tokenize(variant: str) -> None:
+    tok = tokenizer_from_metadata(make_refs.bpe_variant_fields(VOCABS, variant), variant)
+    for text, ids in zip(TEXTS, REFS["bpe_variant_ids"][variant]):
+        assert tok.encode(text).ids == ids, (variant, text)
+
+
 @pytest.mark.parametrize("variant", sorted(REFS["spm_ids"]))
 def test_sentencepiece_ids_equal_llama_tokenize(variant: str) -> None:
     tok = tokenizer_from_metadata(make_refs.spm_fields(VOCABS, variant), f"spm vocab {variant}")

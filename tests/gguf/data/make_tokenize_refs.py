@@ -12,6 +12,7 @@ gguf-py. llama.cpp is the oracle only; nothing of it is stored here except its o
 - ``pre_ids``: ids from ``llama-tokenize`` (default options: BOS when the model adds one, special tokens parsed) for a
   small byte-level BPE vocabulary (``tokenize_vocabs.json``: trained here with no pre-split, so its merges cross
   every boundary a rule could put), written as one GGUF per pre-tokenizer name into ``--work``.
+- ``bpe_variant_ids``: two flag cases of that vocabulary (see ``bpe_variant_fields``).
 - ``spm_ids``: the same for a small SentencePiece vocabulary (``tokenizer.ggml.model = llama``; scores, byte
   fallback, a control and a user-defined marker) with llama.cpp's defaults and with the flags flipped.
 - ``real_spm_ids``: the same for a real SentencePiece vocabulary when ``--spm-model`` names a ``tokenizer.model``
@@ -250,6 +251,23 @@ def bpe_fields(vocabs: dict, pre: str) -> dict:
             "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
 
 
+def bpe_variant_fields(vocabs: dict, variant: str) -> dict:
+    """Flag cases: <|im_end|> stored as a NORMAL token (llama.cpp forces end-of-generation names to control), and
+    BOS plus EOS (EOS is <|im_end|>, id 2)."""
+    if variant == "gpt-2/im_end-normal":
+        fields = bpe_fields(vocabs, "gpt-2")
+        types = list(fields["tokenizer.ggml.token_type"])
+        types[vocabs["bpe"]["tokens"].index("<|im_end|>")] = NORMAL
+        return {**fields, "tokenizer.ggml.token_type": types}
+    if variant == "llama-bpe/bos-eos":
+        return {**bpe_fields(vocabs, "llama-bpe"), "tokenizer.ggml.eos_token_id": 2,
+                "tokenizer.ggml.add_eos_token": True}
+    raise KeyError(variant)
+
+
+BPE_VARIANTS = ("gpt-2/im_end-normal", "llama-bpe/bos-eos")
+
+
 SPM_VARIANTS = {  # name -> extra fields
     "defaults": {},
     "no_prefix_bos_eos": {"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": True,
@@ -318,6 +336,11 @@ def main() -> None:
         path = args.work / f"bpe-{pre}.gguf"
         write_gguf(path, bpe_fields(vocabs, pre))
         pre_ids[pre] = [llama_tokenize(tokenize, path, s, args.work) for s in STRESS]
+    bpe_variant_ids = {}
+    for variant in BPE_VARIANTS:
+        path = args.work / f"bpe-{variant.replace('/', '-')}.gguf"
+        write_gguf(path, bpe_variant_fields(vocabs, variant))
+        bpe_variant_ids[variant] = [llama_tokenize(tokenize, path, s, args.work) for s in STRESS]
     spm_ids = {}
     for variant in SPM_VARIANTS:
         path = args.work / f"spm-{variant}.gguf"
@@ -326,8 +349,8 @@ def main() -> None:
     real_spm_ids = {}
     if args.spm_model is not None:
         real = real_spm_vocab(args.spm_model)
-        with gzip.open(HERE / "spm_real_vocab.json.gz", "wt", encoding="utf-8") as fh:
-            json.dump(real, fh, ensure_ascii=False)
+        blob = json.dumps(real, ensure_ascii=False).encode()
+        (HERE / "spm_real_vocab.json.gz").write_bytes(gzip.compress(blob, mtime=0))  # byte-reproducible
         path = args.work / "spm-real.gguf"
         write_gguf(path, spm_fields({"spm": real}, "defaults"))
         real_spm_ids = {"source": real["source"], "ids": [llama_tokenize(tokenize, path, s, args.work) for s in STRESS]}
@@ -337,7 +360,7 @@ def main() -> None:
                 for k, p in files.items() if p.is_file()}
     commit = subprocess.run(["git", "-C", str(args.llama_cpp), "rev-parse", "HEAD"], capture_output=True, text=True)
     out = {"llama_cpp_commit": commit.stdout.strip() or "unknown", "texts": STRESS, "names": names, "splits": splits,
-           "pre_ids": pre_ids, "spm_ids": spm_ids, "real_spm_ids": real_spm_ids, "file_ids": file_ids}
+           "pre_ids": pre_ids, "bpe_variant_ids": bpe_variant_ids, "spm_ids": spm_ids, "real_spm_ids": real_spm_ids, "file_ids": file_ids}
     (HERE / "tokenize_stress.json").write_text(json.dumps(out, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
     print(f"{len(STRESS)} texts, {len(splits)} pre types, {len(names)} names, {len(pre_ids)} GGUF copies, "
           f"{len(spm_ids)} SPM variants, files: {', '.join(file_ids)}")
