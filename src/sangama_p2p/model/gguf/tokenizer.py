@@ -24,10 +24,12 @@ from ...errors import CheckpointError, UnsupportedModelError
 from .pretokenize import PRE_RULES, pre_tokenizer
 from .reader import GGUFFile
 
-__all__ = ["PRE_RULES", "VOCAB_KINDS", "tokenizer_from_gguf", "tokenizer_from_metadata", "gguf_tokenizer_fields"]
+__all__ = [
+    "PRE_RULES", "VOCAB_KINDS", "gguf_tokenizer_fields", "spm_merges", "tokenizer_from_gguf", "tokenizer_from_metadata",
+]
 
 VOCAB_KINDS = ("gpt2", "llama")  # tokenizer.ggml.model values we rebuild
-_UNKNOWN, _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 2, 1, 3, 4, 5, 6
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED = 1, 2, 3, 4, 5  # llama.cpp token types (6 = BYTE)
 # llama.cpp marks these end-of-generation tokens CONTROL whatever their stored type (llama-vocab.cpp, load)
 _EOG_NAMES = frozenset((
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
