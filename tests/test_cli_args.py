@@ -3,6 +3,7 @@ traceback, never a silent run that does nothing); Ctrl-C is never lost."""
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import signal
@@ -132,10 +133,12 @@ def test_chat_with_default_settings_works_on_a_model_without_mtp(tmp_path: Path)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1")
     with ThreadFleet(model, [(0, 3), (3, 6)], tmp_path) as fleet:
         out = subprocess.run([sys.executable, "-m", "sangama_p2p.cli.main", "chat", "--model", str(model),
-                              "--bootstrap", fleet.bootstrap_addr, "--max-new-tokens", "6"],
+                              "--bootstrap", fleet.bootstrap_addr, "--max-new-tokens", "6", "--json"],
                              input="hello\nand again\n", capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert len(out.stdout.splitlines()) == 2 and out.stdout.strip()  # one answer per line
+    answers = [json.loads(line) for line in out.stdout.splitlines()]  # an answer's text may hold newlines
+    assert len(answers) == 2 and all(a["tokens"] and "error" not in a for a in answers), out.stdout
+    assert "error" not in out.stderr
 
 
 def test_default_guesses_for_a_model_with_mtp_or_only_a_tokenizer(tmp_path: Path) -> None:

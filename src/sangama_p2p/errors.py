@@ -12,6 +12,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- CapacityError         a session asked for more than it was given
     |   +-- SessionStateError     a step that does not fit the session's state
     |   +-- TooManyGuessesError   a step with more guesses than the session allows
+    |   +-- ChatTemplateError     a checkpoint's chat template that does not render
     +-- WireError             malformed, oversized or inconsistent frames from a peer
     |   +-- FrameTooLargeError     a length prefix above the configured maximum
     |   +-- TruncatedFrameError    the stream ended inside a frame
@@ -32,6 +33,7 @@ import enum
 
 __all__ = [
     "CapacityError",
+    "ChatTemplateError",
     "CheckpointError",
     "ErrorCode",
     "FrameTooLargeError",
@@ -106,6 +108,10 @@ class TooManyGuessesError(ModelError):
     """A step carries more guesses than the session was opened for."""
 
     code = ErrorCode.TOO_MANY_GUESSES
+
+
+class ChatTemplateError(ModelError):
+    """A chat template failed to compile or render (its syntax, a ``raise_exception`` call, a bad message)."""
 
 
 class WireError(SangamaError):

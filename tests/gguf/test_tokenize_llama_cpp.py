@@ -19,7 +19,7 @@ from helpers import LLAMA_F16, QWEN_F32
 from sangama_p2p.errors import UnsupportedModelError
 from sangama_p2p.model.gguf.pretokenize import PRE_RULES, pre_tokenizer
 from sangama_p2p.model.gguf.reader import read_metadata
-from sangama_p2p.model.gguf.tokenizer import spm_merges, tokenizer_from_metadata
+from sangama_p2p.model.gguf.tokenizer import spm_merges, tokenizer_from_gguf, tokenizer_from_metadata
 
 DATA = Path(__file__).parent / "data"
 REFS = json.loads((DATA / "tokenize_stress.json").read_text(encoding="utf-8"))
@@ -120,7 +120,7 @@ def _file_case(key: str, path: Path) -> None:
     if ref is None:
         pytest.skip(f"tokenize_stress.json has no ids for {key}")
     assert path.name == ref["file"]
-    tok = tokenizer_from_metadata(read_metadata(path), str(path))
+    tok = tokenizer_from_gguf(read_metadata(path))
     for text, ids in zip(TEXTS, ref["ids"]):
         assert tok.encode(text).ids == ids, (key, text)
 

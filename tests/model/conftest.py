@@ -85,6 +85,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "made-qwen": made_qwen,
         "made-qwen-v16": truncate_vocab(made_qwen, root / "made-qwen-v16", 16),
         "made-llama": make_model(root / "made-llama", "llama", "tiny", seed=5),
+        "made-qwen2": make_model(root / "made-qwen2", "qwen2", "tiny", seed=6),
+        "made-qwen3": make_model(root / "made-qwen3", "qwen3", "tiny", seed=7),
+        "made-qwen3moe": make_model(root / "made-qwen3moe", "qwen3_moe", "tiny", seed=8),
     }
 
 

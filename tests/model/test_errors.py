@@ -73,8 +73,31 @@ def test_unknown_architecture(checkpoints, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="unknown architecture model_type='gpt2'"):
+    with pytest.raises(UnsupportedModelError, match="unknown architecture model_type='gpt2'; Sangama runs model "
+                       "types llama, mistral, qwen2, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe$"):
         open_checkpoint(d)
+
+
+def test_unsupported_variants_of_supported_architectures():
+    from sangama_p2p.model.spec import ModelSpec
+
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64)
+    moe = dict(base, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        ModelSpec.from_hf_config(dict(moe, mlp_only_layers=[1]))
+    with pytest.raises(UnsupportedModelError, match="RoPE type 'yarn' is not supported .supported: default, linear, "
+                       "llama3."):
+        ModelSpec.from_hf_config(dict(base, model_type="qwen2", rope_scaling={"type": "yarn", "factor": 4.0}))
+    with pytest.raises(CheckpointError, match="lacks num_experts .or num_local_experts.$"):
+        ModelSpec.from_hf_config({k: v for k, v in moe.items() if k != "num_experts"})
+    # a sliding window changes nothing for sequences that fit it: it becomes the model's maximum length
+    mistral = ModelSpec.from_hf_config(dict(base, model_type="mistral", sliding_window=4096,
+                                            max_position_embeddings=32768))
+    assert (mistral.arch, mistral.max_position_embeddings) == ("llama", 4096)
+    qwen2 = ModelSpec.from_hf_config(dict(base, model_type="qwen2", sliding_window=4096, use_sliding_window=False,
+                                          max_position_embeddings=32768))
+    assert qwen2.max_position_embeddings == 32768 and qwen2.attention_bias and not qwen2.o_proj_bias
 
 
 def test_layer_range_out_of_bounds(checkpoints):

@@ -20,7 +20,7 @@ from sangama_p2p.model.spec import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ("qwen3_5_moe", "llama")
+ARCHS = ("qwen3_5_moe", "llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +223,10 @@ def test_package_does_not_import_transformers(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "q")], check=True, timeout=120)
 
 
-def test_presets_cover_both_archs_and_sizes() -> None:
-    assert {a: sorted(p) for a, p in PRESETS.items()} == {"qwen3_5_moe": ["small", "tiny"], "llama": ["small", "tiny"]}
+def test_presets_cover_every_arch_and_size() -> None:
+    dense = ["micro", "small", "tiny"]
+    assert {a: sorted(p) for a, p in PRESETS.items()} == {
+        "qwen3_5_moe": ["small", "tiny"], "llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": dense}
 
 
 @pytest.mark.slow
@@ -241,6 +243,9 @@ def test_small_presets_load_in_transformers(arch, tmp_path: Path) -> None:
 GOLDEN_SHA256 = {  # seed 0, float32, torch 2.13 CPU generator: changing the draw order or init changes these
     "qwen3_5_moe": "1d0e22a4eacd5f991b5403ef732498552147ad6da56b236a0936d89f33cb6794",
     "llama": "6d13a8b210e3894434738232943518a72a797c2689d89258be8da36fbcaccf68",
+    "qwen2": "ebfa1c526d0f01c0eb16aed8226b4de3f2c0ec2be382acab94974b2f2abee577",
+    "qwen3": "62c769178a00c8f7fee26209bf92f58deb157a9cfdfcea27e5fda97d542d13f9",
+    "qwen3_moe": "97176828c81d22352f1fcd53125342f950f4d2bd11894fad546c64308b064abf",
 }
 
 
@@ -291,3 +296,31 @@ def test_safetensors_source_serves_every_planned_tensor(arch, made) -> None:
             assert tuple(src.get(name, torch.float32).shape) == shape, name
     finally:
         src.close()
+
+
+def test_cli_tie_and_rope_scaling_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["make-model", str(tmp_path / "t"), "--arch", "qwen3", "--preset", "micro", "--tie-embeddings",
+                   "--rope-scaling", "llama3:8"])
+    assert rc == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert cfg["rope_parameters"] == {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 64, "rope_theta": 1e6, "rope_type": "llama3"}
+    with safe_open(str(tmp_path / "t" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    assert cli_main(["make-model", str(tmp_path / "u"), "--arch", "qwen2", "--preset", "micro", "--untie-embeddings",
+                     "--rope-scaling", "linear:2.5"]) == 0
+    cfg = json.loads((tmp_path / "u" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and cfg["rope_parameters"]["factor"] == 2.5
+    # the untied file holds the tied one's draws plus an lm_head (drawn last): the option changes nothing else
+    tied = load_file(str(make_model(tmp_path / "v", "qwen2", "micro") / "model.safetensors"))
+    untied = load_file(str(tmp_path / "u" / "model.safetensors"))
+    assert set(untied) - set(tied) == {"lm_head.weight"}
+    assert all(torch.equal(t, untied[n]) for n, t in tied.items())
+    for bad in ("cubic:2", "linear", "llama3:1:2"):
+        with pytest.raises(SystemExit):
+            cli_main(["make-model", str(tmp_path / "w"), "--arch", "llama", "--rope-scaling", bad])
+    with pytest.raises(UnsupportedModelError, match="qwen3_5_moe checkpoints are made with their preset"):
+        make_model(tmp_path / "x", "qwen3_5_moe", "tiny", tie_word_embeddings=True)
+    with pytest.raises(UnsupportedModelError, match="RoPE scaling"):
+        make_model(tmp_path / "x", "llama", "micro", rope_scaling={"rope_type": "yarn", "factor": 2.0})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-_ARCHS = ("qwen3_5_moe", "llama")
-_PRESETS = ("tiny", "small")
+_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe")
+_PRESETS = ("tiny", "small", "micro")
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -18,7 +18,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("out", metavar="OUT", help="output directory (created if missing)")
     p.add_argument("--arch", required=True, choices=_ARCHS, help="architecture")
-    p.add_argument("--preset", default="tiny", choices=_PRESETS, help="size (default: tiny)")
+    p.add_argument("--preset", default="tiny", choices=_PRESETS,
+                   help="size (default: tiny; micro: hidden 32, vocab 384, dense archs only)")
+    tie = p.add_mutually_exclusive_group()
+    tie.add_argument("--tie-embeddings", dest="tie", action="store_true", default=None,
+                     help="tie the head to the embedding (no lm_head tensor; dense archs)")
+    tie.add_argument("--untie-embeddings", dest="tie", action="store_false", help="give the model its own lm_head")
+    p.add_argument("--rope-scaling", metavar="SPEC", type=_rope_scaling,
+                   help="RoPE scaling of a dense arch: linear:FACTOR or llama3:FACTOR[:LOW:HIGH:ORIGINAL_MAX] "
+                   "(llama3 defaults: low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 64)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="weight dtype (default: float32)")
     p.add_argument(
@@ -30,11 +38,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_make_model)
 
 
+def _rope_scaling(text: str) -> dict:
+    kind, _, rest = text.partition(":")
+    try:
+        nums = [float(x) for x in rest.split(":")] if rest else []
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad RoPE scaling {text!r}: numbers after the type") from None
+    if kind == "linear" and len(nums) == 1:
+        return {"rope_type": "linear", "factor": nums[0]}
+    if kind == "llama3" and len(nums) in (1, 4):
+        low, high, orig = nums[1:] if len(nums) == 4 else (1.0, 4.0, 64)
+        return {"rope_type": "llama3", "factor": nums[0], "low_freq_factor": low, "high_freq_factor": high,
+                "original_max_position_embeddings": int(orig)}
+    raise argparse.ArgumentTypeError(f"bad RoPE scaling {text!r}: use linear:FACTOR or llama3:FACTOR[:LOW:HIGH:MAX]")
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from ..model.make import checkpoint_num_params, make_model  # imports torch: only when the command runs
 
     try:
-        out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
+        out = make_model(args.out, args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
+                         tie_word_embeddings=getattr(args, "tie", None),
+                         rope_scaling=getattr(args, "rope_scaling", None))
     except OSError as exc:  # a path that cannot be created or written: the user's to fix, not a crash
         from ..errors import CheckpointError
 

@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true",
+                   help="--local: the prompt is one user message in the checkpoint's chat template (the answer ends "
+                   "at the template's end-of-turn tokens)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="--local --chat: a system message before it")
     p.add_argument("--max-new-tokens", type=non_negative_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -76,7 +80,7 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads")
+_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system")
 _NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
 
 
@@ -112,26 +116,57 @@ def _generate(args: argparse.Namespace) -> int:
     ranges = parse_stages(args.stages, spec.num_layers) if args.stages else [LayerRange(0, spec.num_layers)]
     for r in ranges:
         spec.check_range(r.start, r.end)
-    ids = _prompt_ids(args, ckpt.tokenizer)
+    stops = None
+    if args.chat:
+        ids, stops = _chat_prompt(args, ckpt)
+    else:
+        if args.system is not None:
+            raise ModelError("--system needs --chat (the system message goes through the chat template)")
+        ids = _prompt_ids(args, ckpt.tokenizer)
     if any(i < 0 or i >= spec.vocab_size for i in ids):
         raise ModelError(f"prompt token ids must be in 0..{spec.vocab_size - 1}")
     chain = LocalChain.load(ckpt, ranges, dtype=args.dtype, batch_invariant=args.batch_invariant)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
     results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=args.guesses,
-                                  stop_at_eos=not args.ignore_eos)
+                                  stop_at_eos=not args.ignore_eos, stop_tokens=stops)
+    texts = [_answer_text(r, stops, ckpt.tokenizer) for r in results]
     if args.json:
-        out = results[0].as_dict() if args.batch == 1 else {"requests": [r.as_dict() for r in results]}
-        print(json.dumps(out))
+        dicts = [dict(r.as_dict(), text=t) for r, t in zip(results, texts)]
+        print(json.dumps(dicts[0] if args.batch == 1 else {"requests": dicts}))
         return 0
-    for r in results:
-        print(r.text if r.text is not None else " ".join(map(str, r.tokens)))
+    for r, text in zip(results, texts):
+        print(text if text is not None else " ".join(map(str, r.tokens)))
         print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
               f"decode, {r.steps} steps, {r.tokens_per_step:.2f} tokens/step, accepted guesses per step "
               f"{r.guesses_accepted / max(r.steps, 1):.2f}; stages "
               + ", ".join(f"{t.layers}: {t.seconds * 1e3 / max(t.calls, 1):.2f} ms/call" for t in r.stages)
               + "]", file=sys.stderr)
     return 0
+
+
+def _answer_text(result, stops: tuple[int, ...] | None, tokenizer) -> str | None:
+    """The text of a result; with ``--chat`` without the stop token that ended the answer."""
+    if stops is not None and result.tokens and result.tokens[-1] in stops:
+        return tokenizer.decode(result.tokens[:-1])
+    return result.text
+
+
+def _chat_prompt(args: argparse.Namespace, ckpt) -> tuple[list[int], tuple[int, ...]]:
+    """``--chat``: the text prompt as a user message (after ``--system``) in the checkpoint's template."""
+    from ..model.chat import load_chat_template, render_chat
+
+    text = args.prompt if args.prompt is not None else args.text
+    if text is None:
+        raise ModelError("--chat needs a text prompt (TEXT or --prompt), not --prompt-ids")
+    if ckpt.tokenizer is None:
+        raise ModelError("--chat needs the checkpoint's tokenizer, and this checkpoint has none")
+    template = load_chat_template(ckpt.path)
+    if template.warning is not None:
+        print(f"note: {template.warning}", file=sys.stderr)
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    prompt = render_chat(template, ckpt.tokenizer, [*messages, {"role": "user", "content": text}])
+    return list(prompt.ids), prompt.stop_ids
 
 
 def _variant(ids: list[int], i: int, vocab: int) -> list[int]:

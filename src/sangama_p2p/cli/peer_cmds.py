@@ -1,7 +1,7 @@
-"""``sangama-peer join | chat | demo`` and the network mode of ``generate``.
+"""``sangama-peer join | demo`` and the network mode of ``generate`` (``chat`` is in :mod:`.chat_cmds`).
 
 ``join`` serves a layer range until interrupted (a live panel on a terminal; a ``ready ...`` line for scripts).
-``generate`` without ``--local`` and ``chat`` drive generations through the swarm from a throwaway identity.
+``generate`` without ``--local`` drives generations through the swarm from a throwaway identity.
 ``demo`` starts a whole fleet on loopback (see :mod:`.demo`). Heavy modules load inside the handlers only.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .argtypes import guesses, non_negative_int, positive_int
+from .argtypes import positive_int
 from .local_fleet import READY_PREFIX
 
 
@@ -53,17 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="carry all stage traffic over libp2p streams (no direct lanes)")
     p.add_argument("--run-for", type=float, default=None, help=argparse.SUPPRESS)  # tests: stop after N seconds
     p.set_defaults(handler=_join)
-
-    p = sub.add_parser("chat", help="chat with a model served by the swarm",
-                       description="Read prompts from stdin and stream each answer as the swarm generates it.")
-    p.add_argument("--model", required=True, help="model id, or a checkpoint directory (its name + tokenizer)")
-    p.add_argument("--tokenizer", type=Path, default=None, help="checkpoint directory with tokenizer.json")
-    add_host_args(p, listen=False)
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
-    p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
-                   help="MTP guesses per trip (default: auto when the checkpoint has an MTP layer, else 0)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.set_defaults(handler=_chat)
 
     p = sub.add_parser("demo", help="start a local fleet on a tiny model and print its tables",
                        description="Make a tiny model, start a bootstrap node and three stage peers on loopback as "
@@ -314,46 +303,6 @@ def default_guesses(checkpoint: Path) -> int | str:
     except SangamaError:  # a directory with only the tokenizer: ask for guesses and let the swarm say
         return "auto"
     return "auto" if spec.mtp_num_layers else 0
-
-
-def _chat(args: argparse.Namespace) -> int:
-    import trio
-
-    from ..net.identity import generate_key_pair
-    from ..peer import Peer
-
-    _quiet()
-    config, model_id = client_peer_config(args, args.model)
-    _need_tokenizer(config, args.model, "chat")
-    k = args.guesses if args.guesses is not None else default_guesses(config.tokenizer_path)
-
-    async def main() -> None:
-        async with Peer(config, key_pair=generate_key_pair()) as peer:
-            from ..model.tokenizer import IncrementalDecoder
-
-            interactive = sys.stdin.isatty()
-            history: list[int] = []
-            while True:
-                if interactive:
-                    print("> ", end="", flush=True)
-                # abandoned on Ctrl-C: a read blocked on the terminal must not hold the interrupt until Enter
-                line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-                if not line:
-                    return
-                if not line.strip():
-                    continue
-                ids = peer.encode(line.rstrip("\n") + "\n")
-                history.extend(ids)
-                decoder = IncrementalDecoder(peer.tokenizer) if peer.tokenizer is not None else None
-                async for tok in peer.stream(history, args.max_new_tokens, guesses=k,
-                                             temperature=args.temperature):
-                    history.append(tok)
-                    piece = decoder.push([tok]) if decoder is not None else f"{tok} "
-                    print(piece, end="", flush=True)
-                print(decoder.flush() if decoder is not None else "", flush=True)
-
-    trio.run(main)
-    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -186,11 +186,13 @@ class ChainClient:
 
         async with trio.open_nursery() as nursery:
             for rec in records:
-                if rec.peer_id not in exclude and not self._still_silent(rec):
+                # excluded peers are probed too: the survey is shared by later generations, the exclusion is this
+                # one's (a peer that refused a too-long session was missing from every route for survey_max_age)
+                if not self._still_silent(rec):
                     nursery.start_soon(probe, rec)
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
         self.surveyed_at = trio.current_time()
-        return self.offers
+        return [o for o in self.offers if o.peer_id not in exclude]
 
     def _mark_silent(self, peer: str) -> None:
         """Remember that ``peer`` did not answer, with the version of the record it had: surveys skip it (no probe,

@@ -120,10 +120,11 @@ class LocalChain:
         guesses: int | str = 0,
         stop_at_eos: bool = True,
         capacity: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
     ) -> GenerationResult:
         """One request; ``guesses``: a fixed number of MTP guesses per step, or ``"auto"``."""
         return self.generate_many([prompt_ids], max_new_tokens, sampling, guesses=guesses, stop_at_eos=stop_at_eos,
-                                  capacity=capacity)[0]
+                                  capacity=capacity, stop_tokens=stop_tokens)[0]
 
     def generate_many(
         self,
@@ -134,15 +135,19 @@ class LocalChain:
         guesses: int | str | Sequence[int | str] = 0,
         stop_at_eos: bool = True,
         capacity: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Several requests at once: every trip runs all unfinished requests as one batched step per stage.
 
-        ``guesses`` is one setting for all requests, or one per request.
+        ``guesses`` is one setting for all requests, or one per request. ``stop_tokens`` replaces the model's eos
+        ids as the ids that end a request (e.g. a chat template's end-of-turn tokens); ``stop_at_eos=False`` ignores
+        both.
         """
         settings = list(guesses) if isinstance(guesses, (list, tuple)) else [guesses] * len(prompts)
         if len(settings) != len(prompts):
             raise ModelError(f"{len(settings)} guess settings for {len(prompts)} prompts")
-        eos = frozenset(self.spec.eos_token_ids) if stop_at_eos else frozenset()
+        stops = self.spec.eos_token_ids if stop_tokens is None else stop_tokens
+        eos = frozenset(int(t) for t in stops) if stop_at_eos else frozenset()
         timings = [StageTiming(f"{s.start}:{s.end}") for s in self.stages]
         reqs = []
         for i, (prompt, setting) in enumerate(zip(prompts, settings)):

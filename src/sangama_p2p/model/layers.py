@@ -56,6 +56,8 @@ def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     n, m = x.shape[0], MIN_ROWS.get()
+    if bias is not None and bias.dtype != x.dtype:  # biases are kept fp32; a bf16/fp16 step uses them cast
+        bias = bias.to(x.dtype)
     if m:
         return F.linear(pad_rows(x, m), dense(w, x.dtype), bias)[:n]
     return F.linear(x, dense(w, x.dtype), bias)
@@ -102,7 +104,8 @@ def _step_mask(t: int, start: int, rep: int, device: torch.device) -> torch.Tens
 
 
 class Attention:
-    """Full attention with GQA and partial RoPE; Qwen3.5's variant adds q/k norms and a sigmoid output gate."""
+    """Full attention with GQA and partial RoPE; optional q/k/v biases (Qwen2; Llama's attention_bias, with an o_proj
+    bias), q/k head norms (Qwen3, Qwen3-MoE, Qwen3.5) and Qwen3.5's sigmoid output gate."""
 
     def __init__(self, spec: ModelSpec, load: Loader, layer_key: int) -> None:
         self.spec = spec
@@ -111,8 +114,9 @@ class Attention:
             else None
         self.qkv = FusedLinear([load(f"self_attn.{p}_proj.weight") for p in "qkv"], biases)
         self.o = load("self_attn.o_proj.weight")
+        self.o_bias = dense(load("self_attn.o_proj.bias"), torch.float32) if spec.o_proj_bias else None
         self.qk_norm = None  # [heads + kv_heads, head_dim]: q's norm scale for every query head, then k's
-        if spec.attn_output_gate:
+        if spec.qk_norm:
             q_norm = norm_weight(load("self_attn.q_norm.weight"), spec)
             k_norm = norm_weight(load("self_attn.k_norm.weight"), spec)
             self.qk_norm = torch.cat((q_norm.expand(spec.num_heads, -1), k_norm.expand(spec.num_kv_heads, -1)))
@@ -120,8 +124,7 @@ class Attention:
     def weights(self) -> Iterator[Weight]:
         yield from self.qkv.weights()
         yield self.o
-        if self.qk_norm is not None:
-            yield self.qk_norm
+        yield from (t for t in (self.o_bias, self.qk_norm) if t is not None)
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden]; cos, sin: [N, 1, head_dim], the rows' RoPE (``StageModel.rope_rows``)."""
@@ -163,7 +166,7 @@ class Attention:
         out = out.reshape(n, heads * hd)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return linear(out, self.o)
+        return linear(out, self.o, self.o_bias)
 
     def _attend(
         self, seg: Segment, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, q: torch.Tensor, row: int,
@@ -349,7 +352,8 @@ class DenseMLP:
 
 
 class MoE:
-    """Top-k softmax router (renormalised) over experts, plus a sigmoid-gated shared expert."""
+    """Top-k softmax router (renormalised when ``norm_topk_prob``) over experts, plus a sigmoid-gated shared expert
+    when the model has one (Qwen3.5-MoE; Qwen3-MoE has none)."""
 
     def __init__(self, spec: ModelSpec, load: Loader) -> None:
         self.spec = spec
@@ -371,7 +375,9 @@ class MoE:
         logits = linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.spec.num_experts_per_tok, dim=-1)  # [N, k]
-        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.spec.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(x.dtype)
         n, st = x.shape[0], self.stacked
         if st is not None and st.dense_ok and (MIN_ROWS.get() or n * st.per_row <= DENSE_MAX):
             # small experts: every expert on every row in a few products, one row included (cheaper than the loop

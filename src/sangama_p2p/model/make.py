@@ -1,8 +1,10 @@
 """Make a random-weight model checkpoint in Hugging Face format: the project's own test and demo models.
 
-``make_model(out_dir, arch, preset, seed)`` writes ``config.json`` (the keys transformers 5.24 writes),
-``generation_config.json``, ``model.safetensors`` (canonical HF tensor names; Qwen3.5-MoE experts un-fused as
-``save_pretrained`` writes them, plus the MTP layer under ``mtp.*`` in the real checkpoint layout) and a byte-level
+``make_model(out_dir, arch, preset, seed)`` (arch: llama, qwen2, qwen3, qwen3_moe, qwen3_5_moe) writes
+``config.json`` (the keys transformers 5.24 writes), ``generation_config.json``, ``model.safetensors`` (canonical HF
+tensor names; MoE experts un-fused, one tensor per expert and projection, as the published Qwen3-MoE and Qwen3.5-MoE
+checkpoints hold them; Qwen3.5-MoE's MTP layer under ``mtp.*`` in the real checkpoint layout; no ``lm_head`` when the
+head is tied) and a byte-level
 BPE tokenizer. Same seed, same preset -> the same bytes on every run: every tensor is drawn from one
 ``torch.Generator`` in a fixed order, in float32, then cast.
 
@@ -18,12 +20,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..errors import CheckpointError, ModelError, UnsupportedModelError
-from .presets import LlamaPreset, Preset, QwenMoePreset, generation_config, get_preset, hf_config
+from .presets import DensePreset, Preset, QwenMoePreset, generation_config, get_preset, hf_config, with_options
 from .tokenizer import EOS_TOKEN, PAD_TOKEN, atomic_write, train_bpe, write_tokenizer_files
 
 __all__ = ["DTYPES", "checkpoint_num_params", "make_model", "tensor_plan"]
@@ -111,26 +113,42 @@ def _qwen_plan(p: QwenMoePreset) -> _Plan:
         yield "mtp.norm.weight", (h,), ("norm0",)
 
 
-def _llama_plan(p: LlamaPreset) -> _Plan:
+def _dense_plan(p: DensePreset) -> _Plan:
+    """Llama / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) / Qwen3-MoE (q/k norms, sparse MoE, no shared expert), in
+    transformers' parameter order; no ``lm_head`` when the head is tied."""
     h, hd = p.hidden_size, p.head_dim
     yield "model.embed_tokens.weight", (p.vocab_size, h), ("normal", 0.5)
     for i in range(p.num_hidden_layers):
         pre = f"model.layers.{i}"
         yield f"{pre}.input_layernorm.weight", (h,), ("norm1",)
-        yield _proj(f"{pre}.self_attn.q_proj.weight", p.num_attention_heads * hd, h)
-        yield _proj(f"{pre}.self_attn.k_proj.weight", p.num_key_value_heads * hd, h)
-        yield _proj(f"{pre}.self_attn.v_proj.weight", p.num_key_value_heads * hd, h)
+        for proj, rows in (("q", p.num_attention_heads * hd), ("k", p.num_key_value_heads * hd),
+                           ("v", p.num_key_value_heads * hd)):
+            yield _proj(f"{pre}.self_attn.{proj}_proj.weight", rows, h)
+            if p.qkv_bias:
+                yield f"{pre}.self_attn.{proj}_proj.bias", (rows,), ("normal", 0.1)
         yield _proj(f"{pre}.self_attn.o_proj.weight", h, p.num_attention_heads * hd, _RESIDUAL_OUT)
+        if p.qk_norm:
+            yield f"{pre}.self_attn.q_norm.weight", (hd,), ("norm1",)
+            yield f"{pre}.self_attn.k_norm.weight", (hd,), ("norm1",)
         yield f"{pre}.post_attention_layernorm.weight", (h,), ("norm1",)
-        yield from _swiglu(f"{pre}.mlp", h, p.intermediate_size)
+        if p.num_experts:
+            yield _proj(f"{pre}.mlp.gate.weight", p.num_experts, h, _ROUTER)
+            for e in range(p.num_experts):
+                yield from _swiglu(f"{pre}.mlp.experts.{e}", h, p.moe_intermediate_size)
+        else:
+            yield from _swiglu(f"{pre}.mlp", h, p.intermediate_size)
     yield "model.norm.weight", (h,), ("norm1",)
-    yield "lm_head.weight", (p.vocab_size, h), ("normal", 0.5)
+    if not p.tie_word_embeddings:
+        yield "lm_head.weight", (p.vocab_size, h), ("normal", 0.5)
+
+
+def _plan(p: Preset) -> _Plan:
+    return _qwen_plan(p) if isinstance(p, QwenMoePreset) else _dense_plan(p)
 
 
 def tensor_plan(p: Preset) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor the checkpoint of preset ``p`` holds, in generation order, with its shape."""
-    plan = _qwen_plan(p) if isinstance(p, QwenMoePreset) else _llama_plan(p)
-    return [(name, shape) for name, shape, _ in plan]
+    return [(name, shape) for name, shape, _ in _plan(p)]
 
 
 def _draw(shape: tuple[int, ...], init: _Init, g: torch.Generator) -> torch.Tensor:
@@ -151,8 +169,7 @@ def _draw(shape: tuple[int, ...], init: _Init, g: torch.Generator) -> torch.Tens
 def _weights(p: Preset, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
-    plan = _qwen_plan(p) if isinstance(p, QwenMoePreset) else _llama_plan(p)
-    return {name: _draw(shape, init, g).to(dtype).contiguous() for name, shape, init in plan}
+    return {name: _draw(shape, init, g).to(dtype).contiguous() for name, shape, init in _plan(p)}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -165,11 +182,18 @@ def make_model(
     preset: str = "tiny",
     seed: int = 0,
     dtype: torch.dtype | str = torch.float32,
+    *,
+    tie_word_embeddings: bool | None = None,
+    rope_scaling: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a random ``arch``/``preset`` checkpoint with its tokenizer into ``out_dir``; return the directory."""
+    """Write a random ``arch``/``preset`` checkpoint with its tokenizer into ``out_dir``; return the directory.
+
+    ``tie_word_embeddings`` (None: the preset's) and ``rope_scaling`` (e.g. ``{"rope_type": "linear", "factor": 4.0}``,
+    see :func:`.presets.with_options`) change a dense preset; the weights drawn for the rest stay the same.
+    """
     from safetensors.torch import save_file  # local: keeps importing this module cheap
 
-    p = get_preset(arch, preset)
+    p = with_options(get_preset(arch, preset), tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise UnsupportedModelError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -226,7 +250,8 @@ def truncate_vocab(src: str | Path, dst: str | Path, vocab: int) -> Path:
     dst.mkdir(parents=True)
     tensors = load_file(src / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        tensors[name] = tensors[name][:vocab].clone()
+        if name in tensors:  # (a tied head has no lm_head)
+            tensors[name] = tensors[name][:vocab].clone()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(vocab_size=vocab, eos_token_id=None, pad_token_id=None, bos_token_id=None)

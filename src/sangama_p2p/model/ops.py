@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..errors import CheckpointError
 from .spec import ModelSpec
 
 __all__ = [
@@ -44,9 +45,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies for the rotary dims (plain or llama3-scaled), fp32."""
+    """Inverse frequencies for the rotary dims (plain, linear-, llama3- or per-frequency-scaled), fp32."""
     dim = spec.rotary_dim
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if spec.rope_linear is not None:  # positions / factor, as inverse frequencies / factor (transformers does this)
+        return inv / spec.rope_linear
+    if spec.rope_freq_factors is not None:  # llama.cpp: theta_i / rope_freqs[i]
+        if len(spec.rope_freq_factors) != inv.shape[0]:
+            raise CheckpointError(f"rope_freqs has {len(spec.rope_freq_factors)} entries; the rotary dims need "
+                                  f"{inv.shape[0]}")
+        return inv / torch.tensor(spec.rope_freq_factors, dtype=torch.float32)
     if spec.rope_llama3 is None:
         return inv
     factor, low, high, old_len = spec.rope_llama3

@@ -8,17 +8,24 @@ Sizes:
 - ``qwen3_5_moe/tiny``: a decode step in milliseconds; the shape the runtime tests use.
 - ``llama/tiny``: hidden 256, 6 layers, 4 heads, intermediate 512, vocab 1000 - the exact model Petals was measured
   on (the "Petals anchor"); keep it.
-- ``*/small``: sized so one decode step costs roughly 20-50 ms on one CPU process (a realistic benchmark load).
+- ``qwen2/tiny`` (tied head, as Qwen2.5's small models), ``qwen3/tiny`` (head_dim 64 > hidden / heads, as Qwen3),
+  ``qwen3_moe/tiny`` (8 experts, top-2, no shared expert): hidden 64-128, 6 layers, vocab 1024.
+- ``*/small``: sized so one decode step costs roughly 20-50 ms on one CPU process (a realistic benchmark load;
+  measured 2026-12-01, one thread, whole model, fp32: llama 34 ms, qwen2 33 ms, qwen3 39 ms, qwen3_moe 25 ms).
+- ``<dense arch>/micro``: hidden 32, 4 layers, vocab 384 - the checkpoints behind the converter-made GGUF test files
+  (``tests/data/gguf-arch``); every quantizable row is a multiple of 32, so Q8_0 applies to all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["PRESETS", "LlamaPreset", "Preset", "QwenMoePreset", "get_preset", "hf_config"]
+__all__ = [
+    "PRESETS", "DensePreset", "LlamaPreset", "Preset", "QwenMoePreset", "get_preset", "hf_config", "with_options",
+]
 
 TRANSFORMERS_VERSION = "5.24.0"  # the version whose config.json layout we reproduce
 
@@ -58,27 +65,43 @@ class QwenMoePreset:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaPreset:
-    """A Llama model (plain RoPE, untied head)."""
+class DensePreset:
+    """Llama, Qwen2, Qwen3 (full attention, SwiGLU MLP) and Qwen3-MoE (the same with a sparse MoE in every layer)."""
 
+    arch: str  # llama | qwen2 | qwen3 | qwen3_moe
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int
+    head_dim: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
-
-    arch = "llama"
+    tie_word_embeddings: bool = False
+    # rope scaling as sorted (key, value) pairs of transformers' rope_parameters, e.g. (("factor", 4.0),
+    # ("rope_type", "linear")); () = plain RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # qwen3_moe only
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def qk_norm(self) -> bool:
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
 
 
-Preset = Union[QwenMoePreset, LlamaPreset]
+LlamaPreset = DensePreset  # the name the first dense architecture had
+
+
+Preset = Union[QwenMoePreset, DensePreset]
 
 PRESETS: dict[str, dict[str, Preset]] = {
     "qwen3_5_moe": {
@@ -116,22 +139,46 @@ PRESETS: dict[str, dict[str, Preset]] = {
         ),
     },
     "llama": {
-        "tiny": LlamaPreset(
-            vocab_size=1000,
-            hidden_size=256,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=512,
-        ),
-        "small": LlamaPreset(
-            vocab_size=2048,
-            hidden_size=512,
-            num_hidden_layers=12,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            intermediate_size=1536,
-        ),
+        "tiny": DensePreset("llama", vocab_size=1000, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=4, intermediate_size=512, head_dim=64),
+        "small": DensePreset("llama", vocab_size=2048, hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
+                             num_key_value_heads=4, intermediate_size=1536, head_dim=64),
+        "micro": DensePreset("llama", vocab_size=384, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, head_dim=8, rope_theta=5e5),
+    },
+    "qwen2": {  # Qwen2.5's small models tie the head to the embedding
+        "tiny": DensePreset("qwen2", vocab_size=1024, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256, head_dim=32, rope_theta=1e6,
+                            max_position_embeddings=4096, tie_word_embeddings=True),
+        "small": DensePreset("qwen2", vocab_size=2048, hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
+                             num_key_value_heads=2, intermediate_size=1536, head_dim=64, rope_theta=1e6,
+                             max_position_embeddings=4096, tie_word_embeddings=True),
+        "micro": DensePreset("qwen2", vocab_size=384, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, head_dim=8, rope_theta=1e6,
+                             tie_word_embeddings=True),
+    },
+    "qwen3": {  # head_dim larger than hidden / heads, as in Qwen3-0.6B (1024 / 16 heads, head_dim 128)
+        "tiny": DensePreset("qwen3", vocab_size=1024, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=256, head_dim=64, rope_theta=1e6,
+                            max_position_embeddings=4096),
+        "small": DensePreset("qwen3", vocab_size=2048, hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
+                             num_key_value_heads=4, intermediate_size=1536, head_dim=128, rope_theta=1e6,
+                             max_position_embeddings=4096),
+        "micro": DensePreset("qwen3", vocab_size=384, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, head_dim=16, rope_theta=1e6),
+    },
+    "qwen3_moe": {
+        "tiny": DensePreset("qwen3_moe", vocab_size=1024, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=128, head_dim=32, rope_theta=1e6,
+                            max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=64),
+        "small": DensePreset("qwen3_moe", vocab_size=2048, hidden_size=512, num_hidden_layers=12,
+                             num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024, head_dim=64,
+                             rope_theta=1e6, max_position_embeddings=4096, num_experts=64, num_experts_per_tok=4,
+                             moe_intermediate_size=256),
+        "micro": DensePreset("qwen3_moe", vocab_size=384, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, head_dim=8, rope_theta=1e6, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32),
     },
 }
 
@@ -193,9 +240,19 @@ def hf_config(p: Preset, *, eos_token_id: int, pad_token_id: int, dtype: str) ->
             "vocab_size": p.vocab_size,
         }
         return cfg
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "attention_bias": False,
+    return _dense_config(p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, dtype=dtype)
+
+
+_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _dense_config(p: DensePreset, *, eos_token_id: int, pad_token_id: int, dtype: str) -> dict[str, Any]:
+    """Llama/Qwen2/Qwen3/Qwen3-MoE ``config.json`` as transformers 5.24's ``save_pretrained`` writes it."""
+    rope: dict[str, Any] = {"rope_theta": p.rope_theta, "rope_type": "default"}
+    rope.update(dict(p.rope_scaling))
+    cfg: dict[str, Any] = {
+        "architectures": [_CLASSES[p.arch]],
         "attention_dropout": 0.0,
         "bos_token_id": None,
         "dtype": dtype,
@@ -206,20 +263,56 @@ def hf_config(p: Preset, *, eos_token_id: int, pad_token_id: int, dtype: str) ->
         "initializer_range": 0.02,
         "intermediate_size": p.intermediate_size,
         "max_position_embeddings": p.max_position_embeddings,
-        "mlp_bias": False,
-        "model_type": "llama",
+        "model_type": p.arch,
         "num_attention_heads": p.num_attention_heads,
         "num_hidden_layers": p.num_hidden_layers,
         "num_key_value_heads": p.num_key_value_heads,
         "pad_token_id": pad_token_id,
-        "pretraining_tp": 1,
         "rms_norm_eps": p.rms_norm_eps,
-        "rope_parameters": {"rope_theta": p.rope_theta, "rope_type": "default"},
-        "tie_word_embeddings": False,
+        "rope_parameters": dict(sorted(rope.items())),
+        "tie_word_embeddings": p.tie_word_embeddings,
         "transformers_version": TRANSFORMERS_VERSION,
         "use_cache": True,
         "vocab_size": p.vocab_size,
     }
+    if p.arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:  # the Qwen configs' sliding-window keys (off)
+        cfg.update(max_window_layers=28, sliding_window=None, use_sliding_window=False)
+        if p.arch != "qwen2":
+            cfg["attention_bias"] = False
+        if p.arch != "qwen3_moe":
+            cfg["layer_types"] = ["full_attention"] * p.num_hidden_layers
+    if p.arch == "qwen3_moe":
+        del cfg["max_window_layers"]
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=p.moe_intermediate_size,
+                   norm_topk_prob=p.norm_topk_prob, num_experts_per_tok=p.num_experts_per_tok,
+                   num_local_experts=p.num_experts, output_router_logits=False, router_aux_loss_coef=0.001)
+    return dict(sorted(cfg.items()))
+
+
+def with_options(p: Preset, *, tie_word_embeddings: bool | None = None,
+                 rope_scaling: Mapping[str, Any] | None = None) -> Preset:
+    """``p`` with its head tied to the embedding or not, and with RoPE scaling (transformers' rope_parameters keys
+    besides rope_theta, e.g. ``{"rope_type": "linear", "factor": 4.0}``); only for the dense presets."""
+    if tie_word_embeddings is None and rope_scaling is None:
+        return p
+    if not isinstance(p, DensePreset):
+        raise UnsupportedModelError(f"{p.arch} checkpoints are made with their preset's head and RoPE only")
+    changes: dict[str, Any] = {}
+    if tie_word_embeddings is not None:
+        changes["tie_word_embeddings"] = bool(tie_word_embeddings)
+    if rope_scaling is not None:
+        kind = rope_scaling.get("rope_type")
+        need = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings"}}.get(str(kind))
+        if need is None or set(rope_scaling) != need | {"rope_type"}:
+            raise UnsupportedModelError(
+                f"RoPE scaling {dict(rope_scaling)!r} is not one the maker writes: rope_type linear (factor) or "
+                "llama3 (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)"
+            )
+        changes["rope_scaling"] = tuple(sorted(rope_scaling.items()))
+    return dataclasses.replace(p, **changes)
 
 
 def generation_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -23,8 +23,12 @@ _MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "qwen3_5_moe": "qwen3_5_moe",
     "llama": "llama",
+    "mistral": "llama",  # MistralForCausalLM without a sliding window is a Llama
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
 }
-ARCHITECTURES = ("qwen3_5_moe", "llama")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +51,18 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
-    # llama3-style RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position); None = plain RoPE
+    # RoPE scaling (at most one is set; all None = plain RoPE). llama3: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position); linear: the factor positions are divided by; freq_factors: one divisor per rotary pair
+    # (GGUF's ``rope_freqs`` tensor, which llama.cpp's converter writes for llama3 scaling)
     rope_llama3: tuple[float, float, float, int] | None = None
-    # dense MLP (llama)
+    rope_linear: float | None = None
+    rope_freq_factors: tuple[float, ...] | None = None
+    # dense MLP (llama, qwen2, qwen3)
     intermediate_size: int = 0
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections have biases
+    o_proj_bias: bool = False  # the output projection has a bias (llama and qwen3 with attention_bias; not qwen2)
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3, qwen3_moe, qwen3_5_moe)
     # qwen3.5: gated attention, zero-centred norms (weight applied as 1 + w)
     attn_output_gate: bool = False
     zero_centered_norm: bool = False
@@ -67,6 +77,7 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     # qwen3.5: multi-token-prediction layers (full attention + MoE) stored under mtp.*
     mtp_num_layers: int = 0
 
@@ -124,7 +135,8 @@ class ModelSpec:
         arch = _MODEL_TYPES.get(str(model_type))
         if arch is None:
             raise UnsupportedModelError(
-                f"unknown architecture model_type={model_type!r}; Sangama runs: {', '.join(sorted(_MODEL_TYPES))}"
+                f"unknown architecture model_type={model_type!r}; Sangama runs model types "
+                f"{', '.join(sorted(_MODEL_TYPES))}"
             )
         try:
             return _BUILDERS[arch](config)
@@ -156,7 +168,7 @@ def _common(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
     head_dim = int(config.get("head_dim") or hidden // heads)
     theta, partial, params = _rope(config)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    llama3 = None
+    llama3, linear = None, None
     if rope_type == "llama3":
         llama3 = (
             float(params["factor"]),
@@ -164,8 +176,12 @@ def _common(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
             float(params["high_freq_factor"]),
             int(params["original_max_position_embeddings"]),
         )
+    elif rope_type == "linear":
+        linear = float(params["factor"])
+        if not linear > 0:
+            raise CheckpointError(f"linear RoPE scaling factor must be positive, got {linear}")
     elif rope_type not in ("default", None):
-        raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported (supported: default, llama3)")
+        raise UnsupportedModelError(f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3)")
     rotary_dim = int(head_dim * partial)
     if rotary_dim % 2:
         raise UnsupportedModelError(f"rotary dimension {rotary_dim} is odd")
@@ -182,6 +198,7 @@ def _common(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
         rope_theta=theta,
         rotary_dim=rotary_dim,
         rope_llama3=llama3,
+        rope_linear=linear,
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         eos_token_ids=_eos(config),
@@ -195,15 +212,64 @@ def _common(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
     return spec
 
 
-def _llama(config: Mapping[str, Any]) -> ModelSpec:
-    spec = _common(config, "llama")
+def _window(config: Mapping[str, Any], spec: dict[str, Any]) -> None:
+    """A sliding window (Mistral v0.1, Qwen2 with use_sliding_window) changes nothing for sequences that fit in it:
+    the model is served exactly up to the window, which becomes its maximum length."""
+    window = config.get("sliding_window")
+    if config.get("model_type") in ("qwen2", "qwen3", "qwen3_moe") and not config.get("use_sliding_window", False):
+        window = None
+    if window is not None:
+        spec["max_position_embeddings"] = min(spec["max_position_embeddings"], int(window))
+
+
+def _dense(config: Mapping[str, Any], arch: str, **extra: Any) -> ModelSpec:
+    """Llama, Qwen2, Qwen3 (full attention in every layer and a SwiGLU MLP) and Qwen3-MoE (``extra`` sets its
+    experts)."""
+    spec = _common(config, arch)
+    _window(config, spec)
+    bias = bool(config.get("attention_bias", False))
+    fields: dict[str, Any] = dict(attention_bias=bias, o_proj_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+    fields.update(extra)
     return ModelSpec(
         **spec,
         layer_types=(FULL,) * spec["num_layers"],
-        intermediate_size=int(config["intermediate_size"]),
-        attention_bias=bool(config.get("attention_bias", False)),
-        mlp_bias=bool(config.get("mlp_bias", False)),
+        # a MoE model's dense size is unused (qwen3_moe configs carry one anyway)
+        intermediate_size=int(config["intermediate_size"] if "num_experts" not in extra else
+                              config.get("intermediate_size") or 0),
+        **fields,
     )
+
+
+def _llama(config: Mapping[str, Any]) -> ModelSpec:
+    return _dense(config, "llama")
+
+
+def _qwen2(config: Mapping[str, Any]) -> ModelSpec:
+    # Qwen2's q/k/v projections always have biases and its o_proj never has one (no attention_bias key)
+    return _dense(config, "qwen2", attention_bias=True, o_proj_bias=False, mlp_bias=False)
+
+
+def _qwen3(config: Mapping[str, Any]) -> ModelSpec:
+    return _dense(config, "qwen3", qk_norm=True, mlp_bias=False)
+
+
+def _qwen3_moe(config: Mapping[str, Any]) -> ModelSpec:
+    if list(config.get("mlp_only_layers") or []) or int(config.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError("qwen3_moe with dense layers (mlp_only_layers, decoder_sparse_step != 1) is not "
+                                    "supported: every layer must be sparse")
+    if "num_experts" not in config and "num_local_experts" not in config:
+        raise CheckpointError("config.json for qwen3_moe lacks num_experts (or num_local_experts)")
+    out = _dense(
+        config, "qwen3_moe", qk_norm=True, mlp_bias=False,
+        # published checkpoints say num_experts; transformers 5 writes num_local_experts
+        num_experts=int(config["num_experts"] if "num_experts" in config else config["num_local_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+    )
+    if not 0 < out.num_experts_per_tok <= out.num_experts:
+        raise CheckpointError("num_experts_per_tok must be in 1..num_experts")
+    return out
 
 
 def _qwen3_5_moe(config: Mapping[str, Any]) -> ModelSpec:
@@ -220,6 +286,7 @@ def _qwen3_5_moe(config: Mapping[str, Any]) -> ModelSpec:
         **spec,
         layer_types=layer_types,
         attention_bias=bool(config.get("attention_bias", False)),
+        qk_norm=True,
         attn_output_gate=True,
         zero_centered_norm=True,
         linear_num_key_heads=int(config["linear_num_key_heads"]),
@@ -240,7 +307,7 @@ def _qwen3_5_moe(config: Mapping[str, Any]) -> ModelSpec:
     return out
 
 
-_BUILDERS = {"llama": _llama, "qwen3_5_moe": _qwen3_5_moe}
+_BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_5_moe": _qwen3_5_moe}
 
 
 @dataclasses.dataclass(frozen=True)

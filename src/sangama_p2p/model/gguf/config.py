@@ -5,6 +5,7 @@ Going through the HF config keeps one normalisation path (``ModelSpec.from_hf_co
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -65,11 +66,10 @@ def hf_config_from_gguf(f: GGUFFile) -> dict[str, Any]:
         }
         rope = {"rope_theta": _f32(f.get(a + "rope.freq_base", 10000.0)), "rope_type": "default"}
         _ids(f, cfg)
-        if arch == "llama":
-            if "rope_freqs.weight" in f.tensors or f.get(a + "rope.scaling.type") not in (None, "none"):
-                raise UnsupportedModelError("GGUF llama with RoPE scaling (rope_freqs) is not supported yet")
-            cfg.update(model_type="llama", intermediate_size=int(f.require(a + "feed_forward_length")),
-                       rope_parameters=rope, attention_bias="blk.0.attn_q.bias" in f.tensors)
+        if arch != "qwen35moe":
+            if rope_dims != head_dim:
+                rope["partial_rotary_factor"] = rope_dims / head_dim
+            _dense(f, arch, cfg, rope)
             return cfg
         nv = int(f.require(a + "ssm.time_step_rank"))
         recurrent = f.get(a + "attention.recurrent_layers")
@@ -99,5 +99,41 @@ def hf_config_from_gguf(f: GGUFFile) -> dict[str, Any]:
         raise CheckpointError(f"bad metadata value in {f.path}: {exc}") from exc
 
 
+def _dense(f: GGUFFile, arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    """llama, qwen2, qwen3, qwen3moe: the keys beyond the common ones."""
+    a = arch + "."
+    kind = f.get(a + "rope.scaling.type")
+    if kind == "linear":
+        rope.update(rope_type="linear", factor=_f32(f.require(a + "rope.scaling.factor")))
+    elif kind not in (None, "none"):
+        raise UnsupportedModelError(f"{f.path}: RoPE scaling {kind!r} is not supported (supported: none, linear, "
+                                    "and llama3 as a rope_freqs tensor)")
+    blk0 = {n.removeprefix("blk.0.") for n in f.tensors if n.startswith("blk.0.")}
+    cfg.update(model_type=GGUF_ARCHES[arch], intermediate_size=int(f.require(a + "feed_forward_length")),
+               rope_parameters=rope, attention_bias="attn_q.bias" in blk0)
+    if arch == "llama":
+        cfg["mlp_bias"] = "ffn_gate.bias" in blk0
+    if arch == "qwen3moe":
+        # llama.cpp always renormalises qwen3moe's top-k router weights (build_moe_ffn with norm_w = true)
+        cfg.update(num_experts=int(f.require(a + "expert_count")),
+                   num_experts_per_tok=int(f.require(a + "expert_used_count")),
+                   moe_intermediate_size=int(f.require(a + "expert_feed_forward_length")), norm_topk_prob=True)
+
+
 def spec_from_gguf(f: GGUFFile) -> ModelSpec:
-    return ModelSpec.from_hf_config(hf_config_from_gguf(f))
+    """The spec of a GGUF file, with llama.cpp's ``rope_freqs`` tensor (the per-frequency divisors its converter
+    writes for llama3 RoPE scaling) as ``rope_freq_factors``."""
+    spec = ModelSpec.from_hf_config(hf_config_from_gguf(f))
+    info = f.tensors.get("rope_freqs.weight")
+    if info is None:
+        return spec
+    if spec.arch == "qwen3_5_moe" or spec.rope_linear is not None:
+        raise UnsupportedModelError(f"{f.path}: a rope_freqs tensor with {spec.arch} / linear RoPE scaling is not "
+                                    "supported")
+    if info.is_quantized or info.shape != (spec.rotary_dim // 2,):
+        raise CheckpointError(f"{f.path}: rope_freqs has shape {list(info.shape)} ({info.type_name}); expected "
+                              f"[{spec.rotary_dim // 2}] floats")
+    factors = tuple(float(x) for x in f.read("rope_freqs.weight").float().tolist())
+    if not all(x > 0 for x in factors):
+        raise CheckpointError(f"{f.path}: rope_freqs holds a factor <= 0")
+    return dataclasses.replace(spec, rope_freq_factors=factors)

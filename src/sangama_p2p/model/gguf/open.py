@@ -82,7 +82,7 @@ def _check_shapes(f: GGUFFile, spec: ModelSpec) -> None:
 
 def _mtp_layers(source: GGUFSource, spec: ModelSpec) -> int:
     """MTP layers actually present (GGUF files often declare nextn layers but drop their tensors)."""
-    if spec.arch == "llama" or not source.has("mtp.fc.weight"):
+    if spec.arch != "qwen3_5_moe" or not source.has("mtp.fc.weight"):
         return 0
     layers = {int(m.group(1)) for n in source.names() if (m := _MTP_LAYER.match(n))}
     return len(layers)

@@ -23,7 +23,7 @@ import torch
 from ...errors import CheckpointError, UnsupportedModelError
 from .quants import BLOCK_SIZES, QType, row_bytes, type_name
 
-__all__ = ["GGUFFile", "TensorInfo", "read_metadata", "split_paths"]
+__all__ = ["GGUFFile", "GGUFMetadata", "TensorInfo", "read_metadata", "split_paths"]
 
 _DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -169,11 +169,6 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
     return meta, infos, data_start, mm
 
 
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of one GGUF file, without indexing (or judging) its tensors."""
-    return _parse(Path(path))[0]
-
-
 class GGUFFile:
     """Metadata and tensor index of a (possibly split) GGUF checkpoint."""
 
@@ -273,3 +268,34 @@ class GGUFFile:
             os.close(fd)
         self._fds = []
         self._maps = []
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFMetadata:
+    """A GGUF file's key/value metadata alone (what a client needs for the tokenizer and the chat template).
+
+    It has the metadata accessors of :class:`GGUFFile` (``path``, ``get``, ``array_field``), so code that reads only
+    metadata takes either; the tensors are not indexed, so a file with tensor types this build cannot compute on
+    still gives its tokenizer and chat template.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def array_field(self, key: str) -> list[Any] | None:
+        """An array field, e.g. ``tokenizer.ggml.tokens`` (None when absent)."""
+        value = self.metadata.get(key)
+        if value is not None and not isinstance(value, list):
+            raise CheckpointError(f"{self.path}: metadata {key} is not an array")
+        return value
+
+
+def read_metadata(path: str | Path) -> GGUFMetadata:
+    """The metadata of a GGUF file (the first file of a split holds it); no tensor is indexed or read."""
+    p = Path(path)
+    meta, _infos, _start, mm = _parse(p)
+    del mm  # the map closes when collected: nothing else refers to it
+    return GGUFMetadata(p, meta)

@@ -18,7 +18,7 @@ from ..spec import ModelSpec
 from ..weights import SafetensorsSource, Weight
 from .quants import QuantTensor
 from .reader import GGUFFile
-from .transforms import Mapping, folds_norm, hf_name, inverse_col_perm, inverse_dense, inverse_row_perm
+from .transforms import GGUF_ARCH_OF, Mapping, folds_norm, hf_name, inverse_col_perm, inverse_dense, inverse_row_perm
 
 __all__ = ["GGUFSource"]
 
@@ -35,7 +35,7 @@ class GGUFSource:
         self.reads: list[str] = []
         self.gguf_reads: list[tuple[str, int | None]] = []
         self._index: dict[str, Mapping] = {}
-        arch = "llama" if spec.arch == "llama" else "qwen35moe"
+        arch = GGUF_ARCH_OF[spec.arch]
         for name in file.tensors:
             for hf, mapping in hf_name(arch, name, spec.num_layers, spec.num_experts):
                 self._index[hf] = mapping

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from ...errors import CheckpointError, UnsupportedModelError
 from .pretokenize import PRE_RULES, pre_tokenizer
-from .reader import GGUFFile
+from .reader import GGUFFile, GGUFMetadata
 
 __all__ = [
     "PRE_RULES", "VOCAB_KINDS", "gguf_tokenizer_fields", "spm_merges", "tokenizer_from_gguf", "tokenizer_from_metadata",
@@ -39,8 +39,8 @@ _EOG_NAMES = frozenset((
 _SPACE = "\u2581"
 
 
-def tokenizer_from_gguf(f: GGUFFile) -> Any:
-    """Build the tokenizer of an open GGUF file (None when it carries none)."""
+def tokenizer_from_gguf(f: GGUFFile | GGUFMetadata) -> Any:
+    """Build the tokenizer of an open GGUF file, or of its metadata alone (None when it carries none)."""
     return tokenizer_from_metadata(f.metadata, str(f.path))
 
 

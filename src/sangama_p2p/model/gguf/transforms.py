@@ -6,7 +6,11 @@
   ``attn_qkv`` after the Q and K rows, rows of ``attn_gate``/``ssm_alpha``/``ssm_beta``, ``ssm_a``/``ssm_dt``, the V
   channels of ``ssm_conv1d`` and the *columns* of ``ssm_out``); ``ssm_a = -exp(A_log)``; every zero-centred norm is
   stored as ``1 + w``; ``conv1d`` [C, 1, K] is squeezed to [C, K]; experts are stacked into ``ffn_*_exps`` [E, out, in].
-* llama: the rows of ``attn_q``/``attn_k`` are permuted from rotate-half to interleaved RoPE order.
+* llama (``LlamaModel``: also SmolLM and Mistral-style checkpoints): the rows of ``attn_q``/``attn_k`` are permuted
+  from rotate-half to interleaved RoPE order; llama3 RoPE scaling becomes a ``rope_freqs`` tensor (read by
+  :mod:`.config`).
+* qwen2, qwen3, qwen3moe (``Qwen2Model``, ``Qwen3Model``, ``Qwen3MoeModel``): names only, no value changes - no q/k
+  permutation (llama.cpp runs these with NEOX-style rotate-half RoPE), plain norms; experts stacked as above.
 
 The loader applies the inverse so that every tensor equals the Hugging Face one; the writer applies the forward
 direction. Both are expressed as permutation indices, which work equally on dense rows and on rows of raw blocks.
@@ -23,6 +27,7 @@ from ..spec import ModelSpec
 
 __all__ = [
     "GGUF_ARCHES",
+    "GGUF_ARCH_OF",
     "Mapping",
     "forward_dense",
     "gguf_name",
@@ -33,7 +38,10 @@ __all__ = [
 ]
 
 # GGUF general.architecture -> our spec arch
-GGUF_ARCHES = {"qwen35moe": "qwen3_5_moe", "llama": "llama"}
+GGUF_ARCHES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen35moe": "qwen3_5_moe",
+}
+GGUF_ARCH_OF = {v: k for k, v in GGUF_ARCHES.items()}  # our spec arch -> GGUF general.architecture
 
 # per-block tensors: GGUF stem -> HF suffix under model.layers.N.
 _BLOCK_QWEN = {
@@ -70,6 +78,9 @@ _BLOCK_LLAMA = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, qwen3moe
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # qwen3moe's router
 }
 _NEXTN = {
     "nextn.eh_proj": "mtp.fc",
@@ -109,7 +120,7 @@ def hf_name(arch: str, name: str, n_layers: int, n_experts: int) -> list[tuple[s
             return [(f"{_NEXTN[rest]}.{suffix}", Mapping(name))]
     else:
         prefix = f"model.layers.{block}."
-    if arch == "llama":
+    if arch != "qwen35moe":  # llama, qwen2, qwen3, qwen3moe share llama.cpp's dense-model names
         table, bare = _BLOCK_LLAMA, {}
     else:
         table, bare = _BLOCK_QWEN, _BARE_QWEN
@@ -143,8 +154,8 @@ def gguf_name(arch: str, hf: str, n_layers: int) -> str | None:
         return None
     block = int(m.group(1)) + (n_layers if hf.startswith("mtp.") else 0)
     rest = m.group(2)
-    table = _BLOCK_LLAMA if arch == "llama" else _BLOCK_QWEN
-    for g, h in ({} if arch == "llama" else _BARE_QWEN).items():
+    table = _BLOCK_QWEN if arch == "qwen35moe" else _BLOCK_LLAMA
+    for g, h in (_BARE_QWEN if arch == "qwen35moe" else {}).items():
         if rest == h:
             return f"blk.{block}.{'ssm_dt.bias' if g.startswith('ssm_dt') else g}"
     em = re.match(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", rest)
@@ -179,13 +190,15 @@ def _with_prefix(keep: int, perm: torch.Tensor) -> torch.Tensor:
 
 
 def _row_perm(spec: ModelSpec, hf: str, to_hf: bool) -> torch.Tensor | None:
-    if spec.arch == "llama":
-        if hf.endswith("self_attn.q_proj.weight"):
+    if spec.arch == "llama":  # LlamaModel.permute, on the weights and on biases (attention_bias) alike
+        if hf.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             return _rope_perm(spec.num_heads, spec.num_heads * spec.head_dim, to_hf)
-        if hf.endswith("self_attn.k_proj.weight"):
+        if hf.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             return _rope_perm(spec.num_kv_heads, spec.num_kv_heads * spec.head_dim, to_hf)
         return None
-    if ".linear_attn." not in hf or spec.linear_num_key_heads == spec.linear_num_value_heads:
+    if spec.arch != "qwen3_5_moe" or ".linear_attn." not in hf:
+        return None
+    if spec.linear_num_key_heads == spec.linear_num_value_heads:
         return None
     nk, nv, hv = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_value_head_dim
     tail = hf.rsplit("linear_attn.", 1)[1]
@@ -204,8 +217,8 @@ def inverse_row_perm(spec: ModelSpec, hf: str) -> torch.Tensor | None:
 
 
 def inverse_col_perm(spec: ModelSpec, hf: str) -> torch.Tensor | None:
-    """Columns to gather after dequantizing (only qwen's ``linear_attn.out_proj``)."""
-    if spec.arch != "llama" and hf.endswith("linear_attn.out_proj.weight"):
+    """Columns to gather after dequantizing (only qwen3.5's ``linear_attn.out_proj``)."""
+    if spec.arch == "qwen3_5_moe" and hf.endswith("linear_attn.out_proj.weight"):
         if spec.linear_num_key_heads != spec.linear_num_value_heads:
             nk, nv, hv = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_value_head_dim
             return _vhead_perm(nk, nv, hv, to_hf=True)
@@ -213,7 +226,7 @@ def inverse_col_perm(spec: ModelSpec, hf: str) -> torch.Tensor | None:
 
 
 def _col_perm_fwd(spec: ModelSpec, hf: str) -> torch.Tensor | None:
-    if spec.arch != "llama" and hf.endswith("linear_attn.out_proj.weight"):
+    if spec.arch == "qwen3_5_moe" and hf.endswith("linear_attn.out_proj.weight"):
         if spec.linear_num_key_heads != spec.linear_num_value_heads:
             nk, nv, hv = spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_value_head_dim
             return _vhead_perm(nk, nv, hv, to_hf=False)

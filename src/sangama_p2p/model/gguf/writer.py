@@ -10,6 +10,7 @@ and small models the project makes, not for converting 400B checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +24,7 @@ from ..weights import SafetensorsSource
 from .quantizer import quantize
 from .quants import BLOCK_SIZES, QType
 from .tokenizer import gguf_tokenizer_fields
-from .transforms import forward_dense, gguf_name
+from .transforms import GGUF_ARCH_OF, forward_dense, gguf_name
 
 __all__ = ["WRITE_TYPES", "write_gguf"]
 
@@ -50,9 +51,29 @@ def _tensor_type(gname: str, shape: tuple[int, ...], want: int) -> int:
     return QType.F16
 
 
+def _rope_freqs(spec: ModelSpec) -> torch.Tensor:
+    """What ``LlamaModel.generate_extra_tensors`` writes for llama3 RoPE scaling: per-frequency divisors."""
+    factor, low, high, old = spec.rope_llama3  # type: ignore[misc]
+    dim = spec.head_dim
+    freqs = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
 def _hf_tensors(spec: ModelSpec, source: SafetensorsSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, converter-transformed float32 tensor) in file order; experts stacked into ``ffn_*_exps``."""
-    arch = "llama" if spec.arch == "llama" else "qwen35moe"
+    arch = GGUF_ARCH_OF[spec.arch]
+    if spec.rope_llama3 is not None:
+        yield "rope_freqs.weight", _rope_freqs(spec)
     names = list(source.names())
     expert_groups = sorted({m.group("pre") for n in names if (m := _EXPERT.match(n))})
     plain = [n for n in names if not _EXPERT.match(n)]
@@ -72,24 +93,28 @@ def _hf_tensors(spec: ModelSpec, source: SafetensorsSource) -> Iterator[tuple[st
 
 
 def _metadata(w: Any, spec: ModelSpec, config: dict[str, Any], name: str, qname: str) -> None:
-    arch = "llama" if spec.arch == "llama" else "qwen35moe"
+    arch = GGUF_ARCH_OF[spec.arch]
+    dense = arch != "qwen35moe"
     a = arch + "."
     w.add_string("general.type", "model")
     w.add_string("general.name", name)
     w.add_uint32(a + "block_count", spec.num_layers + spec.mtp_num_layers)
     w.add_uint32(a + "context_length", spec.max_position_embeddings)
     w.add_uint32(a + "embedding_length", spec.hidden_size)
-    if arch == "llama":
+    if dense:
         w.add_uint32(a + "feed_forward_length", spec.intermediate_size)
     w.add_uint32(a + "attention.head_count", spec.num_heads)
     w.add_uint32(a + "attention.head_count_kv", spec.num_kv_heads)
+    if spec.rope_linear is not None:
+        w.add_string(a + "rope.scaling.type", "linear")
+        w.add_float32(a + "rope.scaling.factor", spec.rope_linear)
     rope = dict(config.get("rope_parameters") or {})
-    if arch != "llama" and rope.get("mrope_section"):
+    if not dense and rope.get("mrope_section"):
         sections = [int(s) for s in rope["mrope_section"]]
         w.add_array(a + "rope.dimension_sections", (sections + [0, 0, 0, 0])[:4])
     w.add_float32(a + "rope.freq_base", spec.rope_theta)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", spec.rms_norm_eps)
-    if arch != "llama":
+    if spec.is_moe:
         w.add_uint32(a + "expert_count", spec.num_experts)
         w.add_uint32(a + "expert_used_count", spec.num_experts_per_tok)
     w.add_uint32(a + "attention.key_length", spec.head_dim)
@@ -97,7 +122,10 @@ def _metadata(w: Any, spec: ModelSpec, config: dict[str, Any], name: str, qname:
     w.add_uint32("general.file_type", _FILE_TYPES[qname])
     if arch == "llama":
         w.add_uint32(a + "vocab_size", spec.vocab_size)
-    else:
+        w.add_uint32(a + "rope.dimension_count", spec.rotary_dim)
+    elif arch == "qwen3moe":
+        w.add_uint32(a + "expert_feed_forward_length", spec.moe_intermediate_size)
+    elif arch == "qwen35moe":
         w.add_uint32(a + "expert_feed_forward_length", spec.moe_intermediate_size)
         w.add_uint32(a + "expert_shared_feed_forward_length", spec.shared_expert_intermediate_size)
         w.add_uint32(a + "nextn_predict_layers", spec.mtp_num_layers)
@@ -110,7 +138,7 @@ def _metadata(w: Any, spec: ModelSpec, config: dict[str, Any], name: str, qname:
         w.add_array(a + "attention.recurrent_layers", recurrent)
         full = [i for i, t in enumerate(spec.layer_types) if t == FULL]
         w.add_uint32(a + "full_attention_interval", full[0] + 1 if full else 1)
-    w.add_uint32(a + "rope.dimension_count", spec.rotary_dim)
+        w.add_uint32(a + "rope.dimension_count", spec.rotary_dim)
     w.add_uint32("general.quantization_version", 2)
 
 
@@ -169,7 +197,7 @@ def write_gguf(
     has_mtp = source.has("mtp.fc.weight")
     if not has_mtp:
         spec = ModelSpec.from_hf_config({**config, "mtp_num_hidden_layers": 0})
-    arch = "llama" if spec.arch == "llama" else "qwen35moe"
+    arch = GGUF_ARCH_OF[spec.arch]
     want = WRITE_TYPES[qtype]
     writer = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
     try:

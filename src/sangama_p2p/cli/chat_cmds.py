@@ -1,0 +1,239 @@
+"""``sangama-peer chat``: a conversation with a model served by the swarm, in the checkpoint's own chat template.
+
+Each line read from stdin is a user message; the conversation so far (``--system`` first) is rendered with the
+model's template (:mod:`sangama_p2p.model.chat`), sent through the swarm, and the answer streams back until one of
+the template's stop tokens. ``/reset`` starts over. When the conversation outgrows ``--context`` tokens, the oldest
+turns are dropped (said once). An error from the swarm is printed and the prompt comes back: the conversation goes
+on. The tokenizer and the template come from ``--model`` (a checkpoint directory or ``.gguf`` file) or
+``--tokenizer``; they are read before the peer joins the swarm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .argtypes import guesses, non_negative_int, positive_int
+from .peer_cmds import add_host_args
+
+DEFAULT_CONTEXT = 8192  # a stage's default max_session_length (StageConfig), when the checkpoint does not say
+RESET = "/reset"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat with a model served by the swarm",
+                       description="Read user messages from stdin (one per line; /reset starts over) and stream "
+                       "each answer as the swarm generates it, in the checkpoint's own chat template.")
+    p.add_argument("--model", required=True, metavar="ID|DIR|FILE.gguf",
+                   help="model id, or a checkpoint directory or .gguf file (its name is the id; its tokenizer and "
+                   "chat template format the conversation)")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR|FILE.gguf",
+                   help="checkpoint directory or .gguf file with the tokenizer and chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system message that opens the conversation")
+    p.add_argument("--context", type=positive_int, default=None, metavar="N",
+                   help="tokens a turn may use, prompt + answer (default: the model's context length, at most "
+                   f"{DEFAULT_CONTEXT}); older turns are dropped to fit")
+    add_host_args(p, listen=False)
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
+    p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
+                   help="MTP guesses per trip (default: auto when the checkpoint has an MTP layer, else 0)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first answer (the next ones: +1 each)")
+    p.add_argument("--json", action="store_true", help="one JSON object per answer instead of streamed text")
+    p.add_argument("--timings", action="store_true", help="print where the time goes after each answer (stderr)")
+    p.set_defaults(handler=_chat)
+
+
+@dataclass
+class Conversation:
+    """The messages so far, and the rendering of the next prompt within a token budget (no I/O)."""
+
+    template: Any  # model.chat.ChatTemplate
+    tokenizer: Any  # model.tokenizer.Tokenizer
+    system: str | None
+    budget: int  # ids the prompt may have: the context minus the answer's reserve
+    messages: list[dict[str, str]] = field(default_factory=list)
+    trimmed: int = 0  # messages dropped so far, to say it once
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+
+    def ask(self, text: str) -> tuple[Any, int]:
+        """The prompt for a new user message (added to the history); ``(ChatPrompt, messages dropped to fit)``.
+
+        On an error (the template fails, or the message alone does not fit) the history is as before.
+        """
+        from ..model.chat import trim_to_fit
+
+        self.messages.append({"role": "user", "content": text})
+        try:
+            prompt, dropped = trim_to_fit(self.template, self.tokenizer, self.messages, self.budget)
+        except BaseException:
+            self.messages.pop()
+            raise
+        if dropped:
+            head = 1 if self.messages[0]["role"] == "system" else 0
+            del self.messages[head:head + dropped]
+            self.trimmed += dropped
+        return prompt, dropped
+
+    def answered(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+    def failed(self) -> None:
+        """The last question got no answer: take it back, so that the next one does not follow it."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+
+
+def open_chat_model(path: Path) -> tuple[Any, Any, int | None]:
+    """(tokenizer, chat template, context length or None) of a checkpoint directory or ``.gguf`` file."""
+    from ..errors import CheckpointError, SangamaError
+    from ..model.chat import ChatTemplate, load_chat_template
+    from ..model.tokenizer import Tokenizer
+
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from ..model.gguf.reader import read_metadata
+        from ..model.gguf.tokenizer import tokenizer_from_gguf
+
+        meta = read_metadata(path)
+        tok = tokenizer_from_gguf(meta)
+        if tok is None:
+            raise CheckpointError(f"{path} carries no tokenizer (tokenizer.ggml.model): pass --tokenizer DIR")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        context = meta.get(f"{meta.get('general.architecture')}.context_length")
+        template = ChatTemplate.from_gguf_metadata(meta.metadata, path.name)
+        return Tokenizer(tok, [int(eos)] if eos is not None else []), template, int(context) if context else None
+    tokenizer = Tokenizer.from_dir(path)
+    try:
+        from ..model.spec import ModelSpec
+
+        context = ModelSpec.from_dir(path).max_position_embeddings
+    except SangamaError:  # a directory with only the tokenizer
+        context = None
+    return tokenizer, load_chat_template(path), context
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import trio
+
+    from ..client.config import ClientConfig
+    from ..errors import SangamaError
+    from ..guesses import MAX_GUESSES
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer, default_model_id
+    from .peer_cmds import _quiet, client_peer_config, default_guesses
+
+    _quiet()
+    config, model_id = client_peer_config(args, args.model)
+    given = Path(args.model).expanduser()
+    if given.suffix == ".gguf" and given.is_file():  # a GGUF file names the model as its stem
+        model_id = default_model_id(given)
+        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
+    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
+    if source is None:
+        raise SangamaError(f"chat needs the model's tokenizer, and {args.model!r} is a model id, not a checkpoint: "
+                           "pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
+    config = dataclasses.replace(config, tokenizer_path=None)  # the tokenizer is ours: read below, once
+    tokenizer, template, model_context = open_chat_model(source)
+    context = args.context or min(model_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+    reserve = args.max_new_tokens + MAX_GUESSES + 1  # what the stages hold beyond the prompt (see ChainClient)
+    if context <= reserve:
+        raise SangamaError(f"--context {context} leaves no room for a prompt: the answer alone needs {reserve} "
+                           f"positions (--max-new-tokens {args.max_new_tokens} + {MAX_GUESSES} guesses + 1)")
+    if template.warning is not None:
+        print(f"note: {template.warning}", file=sys.stderr)
+    k = args.guesses if args.guesses is not None else (default_guesses(source) if source.is_dir() else "auto")
+    talk = Conversation(template, tokenizer, args.system, context - reserve)
+
+    async def main() -> None:
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            interactive = sys.stdin.isatty()
+            turn = 0
+            while True:
+                if interactive:
+                    print("> ", end="", flush=True)
+                # abandoned on Ctrl-C: a read blocked on the terminal must not hold the interrupt until Enter
+                line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+                if not line:
+                    return
+                text = line.rstrip("\n")
+                if not text.strip():
+                    continue
+                if text.strip() == RESET:
+                    talk.reset()
+                    print("(conversation reset)", file=sys.stderr, flush=True)
+                    continue
+                try:
+                    await _turn(peer, model_id, talk, text, args, k, turn)
+                except BaseException as exc:
+                    errors = _sangama_errors(exc)
+                    if errors is None:
+                        raise
+                    talk.failed()
+                    for err in errors:
+                        if args.json:
+                            print(json.dumps({"error": str(err)}), flush=True)
+                        print(f"error: {err}", file=sys.stderr, flush=True)
+                turn += 1
+
+    trio.run(main)
+    return 0
+
+
+async def _turn(peer: Any, model_id: str, talk: Conversation, text: str, args: argparse.Namespace, k: int | str,
+                turn: int) -> None:
+    """One question and its streamed answer."""
+    from ..model.tokenizer import IncrementalDecoder
+
+    before = talk.trimmed
+    prompt, dropped = talk.ask(text)
+    if dropped and not before:
+        print(f"(the conversation outgrew {talk.budget} prompt tokens: the oldest turns are dropped from here on)",
+              file=sys.stderr, flush=True)
+    stops = frozenset(prompt.stop_ids)
+    decoder = IncrementalDecoder(talk.tokenizer)
+
+    def show(new: list[int]) -> None:
+        piece = decoder.push([t for t in new if t not in stops])
+        if not args.json:
+            print(piece, end="", flush=True)
+
+    client = await peer.client(model_id)
+    result = await client.generate(list(prompt.ids), args.max_new_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, seed=args.seed + turn, guesses=k, stop_tokens=prompt.stop_ids,
+                                   on_tokens=show)
+    answer = result.tokens[:-1] if result.tokens and result.tokens[-1] in stops else result.tokens
+    reply = talk.tokenizer.decode(answer)
+    talk.answered(reply)
+    if args.json:
+        print(json.dumps(dict(result.as_dict(), text=reply, dropped=dropped)), flush=True)
+    else:
+        print(decoder.flush(), flush=True)
+    if args.timings:
+        from .tables import print_where_time_goes
+
+        print_where_time_goes(result.trips)
+
+
+def _sangama_errors(exc: BaseException) -> list[BaseException] | None:
+    """The typed errors that ``exc`` is (trio may wrap them in groups), or None when it holds anything else."""
+    from ..errors import SangamaError, group_leaves
+
+    if isinstance(exc, SangamaError):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        errors, rest = exc.split(SangamaError)
+        if errors is not None and rest is None:
+            return group_leaves(errors)
+    return None
