@@ -306,6 +306,17 @@ def llama_tokenize(exe: Path, model: Path, text: str, work: Path) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def dump(obj, indent: str = "") -> str:
+    """JSON with one line per innermost list (a text's ids or pieces), so that diffs stay readable."""
+    inner = indent + " "
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(k)}: {dump(v, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}" if items else "{}"
+    if isinstance(obj, list) and any(isinstance(v, (list, dict)) for v in obj):
+        return "[\n" + ",\n".join(inner + dump(v, inner) for v in obj) + "\n" + indent + "]"
+    return json.dumps(obj, ensure_ascii=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True)
@@ -361,7 +372,7 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(args.llama_cpp), "rev-parse", "HEAD"], capture_output=True, text=True)
     out = {"llama_cpp_commit": commit.stdout.strip() or "unknown", "texts": STRESS, "names": names, "splits": splits,
            "pre_ids": pre_ids, "bpe_variant_ids": bpe_variant_ids, "spm_ids": spm_ids, "real_spm_ids": real_spm_ids, "file_ids": file_ids}
-    (HERE / "tokenize_stress.json").write_text(json.dumps(out, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    (HERE / "tokenize_stress.json").write_text(dump(out) + "\n", encoding="utf-8")
     print(f"{len(STRESS)} texts, {len(splits)} pre types, {len(names)} names, {len(pre_ids)} GGUF copies, "
           f"{len(spm_ids)} SPM variants, files: {', '.join(file_ids)}")
 
