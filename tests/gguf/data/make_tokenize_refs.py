@@ -21,6 +21,8 @@ gguf-py. llama.cpp is the oracle only; nothing of it is stored here except its o
   in ``spm_real_vocab.json.gz``.
 - ``file_ids``: the same for real files (SmolLM2's ``smollm``, the shared Llama and Qwen fixtures) when present.
 Run it again after changing the texts or updating llama.cpp; the tests compare our tokenizer with these.
+``--fuzz N`` writes nothing: it compares our tokenizer with ``llama-tokenize`` on N random texts per vocabulary
+(the GGUF copies above, the SentencePiece ones, the real files) and prints every difference.
 """
 
 from __future__ import annotations
@@ -317,11 +319,37 @@ def dump(obj, indent: str = "") -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+FUZZ_ALPHABET = [*" \t\n\r  ab'sSLlXyZ09123456789.,;:!?-_()[]{}<>$%^|~`@#\"/\\", *"éüßÀΩжλ日本語中文한국ひカ٣½²🤖👩",
+                 "\u200d", "\u0301", "\u00a0", "\u3000", "\u2003", "\u200b", "'s", "'LL", "<|im_start|>", "<|im_end|>",
+                 "<s>", "</s>", "  ", "\n\n", "1234"]
+
+
+def fuzz(n: int, work: Path, tokenize: Path, cases: dict[str, tuple[Path, dict | None]]) -> int:
+    """Differences between our tokenizer and llama-tokenize on ``n`` random texts per case (seed 0)."""
+    import random
+
+    from sangama_p2p.model.gguf.reader import read_metadata
+    from sangama_p2p.model.gguf.tokenizer import tokenizer_from_gguf, tokenizer_from_metadata
+
+    rng, bad = random.Random(0), 0
+    for name, (path, fields) in cases.items():
+        tok = tokenizer_from_gguf(read_metadata(path)) if fields is None else tokenizer_from_metadata(fields)
+        for _ in range(n):
+            text = "".join(rng.choice(FUZZ_ALPHABET) for _ in range(rng.randint(1, 40)))
+            ours, theirs = tok.encode(text).ids, llama_tokenize(tokenize, path, text, work)
+            if ours != theirs:
+                bad += 1
+                print(f"DIFF {name} {text!r}: ours {ours} llama.cpp {theirs}")
+    print(f"fuzz: {bad} differences in {n * len(cases)} texts over {len(cases)} vocabularies")
+    return bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/sangama-tok"))
     ap.add_argument("--smollm2", type=Path, default=Path.home() / ".cache/sangama-test/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--fuzz", type=int, default=0, metavar="N", help="only compare on N random texts per vocabulary")
     ap.add_argument("--retrain", action="store_true", help="train new small vocabularies (tokenize_vocabs.json)")
     ap.add_argument("--spm-model", type=Path, default=None, help="a real SentencePiece tokenizer.model")
     ap.add_argument("--fixtures", type=Path, default=Path("/work/shared/fixtures/gguf"))
@@ -332,6 +360,20 @@ def main() -> None:
     (args.work / "split_oracle.cpp").write_text(ORACLE_CPP)
     subprocess.run(["g++", "-O1", "-o", str(exe), str(args.work / "split_oracle.cpp"), f"-L{bin_dir}", "-lllama",
                     f"-Wl,-rpath,{bin_dir}"], check=True)
+    if args.fuzz:
+        vocabs = json.loads((HERE / "tokenize_vocabs.json").read_text(encoding="utf-8"))
+        cases: dict[str, tuple[Path, dict | None]] = {}
+        for pre in PRE_NAMES:
+            cases[pre] = (args.work / f"bpe-{pre}.gguf", bpe_fields(vocabs, pre))
+            write_gguf(cases[pre][0], cases[pre][1])
+        for variant in SPM_VARIANTS:
+            cases[f"spm-{variant}"] = (args.work / f"spm-{variant}.gguf", spm_fields(vocabs, variant))
+            write_gguf(*cases[f"spm-{variant}"])
+        for p in (args.smollm2, args.fixtures / "llama-h32/tiny-llama-F16.gguf",
+                  args.fixtures / "qwen35moe-h16/tiny-qwen35moe-F32.gguf"):
+            if p.is_file():
+                cases[p.name] = (p, None)
+        sys.exit(1 if fuzz(args.fuzz, args.work, bin_dir / "llama-tokenize", cases) else 0)
     types, names = llama_cpp_rules((args.llama_cpp / "src" / "llama-vocab.cpp").read_text())
     names = {n: v for n, v in names.items() if v["type"] in types}
     used = {v["type"] for n, v in names.items() if n not in NOT_SUPPORTED}
