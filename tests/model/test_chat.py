@@ -91,25 +91,14 @@ def oracle(hf_tok, messages, **kw) -> tuple[str, list[int]]:
 # ---- the real SmolLM2 GGUF -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf: Path):
-    """(our template, our tokenizer, transformers' tokenizer) for SmolLM2-135M-Instruct, all from the GGUF.
-
-    Our GGUF tokenizer reads ``tokenizer.ggml.pre``; until ``smollm`` is among its rules the test lends it the
-    ``gpt-2`` rule (the regex transformers' own GGUF loader uses for this file), here only.
-    """
+    """(our template, our tokenizer, transformers' tokenizer) for SmolLM2-135M-Instruct, all from the GGUF."""
     from transformers import AutoTokenizer
 
     from sangama_p2p.model.gguf import tokenizer as gguf_tok
     from sangama_p2p.model.gguf.reader import read_metadata
 
     meta = read_metadata(smollm2_gguf)
-    lent = "smollm" not in gguf_tok.PRE_TOKENIZERS
-    if lent:
-        gguf_tok.PRE_TOKENIZERS["smollm"] = gguf_tok.PRE_TOKENIZERS["gpt-2"]
-    try:
-        ours = Tokenizer(gguf_tok.tokenizer_from_gguf(meta), [meta.get("tokenizer.ggml.eos_token_id")])
-    finally:
-        if lent:
-            del gguf_tok.PRE_TOKENIZERS["smollm"]
+    ours = Tokenizer(gguf_tok.tokenizer_from_gguf(meta), [meta.get("tokenizer.ggml.eos_token_id")])
     theirs = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
     return load_chat_template(smollm2_gguf), ours, theirs
 

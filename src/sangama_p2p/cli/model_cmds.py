@@ -111,7 +111,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    ckpt = open_checkpoint(args.local, mtp_from=args.mtp_from)
+    ckpt = open_checkpoint(args.local, mtp_from=args.mtp_from, need_tokenizer=args.prompt_ids is None)
     spec = ckpt.spec
     ranges = parse_stages(args.stages, spec.num_layers) if args.stages else [LayerRange(0, spec.num_layers)]
     for r in ranges:

@@ -24,10 +24,12 @@ class Checkpoint:
         self.source.close()
 
 
-def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None, tokenizer: bool = True) -> Checkpoint:
+def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None, tokenizer: bool = True,
+                    need_tokenizer: bool = True) -> Checkpoint:
     """Open ``path`` (a directory with config.json + safetensors, or a ``.gguf`` file); reads no tensor yet.
 
     ``tokenizer=False`` opens the weights without building a tokenizer (``Checkpoint.tokenizer`` is then None).
+    ``need_tokenizer=False``: a GGUF tokenizer we cannot rebuild leaves ``tokenizer`` None instead of failing.
     """
     p = Path(path)
     if not p.exists():
@@ -36,7 +38,7 @@ def open_checkpoint(path: str | Path, *, mtp_from: str | Path | None = None, tok
         from .gguf import open_gguf  # GGUF support lives in its own subpackage
         from .tokenizer import Tokenizer
 
-        spec, source, tok = open_gguf(p, mtp_from=mtp_from, tokenizer=tokenizer)
+        spec, source, tok = open_gguf(p, mtp_from=mtp_from, tokenizer=tokenizer, need_tokenizer=need_tokenizer)
         return Checkpoint(p, spec, source, Tokenizer(tok, spec.eos_token_ids) if tok is not None else None)
     if not p.is_dir():
         raise CheckpointError(f"{p} is neither a checkpoint directory nor a .gguf file")

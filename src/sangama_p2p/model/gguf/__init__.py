@@ -20,17 +20,19 @@ __all__ = ["open_gguf", "requantize_gguf", "write_gguf"]
 
 
 def open_gguf(
-    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True
+    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True, need_tokenizer: bool = True
 ) -> "tuple[ModelSpec, GGUFSource, Any]":
     """Open a GGUF file (or the first of ``-0000K-of-0000N.gguf`` splits): ``(spec, source, tokenizer)``.
 
     ``mtp_from`` names a safetensors checkpoint directory whose ``mtp.*`` tensors replace (or supply, since GGUF files
     usually lack them) the multi-token-prediction head. ``tokenizer=False`` skips building the tokenizer (the third
-    item is then None): for callers that only need the weights, or files whose tokenizer we cannot build.
+    item is then None): for callers that only need the weights. With ``need_tokenizer=False`` (prompts given as token
+    ids) an unsupported tokenizer is logged and the third item is None instead of raising
+    :class:`UnsupportedModelError`.
     """
     from .open import open_gguf as _open
 
-    return _open(path, mtp_from, tokenizer=tokenizer)
+    return _open(path, mtp_from, tokenizer=tokenizer, need_tokenizer=need_tokenizer)
 
 
 def write_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F16", **kwargs: Any) -> list[Path]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, UnsupportedModelError
 from ..spec import ModelSpec
 from .config import spec_from_gguf
 from .reader import GGUFFile
@@ -17,10 +18,11 @@ from .tokenizer import tokenizer_from_gguf
 __all__ = ["open_gguf"]
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_log = logging.getLogger(__name__)
 
 
 def open_gguf(
-    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True
+    path: str | Path, mtp_from: str | Path | None = None, *, tokenizer: bool = True, need_tokenizer: bool = True
 ) -> tuple[ModelSpec, GGUFSource, Any]:
     """(spec, source, tokenizer or None); see :func:`sangama_p2p.model.gguf.open_gguf`."""
     f = GGUFFile(path)
@@ -32,7 +34,7 @@ def open_gguf(
         source = GGUFSource(f, spec, mtp_from)
         spec = dataclasses.replace(spec, mtp_num_layers=_mtp_layers(source, spec))
         source.spec = spec
-        tok = tokenizer_from_gguf(f) if tokenizer else None
+        tok = _tokenizer(f, need_tokenizer) if tokenizer else None
     except BaseException:
         f.close()
         raise
@@ -40,6 +42,17 @@ def open_gguf(
         f.close()
         raise CheckpointError(f"{path}: tokenizer has {tok.get_vocab_size()} tokens, model {spec.vocab_size}")
     return spec, source, tok
+
+
+def _tokenizer(f: GGUFFile, needed: bool) -> Any:
+    """The file's tokenizer; an unsupported one is an error only when it is ``needed`` (text, not token ids)."""
+    try:
+        return tokenizer_from_gguf(f)
+    except UnsupportedModelError as exc:
+        if needed:
+            raise
+        _log.warning("%s: opened without its tokenizer: %s", f.path, exc)
+        return None
 
 
 def _check_mtp_from(path: Path, spec: ModelSpec) -> None:
