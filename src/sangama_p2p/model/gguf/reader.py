@@ -317,6 +317,6 @@ class GGUFMetadata:
 def read_metadata(path: str | Path) -> GGUFMetadata:
     """The metadata of a GGUF file (the first file of a split holds it); no tensor is indexed or read."""
     p = Path(path)
-    meta, _infos, _start, mm = _parse(p)
+    meta, _infos, _start, mm, _spans = _parse(p)
     del mm  # the map closes when collected: nothing else refers to it
     return GGUFMetadata(p, meta)
