@@ -124,6 +124,7 @@ class Int4Weight(FusedWeight):
     k: int
     planes: int
     qtype: int
+    in_perm: torch.Tensor | None = None  # the file's columns are x[:, in_perm] (llama.cpp reordered them: ssm_out)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -143,8 +144,10 @@ class Int4Weight(FusedWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.k).to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)  # [M, planes*N]
+        x2 = x.reshape(-1, self.k).to(torch.bfloat16)
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, planes*N]
         big = self.padded
         if self.planes == 2:
             y = y[:, :big].float() + y[:, big:]
@@ -173,7 +176,7 @@ class Int4Weight(FusedWeight):
             return None
         ps: list[Int4Weight] = parts  # type: ignore[assignment]
         first = ps[0]
-        if any(p.k != first.k or p.planes != first.planes for p in ps):
+        if any(p.k != first.k or p.planes != first.planes or p.in_perm is not None for p in ps):
             return None
         if any(p.padded != p.n or p.n % _ROW_TILE for p in ps[:-1]):
             return None
@@ -185,8 +188,8 @@ class Int4Weight(FusedWeight):
 
 
 def pack_int4(qt: QuantTensor) -> Int4Weight:
-    """Repack a quantized tensor (one of :data:`INT4_TYPES`, no column permutation, on the CPU) for the int4 kernel,
-    a chunk of rows at a time."""
+    """Repack a quantized tensor (one of :data:`INT4_TYPES`, on the CPU) for the int4 kernel, a chunk of rows at a
+    time. Blocks whose columns llama.cpp reordered are packed as stored; the activations are reordered instead."""
     n, k = qt.shape
     planes = _PLANES[qt.qtype]
     tile = 16 if planes == 1 else _ROW_TILE  # the second plane must start on a whole tile of the packed layout
@@ -208,7 +211,8 @@ def pack_int4(qt: QuantTensor) -> Int4Weight:
         szs.append(torch.stack((scale, zero), dim=-1).to(torch.bfloat16))  # [planes, rows, k/32, 2]
     packed = torch.cat(packs, dim=1).reshape(planes * big, k // 2)
     sz = torch.cat(szs, dim=1).permute(2, 0, 1, 3).reshape(k // GROUP, planes * big, 2).contiguous()
-    return Int4Weight(packed, sz, n, k, planes, qt.qtype)
+    in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
+    return Int4Weight(packed, sz, n, k, planes, qt.qtype, in_perm)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -255,12 +259,12 @@ def repack(w: Weight, dtype: torch.dtype) -> Weight:
     """The fused form of a weight a stage computing in ``dtype`` will multiply by (see the module docstring);
     anything it does not apply to comes back unchanged."""
     if isinstance(w, QuantTensor):
-        if w.data.device.type != "cpu" or w.col_perm is not None:
-            return w  # column-permuted blocks (ssm_out) and other devices stay on the dequantize-per-use path
+        if w.data.device.type != "cpu":
+            return w  # other devices stay on the dequantize-per-use path
         if w.qtype in INT4_TYPES:
             return pack_int4(w)
         if w.qtype in _BF16_TYPES:
-            return FloatLinear(_dequantize_chunked(w, torch.bfloat16))
+            return FloatLinear(_dequantize_chunked(w, torch.bfloat16))  # (columns put in order by dequantize)
         return w
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype != dtype \
             and w.dtype in (torch.float16, torch.bfloat16):
@@ -282,5 +286,6 @@ def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = qt.shape
     out = torch.empty(n, k, dtype=dtype)
     for r0 in range(0, n, _CHUNK_ROWS):
-        out[r0 : r0 + _CHUNK_ROWS] = dequantize_rows(qt.qtype, qt.data[r0 : r0 + _CHUNK_ROWS], k)
+        part = dequantize_rows(qt.qtype, qt.data[r0 : r0 + _CHUNK_ROWS], k)
+        out[r0 : r0 + _CHUNK_ROWS] = part if qt.col_perm is None else part.index_select(1, qt.col_perm)
     return out
