@@ -90,7 +90,7 @@ class StageServer:
         from ..model.stage import StageModel
 
         model = StageModel.load(checkpoint.spec, checkpoint.source, config.start, config.end, dtype=config.dtype,
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant, fused=config.fused)
         return cls(node, model, config)
 
     # ---- lifetime ------------------------------------------------------------------------------------------
