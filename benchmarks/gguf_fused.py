@@ -48,11 +48,15 @@ def _data_rss_kb() -> int:
 def child(path: str, fused: bool, steps: int) -> dict:
     import torch
 
-    from sangama_p2p.model.gguf import open_gguf
+    from sangama_p2p.model.gguf.config import spec_from_gguf
+    from sangama_p2p.model.gguf.reader import GGUFFile
+    from sangama_p2p.model.gguf.source import GGUFSource
     from sangama_p2p.model.stage import StageModel, StepInput
 
     torch.set_num_threads(1)
-    spec, src, _ = open_gguf(path)
+    f = GGUFFile(path)  # no tokenizer needed (and files whose pre-tokenizer we do not read yet still open)
+    spec = spec_from_gguf(f)
+    src = GGUFSource(f, spec)
     before, data_before = _rss_kb(), _data_rss_kb()
     t0 = time.perf_counter()
     stage = StageModel.load(spec, src, 0, spec.num_layers, fused=fused)
@@ -77,6 +81,60 @@ def child(path: str, fused: bool, steps: int) -> dict:
             "data_rss_mb": (data_after - data_before) / 1024, "rss_after_steps_mb": (_rss_kb() - before) / 1024, "file_mb": file_bytes / 2**20}
 
 
+def _best_ms(fn, repeats: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best * 1e3
+
+
+def bench_kernels(shapes: list[tuple[int, int]]) -> list[dict]:
+    """One-row products (decode) of each layout a weight type could take: ms per product and bytes held per weight.
+    Blocks are our quantizer's (Q4_K, Q6_K) or gguf-py's (Q8_0, Q5_0, Q4_0) of Gaussian weights."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from sangama_p2p.model.gguf.packed import repack
+    from sangama_p2p.model.gguf.quantizer import quantize
+    from sangama_p2p.model.gguf.quants import QType, QuantTensor, type_name
+
+    torch.set_num_threads(1)
+    rows = []
+    rng = np.random.default_rng(0)
+    for n, k in shapes:
+        w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+        x = torch.randn(1, k)
+        dense = torch.from_numpy(w)
+        layouts = {
+            "fp32 copy": (lambda: F.linear(x, dense), 4.0),
+            "bf16 copy": ((lambda wb=dense.bfloat16(): F.linear(x.bfloat16(), wb).float()), 2.0),
+            "fp16 (x in fp16)": ((lambda wh=dense.half(): F.linear(x.half(), wh).float()), 2.0),
+            "fp16 upcast per use": ((lambda wh=dense.half(): F.linear(x, wh.float())), 2.0),
+            "int8 per-row scale": ((lambda w8=torch.randint(-127, 127, (n, k), dtype=torch.int8),
+                                    sc=torch.rand(n).bfloat16(): torch.ops.aten._weight_int8pack_mm(
+                                        x.bfloat16(), w8, sc).float()), 1.0 + 2 / k),
+        }
+        for name, (fn, per) in layouts.items():
+            rows.append({"shape": f"{n}x{k}", "type": "-", "layout": name, "ms": _best_ms(fn), "bytes_per_weight": per})
+        for qtype in (QType.Q4_0, QType.Q4_K, QType.Q5_0, QType.Q8_0, QType.Q6_K):
+            if k % (256 if qtype in (QType.Q4_K, QType.Q6_K) else 32):
+                continue
+            qt = QuantTensor(qtype, torch.from_numpy(quantize(w, qtype)), k)
+            fused = repack(qt, torch.float32)
+            per_use = _best_ms(lambda: F.linear(x, qt.dequantize(torch.float32)), repeats=3)
+            rows.append({"shape": f"{n}x{k}", "type": type_name(qtype), "layout": "dequantize per use",
+                         "ms": per_use, "bytes_per_weight": qt.nbytes / (n * k)})
+            rows.append({"shape": f"{n}x{k}", "type": type_name(qtype), "layout": getattr(fused, "type_name", "bf16"),
+                         "ms": _best_ms(lambda: fused.linear(x)), "bytes_per_weight": fused.nbytes / (n * k)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="llama")
@@ -86,29 +144,44 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--cpu", default="0")
     ap.add_argument("--dir", type=Path, default=None, help="reuse (or make) the checkpoint and GGUFs here")
+    ap.add_argument("--files", nargs="+", type=Path, default=None, help="measure these GGUF files instead")
+    ap.add_argument("--kernels", action="store_true", help="only time one-row products of each layout")
     ap.add_argument("--child", nargs=3, metavar=("PATH", "FUSED", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1] == "1", int(args.child[2]))))
         return
 
+    if args.kernels:
+        krows = bench_kernels([(2048, 2048), (1536, 576), (49152, 576)])
+        print("one-row products, 1 thread (best of 5 x 30)")
+        print(f"{'shape':10} {'type':5} {'layout':22} {'ms':>8} {'bytes/weight':>12}")
+        for r in krows:
+            print(f"{r['shape']:10} {r['type']:5} {r['layout']:22} {r['ms']:8.3f} {r['bytes_per_weight']:12.3f}")
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "gguf_kernels.json").write_text(json.dumps(krows, indent=2) + "\n")
+        return
+
     from sangama_p2p.model.gguf import write_gguf
     from sangama_p2p.model.make import make_model
 
     tmp = None
-    root = args.dir
-    if root is None:
-        tmp = tempfile.TemporaryDirectory()
-        root = Path(tmp.name)
-    hf = root / f"{args.arch}-{args.preset}"
-    if not (hf / "config.json").is_file():
-        make_model(hf, args.arch, args.preset)
     paths = {}
-    for t in args.types.split(","):
-        p = root / f"{args.arch}-{args.preset}-{t}.gguf"
-        if not p.is_file():
-            write_gguf(hf, p, t)
-        paths[t] = p
+    if args.files:
+        paths = {p.stem: p for p in args.files}
+    else:
+        root = args.dir
+        if root is None:
+            tmp = tempfile.TemporaryDirectory()
+            root = Path(tmp.name)
+        hf = root / f"{args.arch}-{args.preset}"
+        if not (hf / "config.json").is_file():
+            make_model(hf, args.arch, args.preset)
+        for t in args.types.split(","):
+            p = root / f"{args.arch}-{args.preset}-{t}.gguf"
+            if not p.is_file():
+                write_gguf(hf, p, t)
+            paths[t] = p
     runs: dict[tuple[str, bool], list[dict]] = {}
     for r in range(args.rounds):
         for t, p in paths.items():
@@ -126,17 +199,19 @@ def main() -> None:
         row["data_rss_over_file"] = row["data_rss_mb"] / row["file_mb"]
         rows.append(row)
     rows.sort(key=lambda r: (list(paths).index(r["type"]), r["path"] == "fused"))
-    print(f"decode {args.arch}/{args.preset}, one stage, 1 thread on cpu {args.cpu}, median of {args.rounds} rounds "
+    print(f"decode {'files' if args.files else args.arch + '/' + args.preset}, one stage, 1 thread on cpu {args.cpu}, median of {args.rounds} rounds "
           f"x {args.steps} steps")
-    print(f"{'type':6} {'path':20} {'ms/token':>9} {'layers':>7} {'head':>6} {'file MB':>8} {'RSS MB':>7} {'/file':>6}"
+    w = max(6, *(len(t) for t in paths))
+    print(f"{'type':{w}} {'path':20} {'ms/token':>9} {'layers':>7} {'head':>6} {'file MB':>8} {'RSS MB':>7} {'/file':>6}"
           f" {'data MB':>8} {'/file':>6} {'after steps':>11} {'load s':>7}")
     for r in rows:
-        print(f"{r['type']:6} {r['path']:20} {r['decode_ms']:9.2f} {r['layers_ms']:7.2f} {r['head_ms']:6.2f} "
+        print(f"{r['type']:{w}} {r['path']:20} {r['decode_ms']:9.2f} {r['layers_ms']:7.2f} {r['head_ms']:6.2f} "
               f"{r['file_mb']:8.1f} {r['rss_mb']:7.1f} {r['rss_over_file']:6.2f} {r['data_rss_mb']:8.1f} "
               f"{r['data_rss_over_file']:6.2f} {r['rss_after_steps_mb']:11.1f} {r['load_s']:7.2f}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gguf_fused.json").write_text(json.dumps({"arch": args.arch, "preset": args.preset, "rows": rows},
-                                                        indent=2) + "\n")
+    name = "gguf_fused_files.json" if args.files else "gguf_fused.json"
+    what = {"files": [str(p) for p in paths.values()]} if args.files else {"arch": args.arch, "preset": args.preset}
+    (RESULTS / name).write_text(json.dumps({**what, "rows": rows}, indent=2) + "\n")
     if tmp is not None:
         tmp.cleanup()
 

@@ -137,3 +137,22 @@ def test_f16_weights_stay_f16(tmp_path: Path, tiny) -> None:
     assert isinstance(stage.head, FloatLinear) and stage.head.weight.dtype == torch.float16
     in_file = sum(src.nbytes_in_file(n) for n in stage.loaded_names)
     assert stage.resident_bytes <= 1.01 * in_file
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "F16"])
+def test_batch_invariant_mode_holds_with_fused_weights(tmp_path: Path, tiny, qtype: str) -> None:
+    """A session's logits are the same bits alone or batched with another session (``batch_invariant=True``)."""
+    from sangama_p2p.model.stage import StepInput
+
+    spec, src = _gguf(tmp_path, tiny["llama"], qtype)
+    stage = StageModel.load(spec, src, 0, spec.num_layers, batch_invariant=True)
+    a, b = torch.tensor(PROMPT), torch.tensor([7, 7, 300, 12, 90])
+
+    def run(batch: list[torch.Tensor]) -> torch.Tensor:
+        states = [stage.new_session(32) for _ in batch]
+        h = stage.forward([StepInput(s, 0, tokens=t) for s, t in zip(states, batch)])
+        return stage.logits(h)
+
+    alone = run([a])
+    together = run([a, b])[: len(PROMPT)]
+    assert torch.equal(alone, together)

@@ -140,6 +140,7 @@ def test_float16_weights_multiply_in_fp16_without_overflow() -> None:
 def test_what_repack_leaves_alone() -> None:
     f32 = torch.randn(8, 8)
     assert repack(f32, torch.float32) is f32  # already the compute dtype
+    assert torch.equal(repack(f32, torch.bfloat16), f32.bfloat16())  # a router of a bf16 stage: cast once
     norm = torch.randn(8).half()
     assert repack(norm, torch.float32) is norm  # 1-D: turned into the compute dtype where it is loaded
 

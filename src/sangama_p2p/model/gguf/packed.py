@@ -18,7 +18,9 @@ without ever being dequantized again:
   bfloat16; F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products accumulate in fp32; the
   activations are scaled into fp16's range first), never upcast per step.
 
-Anything else (1-D tensors, tensors already in the compute dtype, other devices than the CPU) is returned as is.
+2-D F32 tensors (routers, the shared expert's gate) of a stage computing in bf16/fp16 are cast to it once. Anything
+else (1-D tensors, whose users take them in fp32; tensors already in the compute dtype; other devices than the CPU)
+is returned as is.
 """
 
 from __future__ import annotations
@@ -266,9 +268,11 @@ def repack(w: Weight, dtype: torch.dtype) -> Weight:
         if w.qtype in _BF16_TYPES:
             return FloatLinear(_dequantize_chunked(w, torch.bfloat16))  # (columns put in order by dequantize)
         return w
-    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype != dtype \
-            and w.dtype in (torch.float16, torch.bfloat16):
-        return FloatLinear(w)
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype != dtype:
+        if w.dtype in (torch.float16, torch.bfloat16):
+            return FloatLinear(w)
+        if w.dtype == torch.float32:  # a router or gate (F32 in every GGUF) of a bf16/fp16 stage: cast once, not per
+            return w.to(dtype)  # step (the same rounding the per-use path applies on every step)
     return w
 
 
