@@ -7,7 +7,8 @@ Every measurement runs in a fresh process pinned to one core (``taskset -c CPU``
 alternate (A/B, B/A, ...), so that load on a shared machine hits both alike; the table gives the median over rounds.
 "RSS" is the process's VmRSS after loading minus VmRSS just before (after imports and opening the file), "data" the
 same for anonymous memory and mapped files only (no shared-library code pages), "after steps" VmRSS after the decode
-steps minus the same baseline; "file MB" is the bytes of the stage's own tensors in the file. Writes benchmarks/results/gguf_fused.json.
+steps minus the same baseline; "file MB" is the bytes of the stage's own tensors in the file. Writes
+benchmarks/results/gguf_fused.json (gguf_fused_files.json with --files, gguf_kernels.json with --kernels).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def child(path: str, fused: bool, steps: int) -> dict:
         head.append(t2 - t1)
     return {"decode_ms": statistics.median(times) * 1e3, "layers_ms": statistics.median(layers) * 1e3,
             "head_ms": statistics.median(head) * 1e3, "load_s": load_s, "rss_mb": (after - before) / 1024,
-            "data_rss_mb": (data_after - data_before) / 1024, "rss_after_steps_mb": (_rss_kb() - before) / 1024, "file_mb": file_bytes / 2**20}
+            "data_rss_mb": (data_after - data_before) / 1024, "rss_after_steps_mb": (_rss_kb() - before) / 1024,
+            "file_mb": file_bytes / 2**20}
 
 
 def _best_ms(fn, repeats: int = 30) -> float:
@@ -199,10 +201,12 @@ def main() -> None:
         row["data_rss_over_file"] = row["data_rss_mb"] / row["file_mb"]
         rows.append(row)
     rows.sort(key=lambda r: (list(paths).index(r["type"]), r["path"] == "fused"))
-    print(f"decode {'files' if args.files else args.arch + '/' + args.preset}, one stage, 1 thread on cpu {args.cpu}, median of {args.rounds} rounds "
+    what = "files" if args.files else f"{args.arch}/{args.preset}"
+    print(f"decode {what}, one stage, 1 thread on cpu {args.cpu}, median of {args.rounds} rounds "
           f"x {args.steps} steps")
     w = max(6, *(len(t) for t in paths))
-    print(f"{'type':{w}} {'path':20} {'ms/token':>9} {'layers':>7} {'head':>6} {'file MB':>8} {'RSS MB':>7} {'/file':>6}"
+    print(f"{'type':{w}} {'path':20} {'ms/token':>9} {'layers':>7} {'head':>6} {'file MB':>8} {'RSS MB':>7} "
+          f"{'/file':>6}"
           f" {'data MB':>8} {'/file':>6} {'after steps':>11} {'load s':>7}")
     for r in rows:
         print(f"{r['type']:{w}} {r['path']:20} {r['decode_ms']:9.2f} {r['layers_ms']:7.2f} {r['head_ms']:6.2f} "

@@ -24,7 +24,8 @@ def test_available_cores_follows_the_affinity(monkeypatch: pytest.MonkeyPatch) -
 def test_default_is_the_cores_this_process_was_given() -> None:
     """Under ``taskset -c 0`` the default is one thread; importing the package leaves torch's own default alone."""
     code = ("import torch, sangama_p2p, sangama_p2p.cli.main; before = torch.get_num_threads(); "
-            "from sangama_p2p.cli.threads import set_threads; print(before, set_threads(None), torch.get_num_threads())")
+            "from sangama_p2p.cli.threads import set_threads; "
+            "print(before, set_threads(None), torch.get_num_threads())")
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=dict(os.environ, OMP_NUM_THREADS="2")).stdout.split()
     assert out == ["2", "1", "1"]
@@ -48,7 +49,8 @@ def test_demo_refuses_zero_threads(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.parametrize("given, fused", [(["--dequantize-per-use"], False), ([], True)])
-def test_generate_local_dequantize_per_use_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given, fused) -> None:
+def test_generate_local_dequantize_per_use_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given,
+                                                  fused) -> None:
     from sangama_p2p.model.make import make_model
     from sangama_p2p.model.stage import StageModel
 

