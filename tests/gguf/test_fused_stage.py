@@ -157,3 +157,45 @@ def test_batch_invariant_mode_holds_with_fused_weights(tmp_path: Path, tiny, qty
     alone = run([a])
     together = run([a, b])[: len(PROMPT)]
     assert torch.equal(alone, together)
+
+
+_RSS_SCRIPT = """
+import json, sys, torch
+from sangama_p2p.model.gguf import open_gguf
+from sangama_p2p.model.stage import StageModel, StepInput
+
+def resident():  # anonymous memory + the GGUF file's mapped pages (library code faulted in by a kernel is not ours)
+    total, keep = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:
+            keep = len(head) < 6 or head[5] == sys.argv[1] or head[5].startswith("[")
+        elif keep and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+spec, src, _ = open_gguf(sys.argv[1])
+before = resident()
+stage = StageModel.load(spec, src, 0, spec.num_layers)
+after = resident()
+in_file = sum(src.nbytes_in_file(n) for n in set(stage.loaded_names))
+print(json.dumps({"delta": after - before, "in_file": in_file}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype,bound", [("Q4_K", 1.2), ("Q8_0", 1.2)])
+def test_process_rss_of_a_fused_stage(tmp_path: Path, qtype: str, bound: float) -> None:
+    """llama/small, one whole-model fused stage: the process grows by at most 1.2x the stage's tensors in the file
+    (measured 1.09x Q4_K, 1.15x Q8_0): the repacked weights, not the blocks beside them or repacking temporaries."""
+    import os
+    import subprocess
+    import sys
+
+    hf = make_model(tmp_path / "small", "llama", "small")
+    (path,) = write_gguf(hf, tmp_path / f"m-{qtype}.gguf", qtype)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path)], capture_output=True, text=True, env=env,
+                         timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["delta"] <= bound * got["in_file"], (got, got["delta"] / got["in_file"])
