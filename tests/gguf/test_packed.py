@@ -104,6 +104,17 @@ def test_int4_kernel_convention() -> None:
     assert float((y - wrong).abs().max()) > 0.1 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("qtype,cols", [(QType.Q8_0, 2304), (QType.Q4_K, 512)])
+def test_dense_view_of_a_packed_weight(qtype: int, cols: int) -> None:
+    """``weights.dense`` still works on a repacked weight (rare dense uses): what the kernel multiplies by."""
+    from sangama_p2p.model.weights import dense
+
+    qt = QuantTensor(qtype, torch.from_numpy(_blocks(qtype, 40, cols)), cols)
+    ref = qt.dequantize(torch.float32)
+    got = dense(repack(qt, torch.float32), torch.float32)
+    assert got.shape == ref.shape and float((got - ref).abs().max()) < TOL * float(ref.abs().max())
+
+
 def test_memory_of_repacked_weights() -> None:
     """Bytes held per byte of blocks: 1.11x for Q4 types (bf16 scale + zero per 32 weights), 1.18x for Q8_0."""
     for qtype, ratio in ((QType.Q4_0, 1.112), (QType.Q4_K, 1.112), (QType.Q8_0, 1.177)):
