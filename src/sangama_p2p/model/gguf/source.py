@@ -1,10 +1,9 @@
 """A :class:`TensorSource` over a GGUF checkpoint that keeps quantized tensors quantized.
 
 Canonical HF names are mapped to GGUF tensors when the file is opened (no data is read then). ``get`` reads one
-tensor: quantized tensors become :class:`QuantTensor` (uint8 blocks; a stage repacks them once with :meth:`repack`, or
-dequantizes them per use), dense
-F32/F16/BF16 tensors are returned as stored (a stage computing in float32 upcasts F16 per use rather than holding a
-second, wider copy). One expert of a stacked ``ffn_*_exps`` tensor is a view of its slice; the other experts' bytes
+tensor: quantized tensors become :class:`QuantTensor` (uint8 blocks; a stage repacks them once with :meth:`repack`
+for fused kernels, or dequantizes them per use), dense F32/F16/BF16 tensors are returned as stored (a stage computing
+in float32 multiplies F16 weights in fp16, or upcasts them per use, rather than holding a second, wider copy). One expert of a stacked ``ffn_*_exps`` tensor is a view of its slice; the other experts' bytes
 are never touched. llama.cpp's transforms are undone here, so values equal the Hugging Face checkpoint's.
 """
 
