@@ -138,3 +138,15 @@ def test_network_generate_needs_a_model_and_a_bootstrap_address(capsys: pytest.C
     if not default_bootstrap_addrs():  # while the public list is empty, a client must be told where to start
         assert main(["generate", "--model", "m", "--prompt-ids", "1,2"]) == 2
         assert "no bootstrap address" in capsys.readouterr().err
+
+
+def test_stage_fused_switch(tmp_path: Path) -> None:
+    """``[stage] fused = false`` keeps GGUF weights on the dequantize-per-use path; the default repacks them."""
+    path = tmp_path / "p.toml"
+    path.write_text('[stage]\nmodel = "m"\nlayers = "0:2"\nfused = false\n')
+    assert PeerConfig.from_toml(path).stage.fused is False
+    path.write_text('[stage]\nmodel = "m"\nlayers = "0:2"\n')
+    assert PeerConfig.from_toml(path).stage.fused is True
+    path.write_text('[stage]\nmodel = "m"\nlayers = "0:2"\nfused = 3\n')
+    with pytest.raises(SangamaError, match="fused must be true or false"):
+        PeerConfig.from_toml(path)

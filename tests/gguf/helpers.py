@@ -85,12 +85,13 @@ def top64_gap(logits: torch.Tensor, ref: dict[str, Any], rows: range) -> float:
     return gap
 
 
-def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: list[int], steps: int = 1) -> torch.Tensor:
+def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: list[int], steps: int = 1,
+                 fused: bool = True) -> torch.Tensor:
     """Logits [T, vocab] of a chain of runtime stages over ``ids``: the first ``len(ids) - steps + 1`` tokens as one
-    prefill, then one token per step (the cache path)."""
+    prefill, then one token per step (the cache path). ``fused``: StageModel.load's switch."""
     from sangama_p2p.model.stage import StageModel, StepInput
 
-    models = [StageModel.load(spec, source, a, b) for a, b in stages]
+    models = [StageModel.load(spec, source, a, b, fused=fused) for a, b in stages]
     states = [m.new_session(len(ids)) for m in models]
     cut = len(ids) - steps + 1
     chunks = [(0, ids[:cut])] + [(cut + i, ids[cut + i : cut + i + 1]) for i in range(steps - 1)]
@@ -104,11 +105,12 @@ def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: lis
     return torch.cat(out)
 
 
-def greedy(spec: Any, source: Any, stages: list[tuple[int, int]], prompt: list[int], n: int) -> list[int]:
+def greedy(spec: Any, source: Any, stages: list[tuple[int, int]], prompt: list[int], n: int,
+           fused: bool = True) -> list[int]:
     """``n`` greedy tokens from a chain of runtime stages (prefill, then one token per step)."""
     from sangama_p2p.model.stage import StageModel, StepInput
 
-    models = [StageModel.load(spec, source, a, b) for a, b in stages]
+    models = [StageModel.load(spec, source, a, b, fused=fused) for a, b in stages]
     states = [m.new_session(len(prompt) + n) for m in models]
     out: list[int] = []
     start, chunk = 0, list(prompt)

@@ -130,12 +130,15 @@ def test_quantized_ssm_out_columns_are_reordered(qwen_q4km) -> None:
     assert torch.equal(w.dequantize(torch.float32).view(16, 2, 2, 64), tiled.transpose(1, 2))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("path,stage", [(QWEN_Q4KM, (0, 8)), (QWEN_F32, (4, 8)), (LLAMA_Q4KM, (1, 4))])
-def test_resident_weights_within_bound_of_file_bytes(path, stage) -> None:
+def test_resident_weights_within_bound_of_file_bytes(path, stage, fused) -> None:
     spec, src, _ = open_gguf(path)
-    model = StageModel.load(spec, src, *stage)
+    model = StageModel.load(spec, src, *stage, fused=fused)
     in_file = sum(src.nbytes_in_file(n) for n in model.loaded_names)
-    assert 0.95 * in_file <= model.resident_bytes <= 1.15 * in_file
+    # repacked (model/gguf/packed.py): int4 planes with bfloat16 scales take 1.11x a Q4 block's bytes, 1.18x Q8_0's
+    # and 1.82x Q5_0's; the llama Q4_K_M stage (Q5_0 layers, Q8_0 head) measured 1.19x
+    assert 0.95 * in_file <= model.resident_bytes <= (1.25 if fused else 1.15) * in_file
     src.close()
 
 
@@ -166,7 +169,7 @@ _RSS_SCRIPT = textwrap.dedent(
     gc.collect()
     torch.ones(8, dtype=torch.float16).float().sum()
     before = resident()
-    stage = StageModel.load(spec, src, 0, spec.num_layers)
+    stage = StageModel.load(spec, src, 0, spec.num_layers, fused=False)  # the dequantize-per-use path's memory
     for w in stage.weights():  # touch every page the stage holds
         t = w if isinstance(w, torch.Tensor) else w.data
         t.view(-1)[:: max(1, 4096 // t.element_size())].float().sum()

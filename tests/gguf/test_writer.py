@@ -80,14 +80,20 @@ def _f16_pair(tmp_path: Path, hf: Path):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "llama"])
 def test_f16_chain_equals_safetensors_chain(tmp_path: Path, tiny, arch: str) -> None:
     """Same weights (the safetensors ones rounded to fp16 where the GGUF is F16): logits within 1e-3 for whole and
-    split chains, over a prefill and single-token steps."""
+    split chains, over a prefill and single-token steps, when the F16 weights are upcast per use. Fused, the stage
+    multiplies in fp16 (activations rounded to fp16, as llama.cpp does for F16 weights; fp32 accumulation, the output
+    rounded to fp16): |diff| / std(logits) measured mean / max 1.4e-3 / 1.6e-2 (qwen), 4.3e-4 / 2.6e-3 (llama)."""
     spec, src, ref_spec, ref_src, ids = _f16_pair(tmp_path, tiny[arch])
     assert spec == ref_spec
     n = spec.num_layers
     ref = chain_logits(ref_spec, ref_src, [(0, n)], ids, steps=3)
     for stages in ([(0, n)], [(0, 1), (1, 5), (5, n)]):
-        got = chain_logits(spec, src, stages, ids, steps=3)
+        got = chain_logits(spec, src, stages, ids, steps=3, fused=False)
         assert (got - ref).abs().max() < 1e-3, stages
+        fused = chain_logits(spec, src, stages, ids, steps=3)
+        rel = (fused - ref).abs() / ref.std()
+        assert float(rel.mean()) < 3e-3 and float(rel.max()) < 3e-2, (stages, float(rel.mean()), float(rel.max()))
+        assert torch.equal(fused.argmax(-1), ref.argmax(-1)), stages
 
 
 @pytest.mark.parametrize("arch", [pytest.param("qwen3_5_moe", marks=pytest.mark.slow), "llama"])

@@ -81,6 +81,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from ..model.make import make_model
     from .local_fleet import LocalFleet
+    from .threads import available_cores
     from .tables import guesses_table, print_tables, requests_table, where_time_goes_table
 
     torch.set_grad_enabled(False)
@@ -100,7 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
         refs = local_references(model_dir, guesses=guesses, requests=requests, new_tokens=args.tokens)
         print("one-process reference runs done", flush=True)
         t0 = time.monotonic()
-        with LocalFleet(model_dir, split, workdir / "fleet") as fleet:
+        threads = getattr(args, "threads", None) or max(1, available_cores() // len(split))  # stages share the cores
+        with LocalFleet(model_dir, split, workdir / "fleet", join_args=["--threads", str(threads)]) as fleet:
             print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(split)} "
                   f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
             results = measure_network(model_dir, fleet.bootstrap_addr, refs, guesses=guesses, requests=requests,

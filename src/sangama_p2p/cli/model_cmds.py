@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ModelError
 from .argtypes import guesses, non_negative_int, positive_int
+from .threads import set_threads
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +55,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads (default: torch's choice; 1 is fastest for tiny models on busy CPUs)")
+                   help="torch intra-op threads for --local (default: every core this process may use; 1 is fastest "
+                   "for tiny models on busy CPUs)")
+    p.add_argument("--dequantize-per-use", action="store_true",
+                   help="keep quantized GGUF weights as stored and dequantize them on every use (slow; for comparing "
+                   "with the fused kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(handler=_generate)
 
@@ -80,7 +85,7 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system")
+_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system", "dequantize_per_use")
 _NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
 
 
@@ -102,15 +107,12 @@ def _generate(args: argparse.Namespace) -> int:
 
         ids = _prompt_ids(args, None) if args.prompt_ids is not None else None
         return generate_network(args, [ids] if ids is not None else None)
-    import torch  # heavy imports only when the command runs
-
-    from ..model.chain import LocalChain
+    from ..model.chain import LocalChain  # heavy imports only when the command runs
     from ..model.checkpoint import open_checkpoint
     from ..model.sampling import SamplingParams
     from ..model.spec import LayerRange, parse_stages
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     ckpt = open_checkpoint(args.local, mtp_from=args.mtp_from, need_tokenizer=args.prompt_ids is None)
     spec = ckpt.spec
     ranges = parse_stages(args.stages, spec.num_layers) if args.stages else [LayerRange(0, spec.num_layers)]
@@ -125,7 +127,8 @@ def _generate(args: argparse.Namespace) -> int:
         ids = _prompt_ids(args, ckpt.tokenizer)
     if any(i < 0 or i >= spec.vocab_size for i in ids):
         raise ModelError(f"prompt token ids must be in 0..{spec.vocab_size - 1}")
-    chain = LocalChain.load(ckpt, ranges, dtype=args.dtype, batch_invariant=args.batch_invariant)
+    chain = LocalChain.load(ckpt, ranges, dtype=args.dtype, batch_invariant=args.batch_invariant,
+                            fused=not args.dequantize_per_use)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
     results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=args.guesses,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import positive_int
+from .threads import set_threads
 from .local_fleet import READY_PREFIX
 
 
@@ -46,7 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (default: every core this process may use)")
+    p.add_argument("--dequantize-per-use", action="store_true",
+                   help="keep quantized GGUF weights as stored and dequantize them on every use (slow)")
     p.add_argument("--lane-port", type=int, default=None, metavar="PORT",
                    help="TCP port for direct lanes (stage traffic off libp2p; default: any free port)")
     p.add_argument("--no-lanes", action="store_true",
@@ -65,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run this checkpoint (split into three even stages) instead of a random tiny model, e.g. one "
                    "that benchmarks/train_tiny.py trained, so that guesses get accepted")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads of each stage process (default: this process's cores shared among the stages)")
     p.set_defaults(handler=_demo)
 
 
@@ -121,8 +127,7 @@ def _join(args: argparse.Namespace) -> int:
 
     _quiet()
     torch.set_grad_enabled(False)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     config = config.replace(host=host_config(args, serving=True))
     model = args.model or config.model_path
@@ -138,6 +143,8 @@ def _join(args: argparse.Namespace) -> int:
         options["dtype"] = args.dtype
     if args.batch_invariant:
         options["batch_invariant"] = True
+    if args.dequantize_per_use:
+        options["fused"] = False
     if args.lane_port is not None:
         options["lane_port"] = args.lane_port
     if args.no_lanes:

@@ -102,9 +102,9 @@ class LocalChain:
 
     @classmethod
     def load(cls, ckpt: Checkpoint, ranges: Sequence[LayerRange], *, dtype="float32",
-             batch_invariant: bool = False) -> "LocalChain":
+             batch_invariant: bool = False, fused: bool = True) -> "LocalChain":
         stages = [StageModel.load(ckpt.spec, ckpt.source, r.start, r.end, dtype=dtype,
-                                  batch_invariant=batch_invariant) for r in ranges]
+                                  batch_invariant=batch_invariant, fused=fused) for r in ranges]
         return cls(stages, ckpt.tokenizer)
 
     @property

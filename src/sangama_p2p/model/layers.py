@@ -22,7 +22,7 @@ from .ops import (
 )
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, LinearLayerState, Segment
-from .weights import Weight, dense
+from .weights import FusedWeight, Weight, dense
 
 __all__ = ["DecoderLayer", "Loader", "linear"]
 
@@ -58,13 +58,16 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     n, m = x.shape[0], MIN_ROWS.get()
     if bias is not None and bias.dtype != x.dtype:  # biases are kept fp32; a bf16/fp16 step uses them cast
         bias = bias.to(x.dtype)
+    if isinstance(w, FusedWeight):  # repacked at load: the kernel multiplies the packed weight itself
+        return w.linear(pad_rows(x, m), bias)[:n] if m else w.linear(x, bias)
     if m:
         return F.linear(pad_rows(x, m), dense(w, x.dtype), bias)[:n]
     return F.linear(x, dense(w, x.dtype), bias)
 
 
 class FusedLinear:
-    """Projections of the same input as ONE product when their weights are dense (one each when quantized).
+    """Projections of the same input as ONE product when their weights are dense or repacked alike (one each when
+    quantized per use).
 
     The concatenated weight replaces the parts (same bytes), so a decode step makes one call where it made three
     or four: on CPU the per-call overhead, not the arithmetic, dominates small models.
@@ -75,6 +78,9 @@ class FusedLinear:
         if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
             self.parts: list[Weight] = [torch.cat(weights)]  # type: ignore[arg-type]
             self.biases: list[torch.Tensor | None] = [torch.cat(biases) if biases else None]
+        elif isinstance(weights[0], FusedWeight) and (joined := weights[0].concat(weights)) is not None:
+            self.parts = [joined]
+            self.biases = [torch.cat(biases) if biases else None]
         else:
             self.parts = list(weights)
             self.biases = list(biases) if biases else [None] * len(weights)

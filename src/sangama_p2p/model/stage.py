@@ -82,10 +82,13 @@ class StageModel:
         device: str | torch.device = "cpu",
         mtp: bool = True,
         batch_invariant: bool = False,
+        fused: bool = True,
     ) -> "StageModel":
         """Read only the tensors of layers [start, end) (+ embedding if first, + norm/head/MTP if last).
 
         ``mtp``: load the checkpoint's MTP layer on the last stage, when it has one (it drafts guesses).
+        ``fused``: repack quantized (and narrower float) weights once, at load, for fused kernels when the source can
+        (``GGUFSource.repack``); False keeps them as stored and dequantizes them on every use.
         ``batch_invariant``: make every session's numbers independent of what it is batched with (costs speed on
         CPU for small batches, see ``layers.MIN_ROWS``).
         """
@@ -93,26 +96,33 @@ class StageModel:
         stage = cls(spec, start, end, dt, torch.device(device))
         stage.min_rows = 16 if batch_invariant else 0
         want_mtp = stage.is_last and mtp and spec.mtp_num_layers > 0 and source.has("mtp.fc.weight")
+        packer = getattr(source, "repack", None) if fused and stage.device.type == "cpu" else None
 
-        def get(name: str) -> Weight:
+        def pack(w: Weight) -> Weight:
+            return packer(w, dt) if packer is not None else w
+
+        def get(name: str, *, raw: bool = False) -> Weight:
             if not source.has(name):
                 raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
             w = source.get(name, dt)
             stage.loaded_names.append(name)
             if isinstance(w, torch.Tensor) or hasattr(w, "to"):  # quantized weights move their blocks
-                return w.to(stage.device)  # type: ignore[union-attr]
-            return w
+                w = w.to(stage.device)  # type: ignore[union-attr]
+            return w if raw else pack(w)
 
         if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
-            stage.embed = get("model.embed_tokens.weight")
+            stage.embed = get("model.embed_tokens.weight", raw=True)  # looked up by rows (take_rows), not multiplied
         for i in range(start, end):
             prefix = f"model.layers.{i}."
             stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
         if stage.is_last:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
-            stage.head = stage.embed if spec.tie_word_embeddings else get("lm_head.weight")
+            tied = spec.tie_word_embeddings
+            stage.head = pack(stage.embed) if tied else get("lm_head.weight")  # type: ignore[arg-type]
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
+        if packer is not None and hasattr(source, "release_pages"):
+            source.release_pages()  # the repacked weights hold their own copies of the blocks they came from
         return stage
 
     def weights(self) -> Iterator[Weight]:

@@ -5,13 +5,15 @@ Canonical names are the Hugging Face ones of a text-only causal LM: ``model.embe
 for one at a time (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``); a source whose file fuses them
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I], or GGUF ``ffn_*_exps``) answers with a view.
 
-A source returns either a dense ``torch.Tensor`` or a quantized weight (:class:`QuantWeight`) that the runtime
-dequantizes per use. Every source records which names it has read (``reads``), so tests can prove a stage touched
-nothing outside its layers.
+A source returns either a dense ``torch.Tensor`` or a quantized weight (:class:`QuantWeight`). A stage loaded with
+``fused=True`` (the default) repacks quantized weights once into a :class:`FusedWeight` that multiplies without being
+dequantized (``model/gguf/packed.py``); with ``fused=False`` the runtime dequantizes them per use. Every source
+records which names it has read (``reads``), so tests can prove a stage touched nothing outside its layers.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch
 from ..errors import CheckpointError, UnsupportedModelError
 
 __all__ = [
+    "FusedWeight",
     "QuantWeight",
     "SafetensorsSource",
     "TensorSource",
@@ -45,7 +48,30 @@ class QuantWeight(Protocol):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
 
 
-Weight = Union[torch.Tensor, QuantWeight]
+class FusedWeight(abc.ABC):
+    """A weight repacked at load for a fused kernel: ``linear`` multiplies by it without dequantizing it.
+
+    Subclasses also give ``shape``, ``nbytes`` and ``dequantize`` (so :func:`dense` still works for the rare dense
+    use), ``to(device)``, and ``concat(parts)``: the parts stacked along the output dimension as one weight, or None.
+    """
+
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @abc.abstractmethod
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] -> [..., out]`` in ``x``'s dtype."""
+
+    @abc.abstractmethod
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense tensor (what the kernel multiplies by)."""
+
+    @staticmethod
+    def concat(parts: list["FusedWeight"]) -> "FusedWeight | None":
+        return None
+
+
+Weight = Union[torch.Tensor, QuantWeight, FusedWeight]
 
 
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:

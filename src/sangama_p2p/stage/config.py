@@ -26,6 +26,7 @@ class StageConfig:
     ``lanes``: accept direct lanes (``/sangama/lane/3``: stage frames on a TCP connection of their own, keyed
     through libp2p, see :mod:`sangama_p2p.net.lane`) on ``lane_port`` (0: any free port; set one to open it in a
     firewall) and use them towards the next stage (set up within ``lane_timeout`` seconds, else libp2p streams).
+    ``fused``: repack quantized GGUF weights once at load for fused kernels (False: dequantize them on every use).
     ``inline_step_s``: decode-like steps run on the event loop's thread instead of the compute thread while they
     take at most this long (smoothed), which saves two thread hand-offs a step (0: always the compute thread).
     """
@@ -35,6 +36,7 @@ class StageConfig:
     end: int
     dtype: str = "float32"
     batch_invariant: bool = False
+    fused: bool = True
     max_sessions: int = 64
     memory_budget: int = 1 << 30
     max_session_length: int = 8192

@@ -11,6 +11,7 @@ so touching them does not also leave mapped file pages resident in the process.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import re
 import struct
@@ -278,6 +279,15 @@ class GGUFFile:
         if info.is_quantized:
             return buf.reshape(*info.shape[:-1], -1)
         return buf.view(_DTYPES[info.qtype]).reshape(info.shape)
+
+    def release_pages(self) -> None:
+        """Drop this process's copies of the mapped file pages (``MADV_DONTNEED``): after weights were repacked
+        into memory of their own, the blocks they came from no longer count in the process's resident set. A view
+        that is read again faults its pages back in from the page cache; nothing writes to the maps."""
+        for mm in self._maps:
+            raw = getattr(mm, "_mmap", None)  # numpy.memmap's mmap.mmap
+            if raw is not None and hasattr(mmap, "MADV_DONTNEED"):
+                raw.madvise(mmap.MADV_DONTNEED)
 
     def _fd(self, file: int) -> int:
         if not self._fds:

@@ -1,9 +1,9 @@
 """A :class:`TensorSource` over a GGUF checkpoint that keeps quantized tensors quantized.
 
 Canonical HF names are mapped to GGUF tensors when the file is opened (no data is read then). ``get`` reads one
-tensor: quantized tensors become :class:`QuantTensor` (uint8 blocks, dequantized per use by the runtime), dense
-F32/F16/BF16 tensors are returned as stored (a stage computing in float32 upcasts F16 per use rather than holding a
-second, wider copy). One expert of a stacked ``ffn_*_exps`` tensor is a view of its slice; the other experts' bytes
+tensor: quantized tensors become :class:`QuantTensor` (uint8 blocks; a stage repacks them once with :meth:`repack`
+for fused kernels, or dequantizes them per use), dense F32/F16/BF16 tensors are returned as stored (a stage computing
+in float32 multiplies F16 weights in fp16, or upcasts them per use, rather than holding a second, wider copy). One expert of a stacked ``ffn_*_exps`` tensor is a view of its slice; the other experts' bytes
 are never touched. llama.cpp's transforms are undone here, so values equal the Hugging Face checkpoint's.
 """
 
@@ -114,6 +114,20 @@ class GGUFSource:
         if info.is_quantized:
             return QuantTensor(info.qtype, part, info.shape[-1])
         return _narrow(part, dtype)
+
+    def repack(self, w: Weight, dtype: torch.dtype) -> Weight:
+        """The weight in the layout of a fused kernel, built once at load (``packed.repack``)."""
+        from .packed import repack
+
+        return repack(w, dtype)
+
+    def release_pages(self) -> None:
+        """Forget the mapped pages read so far (the repacked weights hold their own copies), and hand the repacking's
+        freed temporaries back to the OS."""
+        from .packed import trim_heap
+
+        self.file.release_pages()
+        trim_heap()
 
     def close(self) -> None:
         self.file.close()

@@ -1,0 +1,302 @@
+"""GGUF weights repacked once at load into the layouts of torch's fused low-bit CPU kernels.
+
+:func:`repack` turns what :class:`~.source.GGUFSource` returns into a :class:`~..weights.FusedWeight` that multiplies
+without ever being dequantized again:
+
+- **Int4** (torch's ``_weight_int4pack_mm_for_cpu``, group size 32): every type whose weights are affine per
+  32-element group, ``w = s * q + c``. Torch's kernel computes ``w = (q - 8) * s + z`` with ``scales_and_zeros``
+  ``[K/32, N, 2]`` (checked numerically in the tests), so z = c + 8 s. One plane (4-bit codes) holds Q4_0 (z = 0),
+  Q4_1 (z = m + 8d) and Q4_K (s = d*sc, z = 8 d*sc - dmin*m). Two planes, stacked along N and summed after the
+  product, hold the 5- and 8-bit types exactly: Q5_0/Q5_1/Q5_K as the low nibble plus the fifth bit (codes 8/9 at
+  scale 16 s, zero -8 s), Q8_0 as ``q = 16 hi + lo`` (hi in [-8, 7] at scale 16d, zero 8d; lo in [0, 15] at scale
+  d, zero 0).
+  The kernel is fast only with bfloat16 activations (fp32 and fp16 take a reference path 30x slower, measured), so
+  scales and zeros are rounded to **bfloat16** and the activations are cast to bfloat16 per call; the kernel
+  accumulates in fp32 and rounds its output to bfloat16. N must be a multiple of 16 (rows of zeros pad it; the
+  padding is cut from the output), K a multiple of 32 (always true of these block types).
+- **Dense** (:class:`FloatLinear`): Q6_K (groups of 16, which the int4 kernel cannot take) is dequantized once into
+  bfloat16; F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products accumulate in fp32; the
+  activations are scaled into fp16's range first), never upcast per step.
+
+2-D F32 tensors (routers, the shared expert's gate) of a stage computing in bf16/fp16 are cast to it once. Anything
+else (1-D tensors, whose users take them in fp32; tensors already in the compute dtype; other devices than the CPU)
+is returned as is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ...errors import UnsupportedModelError
+from ..weights import FusedWeight, Weight
+from .quants import QK_K, QType, QuantTensor, _k_scale_min, dequantize_rows, fp16_at, type_name
+
+__all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "repack"]
+
+GROUP = 32  # the int4 kernel's group size: one (scale, zero) per 32 weights of a row
+_ROW_TILE = 64  # packed rows are laid out in tiles of 64: packings of whole tiles concatenate along N
+_CHUNK_ROWS = 4096  # rows repacked at a time (bounds the temporaries of a large head to a few MB)
+
+Q4_1, Q5_1 = 3, 7  # ggml type ids (d, m fp16 + codes; w = d*q + m)
+_PLANES = {QType.Q4_0: 1, Q4_1: 1, QType.Q4_K: 1, QType.Q5_0: 2, Q5_1: 2, QType.Q5_K: 2, QType.Q8_0: 2}
+INT4_TYPES = frozenset(_PLANES)
+_TYPE_SIZE = {QType.Q4_0: 18, Q4_1: 20, QType.Q4_K: 144, QType.Q5_0: 22, Q5_1: 24, QType.Q5_K: 176, QType.Q8_0: 34}
+_BF16_TYPES = frozenset({QType.Q6_K})  # dequantized once into bfloat16
+_FP16_MAX = 60000.0  # activations scaled below this before an fp16 product
+
+
+# ---- codes, scales and zeros from raw blocks --------------------------------------------------------------------
+# Each returns (codes uint8 [planes, n, 32*g] in 0..15, scale fp32 [planes, n, g], zero fp32 [planes, n, g]) for
+# n rows of g groups, with w = (code - 8) * scale + zero.
+
+
+def _nib32(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes of packed nibbles per 32 weights: element j < 16 is byte j's low nibble, j >= 16 byte j-16's high."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """4 bytes per 32 weights (a little-endian uint32): element j is bit j."""
+    return torch.stack([(qh >> k) & 1 for k in range(8)], dim=-1).flatten(-2)
+
+
+def _codes_32(qtype: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): b uint8 [n, g, type_size]."""
+    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [n, g]
+    zero = torch.zeros_like(d)
+    if qtype == QType.Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8)
+        hi, lo = ((q >> 4) + 8).view(torch.uint8), (q & 0x0F).view(torch.uint8)  # q = 16 * (hi - 8) + lo
+        return (torch.stack((hi, lo)).flatten(-2),
+                torch.stack((16 * d, d)), torch.stack((8 * d, zero)))
+    m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if qtype in (Q4_1, Q5_1) else None
+    if qtype in (QType.Q4_0, Q4_1):
+        lo = _nib32(b[..., -16:])
+        z = zero if m is None else m + 8 * d
+        return lo.flatten(-2)[None], d[None], z[None]
+    # Q5_0: w = d * (lo + 16 h - 16); Q5_1: w = d * (lo + 16 h) + m. The fifth bit's plane is centred (+-8d), so
+    # neither plane's product is much larger than their sum (each is rounded to bfloat16 before they are added).
+    qh = b[..., 2:6] if qtype == QType.Q5_0 else b[..., 4:8]
+    lo, h = _nib32(b[..., -16:]), _high_bits(qh) + 8
+    z_lo = zero if m is None else m + 16 * d
+    return (torch.stack((h, lo)).flatten(-2), torch.stack((16 * d, d)), torch.stack((-8 * d, z_lo)))
+
+
+def _codes_k(qtype: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K and Q5_K super-blocks: b uint8 [n, nb, type_size]; 8 groups of 32 per block, w = dd * q - dm."""
+    n, nb, ts = b.shape
+    flat = b.reshape(n * nb, ts)
+    sc, mn = _k_scale_min(flat[:, 4:16])
+    dd = (fp16_at(flat, 0) * sc.float()).reshape(n, nb * 8)
+    dm = (fp16_at(flat, 2) * mn.float()).reshape(n, nb * 8)
+    qs = flat[:, -128:].reshape(n * nb, 4, 32)
+    lo = torch.stack((qs & 0x0F, qs >> 4), dim=2).reshape(n, nb * QK_K)  # group 2i: low nibbles of chunk i
+    if qtype == QType.Q4_K:
+        return lo[None], dd[None], (8 * dd - dm)[None]
+    qh = flat[:, 16:48]  # Q5_K: bit i of byte j is the fifth bit of element 32 i + j
+    h = torch.stack([(qh >> i) & 1 for i in range(8)], dim=1).reshape(n, nb * QK_K) + 8
+    return torch.stack((h, lo)), torch.stack((16 * dd, dd)), torch.stack((-8 * dd, 16 * dd - dm))
+
+
+def int4_codes(qtype: int, data: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of GGML blocks (uint8 ``[n, row_bytes]``) as int4 codes ``[planes, n, K]`` with fp32 scales and zeros
+    ``[planes, n, K/32]`` such that the planes' ``(code - 8) * scale + zero`` sum to the dequantized weight."""
+    ts = _TYPE_SIZE[qtype]
+    n = data.shape[0]
+    if qtype in (QType.Q4_K, QType.Q5_K):
+        return _codes_k(qtype, data.reshape(n, n_cols // QK_K, ts))
+    return _codes_32(qtype, data.reshape(n, n_cols // GROUP, ts))
+
+
+# ---- the weights ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Int4Weight(FusedWeight):
+    """``W [n, k]`` as ``planes`` int4 planes in torch's packed CPU layout (``packed`` uint8 [planes*N, k/2], N = n
+    padded to a multiple of 16) with bfloat16 ``scales_zeros`` [k/32, planes*N, 2]; ``y = sum over planes``."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    n: int
+    k: int
+    planes: int
+    qtype: int
+    in_perm: torch.Tensor | None = None  # the file's columns are x[:, in_perm] (llama.cpp reordered them: ssm_out)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def padded(self) -> int:
+        return self.packed.shape[0] // self.planes
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+    @property
+    def type_name(self) -> str:
+        return f"{type_name(self.qtype)} as int4x{self.planes}"
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.k).to(torch.bfloat16)
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, planes*N]
+        big = self.padded
+        if self.planes == 2:
+            y = y[:, :big].float() + y[:, big:]
+        if big != self.n:
+            y = y[:, : self.n]
+        y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, self.n)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the kernel multiplies by (bfloat16 products of the identity, 1024 columns at a time; for tests
+        and rare dense uses)."""
+        out = torch.empty(self.n, self.k, dtype=dtype)
+        for c0 in range(0, self.k, 1024):
+            c1 = min(c0 + 1024, self.k)
+            eye = torch.zeros(c1 - c0, self.k)
+            eye[torch.arange(c1 - c0), torch.arange(c0, c1)] = 1.0
+            out[:, c0:c1] = self.linear(eye).t()
+        return out
+
+    def to(self, device: torch.device | str) -> "Int4Weight":
+        if torch.device(device).type != "cpu":  # this packing is the CPU kernel's
+            raise UnsupportedModelError("int4-packed weights are a CPU layout; load other devices unpacked")
+        return self
+
+    @staticmethod
+    def concat(parts: list[FusedWeight]) -> "Int4Weight | None":
+        """The parts stacked along N (one product for q/k/v or gate/up), or None where the layout does not allow it:
+        every part but the last must fill whole 64-row tiles of the packed layout."""
+        if not all(isinstance(p, Int4Weight) for p in parts):
+            return None
+        ps: list[Int4Weight] = parts  # type: ignore[assignment]
+        first = ps[0]
+        if any(p.k != first.k or p.planes != first.planes or p.in_perm is not None for p in ps):
+            return None
+        if any(p.padded != p.n or p.n % _ROW_TILE for p in ps[:-1]):
+            return None
+        planes = first.planes
+        packed = torch.cat([p.packed.view(planes, p.padded, -1) for p in ps], dim=1).view(-1, first.k // 2)
+        sz = torch.cat([p.scales_zeros.view(first.k // GROUP, planes, p.padded, 2) for p in ps], dim=2)
+        return Int4Weight(packed, sz.view(first.k // GROUP, -1, 2), sum(p.n for p in ps[:-1]) + ps[-1].n,
+                          first.k, planes, first.qtype if len({p.qtype for p in ps}) == 1 else -1)
+
+
+def pack_int4(qt: QuantTensor) -> Int4Weight:
+    """Repack a quantized tensor (one of :data:`INT4_TYPES`, on the CPU) for the int4 kernel, a chunk of rows at a
+    time. Blocks whose columns llama.cpp reordered are packed as stored; the activations are reordered instead."""
+    n, k = qt.shape
+    planes = _PLANES[qt.qtype]
+    tile = 16 if planes == 1 else _ROW_TILE  # the second plane must start on a whole tile of the packed layout
+    big = -(-n // tile) * tile
+    packs, szs = [], []
+    for r0 in range(0, big, _CHUNK_ROWS):
+        r1 = min(r0 + _CHUNK_ROWS, big)
+        real = max(0, min(r1, n) - r0)
+        codes, scale, zero = int4_codes(qt.qtype, qt.data[r0 : r0 + real], k)
+        if real < r1 - r0:  # pad rows: codes 8 at scale 0, zero 0 -> weights 0
+            pad = r1 - r0 - real
+            codes = torch.cat((codes, codes.new_full((planes, pad, k), 8)), dim=1)
+            scale = torch.cat((scale, scale.new_zeros(planes, pad, k // GROUP)), dim=1)
+            zero = torch.cat((zero, zero.new_zeros(planes, pad, k // GROUP)), dim=1)
+        flat = codes.reshape(planes * (r1 - r0), k).to(torch.int32)
+        per_plane = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in
+                     flat.view(planes, r1 - r0, k).unbind(0)]
+        packs.append(torch.stack(per_plane))  # [planes, rows, k/2]
+        szs.append(torch.stack((scale, zero), dim=-1).to(torch.bfloat16))  # [planes, rows, k/32, 2]
+    packed = torch.cat(packs, dim=1).reshape(planes * big, k // 2)
+    sz = torch.cat(szs, dim=1).permute(2, 0, 1, 3).reshape(k // GROUP, planes * big, 2).contiguous()
+    in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
+    return Int4Weight(packed, sz, n, k, planes, qt.qtype, in_perm)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FloatLinear(FusedWeight):
+    """A dense weight multiplied in its own dtype (fp16 or bf16) whatever the activations' dtype."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == torch.float16 and x.dtype != torch.float16:
+            peak = float(x.abs().max()) if x.numel() else 0.0
+            if peak > _FP16_MAX:  # keep the activations inside fp16's range (and scale the product back)
+                scale = peak / _FP16_MAX
+                y = F.linear((x / scale).to(w.dtype), w).to(x.dtype) * scale
+            else:
+                y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        else:
+            y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def to(self, device: torch.device | str) -> "FloatLinear":
+        return FloatLinear(self.weight.to(device))
+
+    @staticmethod
+    def concat(parts: list[FusedWeight]) -> "FloatLinear | None":
+        if not all(isinstance(p, FloatLinear) for p in parts):
+            return None
+        ws = [p.weight for p in parts]  # type: ignore[attr-defined]
+        return FloatLinear(torch.cat(ws)) if len({w.dtype for w in ws}) == 1 else None
+
+
+def repack(w: Weight, dtype: torch.dtype) -> Weight:
+    """The fused form of a weight a stage computing in ``dtype`` will multiply by (see the module docstring);
+    anything it does not apply to comes back unchanged."""
+    if isinstance(w, QuantTensor):
+        if w.data.device.type != "cpu":
+            return w  # other devices stay on the dequantize-per-use path
+        if w.qtype in INT4_TYPES:
+            return pack_int4(w)
+        if w.qtype in _BF16_TYPES:
+            return FloatLinear(_dequantize_chunked(w, torch.bfloat16))  # (columns put in order by dequantize)
+        return w
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype != dtype:
+        if w.dtype in (torch.float16, torch.bfloat16):
+            return FloatLinear(w)
+        if w.dtype == torch.float32:  # a router or gate (F32 in every GGUF) of a bf16/fp16 stage: cast once, not per
+            return w.to(dtype)  # step (the same rounding the per-use path applies on every step)
+    return w
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the OS (glibc's ``malloc_trim``; nothing elsewhere). Repacking frees many
+    temporaries of a few MB, which glibc otherwise keeps in the process (measured: ~10 MB on llama/small Q4_K)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    fn(0)
+
+
+def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = qt.shape
+    out = torch.empty(n, k, dtype=dtype)
+    for r0 in range(0, n, _CHUNK_ROWS):
+        part = dequantize_rows(qt.qtype, qt.data[r0 : r0 + _CHUNK_ROWS], k)
+        out[r0 : r0 + _CHUNK_ROWS] = part if qt.col_perm is None else part.index_select(1, qt.col_perm)
+    return out
