@@ -1,0 +1,53 @@
+"""Run as a script: load a whole-model stage of a GGUF file, run one prefill + one decode step, and print (JSON) how
+much the process's memory grew over the load - anonymous memory plus the resident pages of the GGUF file's own
+mapping, the memory the stage holds (library code pages faulted in by first use are not counted) - against the bytes
+of the stage's tensors in the file. Used by test_smollm2.py and benchmarks; argv: PATH fused(0|1)."""
+
+import gc
+import json
+import sys
+
+import torch
+
+from sangama_p2p.model.gguf import open_gguf
+from sangama_p2p.model.stage import StageModel, StepInput
+
+
+def resident(path: str) -> int:
+    anon = file_rss = 0
+    in_map = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:
+            in_map = len(head) >= 6 and head[5] == path
+        elif in_map and line.startswith("Rss:"):
+            file_rss += int(head[1]) * 1024
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            anon = int(line.split()[1]) * 1024
+    return anon + file_rss
+
+
+def main() -> None:
+    path, fused = sys.argv[1], sys.argv[2] == "1"
+    torch.set_num_threads(1)
+    spec, src, _ = open_gguf(path, tokenizer=False)
+    gc.collect()
+    torch.ones(8, dtype=torch.float16).float().sum()
+    before = resident(path)
+    stage = StageModel.load(spec, src, 0, spec.num_layers, fused=fused)
+    loaded = resident(path)
+    state = stage.new_session(16)
+    x = stage.forward([StepInput(state, 0, tokens=torch.tensor([1, 2, 3, 4]))])
+    stage.logits(x[-1:])
+    x = stage.forward([StepInput(state, 4, tokens=torch.tensor([5]))])
+    stage.logits(x)
+    del x, state
+    gc.collect()
+    stepped = resident(path)
+    in_file = sum(src.nbytes_in_file(n) for n in stage.loaded_names)
+    print(json.dumps({"in_file": in_file, "after_load": loaded - before, "after_steps": stepped - before}))
+
+
+if __name__ == "__main__":
+    main()
