@@ -1,11 +1,12 @@
 """Run as a script: load a whole-model stage of a GGUF file, run one prefill + one decode step, and print (JSON) how
-much the process's memory grew over the load - anonymous memory plus the resident pages of the GGUF file's own
+long opening the file and loading the stage took and how much the process's memory grew over the load - anonymous memory plus the resident pages of the GGUF file's own
 mapping, the memory the stage holds (library code pages faulted in by first use are not counted) - against the bytes
 of the stage's tensors in the file. Used by test_smollm2.py and benchmarks; argv: PATH fused(0|1)."""
 
 import gc
 import json
 import sys
+import time
 
 import torch
 
@@ -31,11 +32,15 @@ def resident(path: str) -> int:
 def main() -> None:
     path, fused = sys.argv[1], sys.argv[2] == "1"
     torch.set_num_threads(1)
-    spec, src, _ = open_gguf(path, tokenizer=False)
-    gc.collect()
     torch.ones(8, dtype=torch.float16).float().sum()
+    t0 = time.perf_counter()
+    spec, src, _ = open_gguf(path, tokenizer=False)
+    t_open = time.perf_counter() - t0
+    gc.collect()
     before = resident(path)
+    t0 = time.perf_counter()
     stage = StageModel.load(spec, src, 0, spec.num_layers, fused=fused)
+    t_load = time.perf_counter() - t0
     loaded = resident(path)
     state = stage.new_session(16)
     x = stage.forward([StepInput(state, 0, tokens=torch.tensor([1, 2, 3, 4]))])
@@ -46,7 +51,8 @@ def main() -> None:
     gc.collect()
     stepped = resident(path)
     in_file = sum(src.nbytes_in_file(n) for n in stage.loaded_names)
-    print(json.dumps({"in_file": in_file, "after_load": loaded - before, "after_steps": stepped - before}))
+    print(json.dumps({"in_file": in_file, "after_load": loaded - before, "after_steps": stepped - before,
+                      "open_s": round(t_open, 3), "load_s": round(t_load, 3)}))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def test_a_stage_stops_serving_within_3_s_of_sigterm_and_exits_0(tmp_path: Path)
             exited = time.monotonic() - t0
             print(f"SIGTERM: stopped serving after {stopped:.2f} s, exited after {exited:.2f} s")
             assert stopped < 3.0
+            assert exited < 3.0  # measured 1.5-3.7 s before the CLI skipped the interpreter's teardown
             assert "stopping" in proc.stdout.read()
         finally:
             if proc.poll() is None:

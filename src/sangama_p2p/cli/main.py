@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -92,5 +93,19 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def entry() -> None:
+    """The console script: :func:`main`, then exit at once. By the time ``main`` returns every nursery has closed and
+    every child process is reaped; tearing down the interpreter (torch's and libp2p's modules) took another 1-3 s after
+    a stage stopped on SIGTERM, so the output is flushed and the process exits without it."""
+    rc = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+            pass
+    logging.shutdown()
+    os._exit(rc)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

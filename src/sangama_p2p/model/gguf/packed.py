@@ -41,7 +41,7 @@ GROUP = 32  # the int4 kernel's group size: one (scale, zero) per 32 weights of 
 _ROW_TILE = 64  # packed rows are laid out in tiles of 64: packings of whole tiles concatenate along N
 _CHUNK_ROWS = 4096  # rows repacked at a time (bounds the temporaries of a large head to a few MB)
 
-Q4_1, Q5_1 = 3, 7  # ggml type ids (d, m fp16 + codes; w = d*q + m)
+Q4_1, Q5_1 = QType.Q4_1, QType.Q5_1  # d, m fp16 + codes; w = d*q + m
 _PLANES = {QType.Q4_0: 1, Q4_1: 1, QType.Q4_K: 1, QType.Q5_0: 2, Q5_1: 2, QType.Q5_K: 2, QType.Q8_0: 2}
 INT4_TYPES = frozenset(_PLANES)
 _TYPE_SIZE = {QType.Q4_0: 18, Q4_1: 20, QType.Q4_K: 144, QType.Q5_0: 22, Q5_1: 24, QType.Q5_K: 176, QType.Q8_0: 34}
