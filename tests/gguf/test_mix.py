@@ -13,23 +13,13 @@ from sangama_p2p.errors import UnsupportedModelError
 from sangama_p2p.model.gguf.mix import TensorPlan, plan_types
 from sangama_p2p.model.gguf.quants import QType, type_name
 from sangama_p2p.model.gguf.reader import GGUFFile
+from sangama_p2p.model.gguf.requantize import plan_file
 
 LQ_REF = Path(__file__).parent / "data" / "smollm2-llama-quantize.json"
 
 
 def _plan(f: GGUFFile, preset: str) -> dict[str, str]:
-    arch = f.architecture
-    plans = [TensorPlan(i.name, i.shape, i.qtype) for i in f.tensors.values()]
-    types = plan_types(
-        plans,
-        preset,
-        arch=arch,
-        n_layer=int(f.require(f"{arch}.block_count")),
-        n_expert=int(f.get(f"{arch}.expert_count", 0)),
-        n_head=int(f.get(f"{arch}.attention.head_count", 0)),
-        n_head_kv=int(f.get(f"{arch}.attention.head_count_kv", 0)),
-    )
-    return {n: type_name(t) for n, t in types.items()}
+    return {n: type_name(t) for n, t in plan_file(f, preset).items()}
 
 
 @pytest.mark.parametrize("src,made", [(LLAMA_F16, LLAMA_Q4KM), (QWEN_F32, QWEN_Q4KM)], ids=["llama", "qwen35moe"])

@@ -93,6 +93,21 @@ def _encode(x: np.ndarray, qtype: int) -> np.ndarray:
     return quantize(x, qtype)
 
 
+def plan_file(f: GGUFFile, preset: str) -> dict[str, int]:
+    """{tensor name: ggml type} that ``preset`` gives the tensors of an open GGUF file (``mix.plan_types`` fed from
+    its tensor table and metadata)."""
+    arch = f.architecture
+    return plan_types(
+        [TensorPlan(i.name, i.shape, i.qtype) for i in f.tensors.values()],
+        preset,
+        arch=arch,
+        n_layer=int(f.require(f"{arch}.block_count")),
+        n_expert=int(f.get(f"{arch}.expert_count", 0)),
+        n_head=int(f.get(f"{arch}.attention.head_count", 0)),
+        n_head_kv=int(f.get(f"{arch}.attention.head_count_kv", 0)),
+    )
+
+
 def requantize_gguf(src: str | Path, dst: str | Path, preset: str) -> RequantizeReport:
     """Write ``src`` (a GGUF file, or the first of its splits) as ``dst`` with llama-quantize's ``preset`` mix
     (a key of ``mix.PRESETS``: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K, Q4_K_M)."""
@@ -104,17 +119,7 @@ def requantize_gguf(src: str | Path, dst: str | Path, preset: str) -> Requantize
     t0 = time.perf_counter()
     f = GGUFFile(src)
     try:
-        arch = f.architecture
-        plans = [TensorPlan(i.name, i.shape, i.qtype) for i in f.tensors.values()]
-        types = plan_types(
-            plans,
-            preset,
-            arch=arch,
-            n_layer=int(f.require(f"{arch}.block_count")),
-            n_expert=int(f.get(f"{arch}.expert_count", 0)),
-            n_head=int(f.get(f"{arch}.attention.head_count", 0)),
-            n_head_kv=int(f.get(f"{arch}.attention.head_count_kv", 0)),
-        )
+        types = plan_file(f, preset)
         nbytes = _write(f, dst, types, PRESETS[preset].file_type)
     except OSError as exc:
         raise CheckpointError(f"cannot write GGUF {dst}: {exc}") from exc
