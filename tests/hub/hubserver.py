@@ -32,6 +32,7 @@ class HubServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
+        self._meta: dict[tuple[Path, int], dict] = {}
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
@@ -61,8 +62,14 @@ class HubServer:
         root = self.repos[repo]
         return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file() and ".git" not in p.parts}
 
+    def meta(self, path: Path) -> dict:
+        key = (path, path.stat().st_mtime_ns)
+        if key not in self._meta:
+            self._meta[key] = self._hash(path)
+        return self._meta[key]
+
     @staticmethod
-    def meta(path: Path) -> dict:
+    def _hash(path: Path) -> dict:
         data = path.read_bytes()
         out = {"size": len(data), "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
         if len(data) >= _LFS_MIN:
@@ -73,6 +80,12 @@ class HubServer:
 def _handler(hub: HubServer) -> type:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            import socket
+
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms header/body stalls
 
         def log_message(self, *args: object) -> None:  # quiet
             return None
@@ -114,13 +127,9 @@ def _handler(hub: HubServer) -> type:
             path = hub.files(repo).get(name)
             if path is None:
                 return self._not_found()
-            data = path.read_bytes()
             meta = hub.meta(path)
+            data = _FileBytes(path, flip=not head and name in hub.corrupt)
             etag = meta["lfs"]["sha256"] if "lfs" in meta else meta["blobId"]
-            if not head and name in hub.corrupt:
-                data = bytearray(data)
-                data[len(data) // 2] ^= 0xFF
-                data = bytes(data)
             start, end, status = 0, len(data), 200
             rng = self.headers.get("Range")
             if not head:
@@ -168,3 +177,23 @@ def _handler(hub: HubServer) -> type:
                     hub.in_flight -= 1
 
     return Handler
+
+
+class _FileBytes:
+    """A file's bytes read by slice (a range request reads only its range); ``flip`` corrupts its middle byte."""
+
+    def __init__(self, path: Path, flip: bool) -> None:
+        self.path, self.size, self.flip = path, path.stat().st_size, flip
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, s: slice) -> bytes:
+        start, stop, _ = s.indices(self.size)
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            out = bytearray(f.read(stop - start))
+        mid = self.size // 2
+        if self.flip and start <= mid < stop:
+            out[mid - start] ^= 0xFF
+        return bytes(out)

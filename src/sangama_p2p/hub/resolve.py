@@ -38,17 +38,24 @@ _GAP = 4 << 10  # sample windows closer than this are fetched as one range
 
 
 def resolve_model(spec: str, *, layers: tuple[int, int] | None = None, dest: str | Path | None = None,
-                  settings: HubSettings | None = None, progress: bool | None = None) -> Path:
+                  settings: HubSettings | None = None, progress: bool | None = None,
+                  metadata_only: bool = False) -> Path:
     """The local checkpoint (directory or ``.gguf`` path) for ``hf:ORG/REPO[@REV][:FILE.gguf]``, holding at least
-    ``layers`` [A, B) (None: the whole model). ``progress``: rich bars on stderr (None: when it is a terminal)."""
+    ``layers`` [A, B) (None: the whole model). ``progress``: rich bars on stderr (None: when it is a terminal).
+    ``metadata_only``: no weights, just what a client needs for text (config, tokenizer and template files; of a
+    GGUF its header, in a sparse file that ``read_metadata`` reads)."""
+    if metadata_only:
+        layers = (-1, -1)
     hs = parse_hub_spec(spec)
     settings = settings or HubSettings.from_env()
     if settings.offline:
-        return _offline(hs, layers, dest, settings)
+        return _offline(hs, None if layers == (-1, -1) else layers, dest, settings)
     commit, files = repo_files(settings, hs.repo, hs.revision)
     _remember(settings, hs, commit)
     with Progress(progress) as bar, ThreadPoolExecutor(max(1, settings.max_workers)) as pool:
         job = _Job(settings, hs, commit, files, bar, pool)
+        if layers == (-1, -1):
+            return job.metadata(dest)
         out = job.gguf(layers, dest) if hs.filename else job.safetensors(layers, dest)
     return out
 
@@ -76,6 +83,18 @@ class _Job:
         if sib.size is None:
             raise DownloadError(f"{self.hs}: the Hub lists no size for {name}")
         return sib
+
+    def metadata(self, dest: str | Path | None) -> Path:
+        if not self.hs.filename:
+            # no shard index: without its shards the directory names no weights (a client then asks by model id)
+            small = [n for n in self.files if _SMALL.match(n) and n != "model.safetensors.index.json"]
+            if "config.json" not in small:
+                raise DownloadError(f"{self.hs}: no config.json in the repo (name a .gguf file with :FILE.gguf)")
+            return self.whole(small)["config.json"].parent
+        stage = Path(dest) if dest is not None else (
+            _repo_dir(self.settings, self.hs) / "sangama" / self.commit / "metadata")
+        self._gguf_probe(stage, self.hs.filename)
+        return stage / self.hs.filename
 
     # ---- safetensors -----------------------------------------------------------------------------------------
     def safetensors(self, layers: tuple[int, int] | None, dest: str | Path | None) -> Path:
