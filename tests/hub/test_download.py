@@ -173,3 +173,31 @@ def test_bad_names_and_ranges_are_typed_errors(hub, settings):
     for bad in ("hf:nope", "hf:org/r:weights.bin", "hf:org/r:../x.gguf"):
         with pytest.raises(CheckpointError):
             resolve_model(bad, settings=settings)
+
+
+@pytest.mark.parametrize("repo", ["hf:org/gguf1:tiny-F32.gguf", "hf:org/sharded"])
+def test_three_stage_copies_chained_give_the_full_checkpoints_tokens(hub, settings, repos, repo):
+    """Each stage loads from its own partial copy (only its layers' bytes are real): the chain's greedy tokens
+    equal those of the full local checkpoint split the same way."""
+    from sangama_p2p.model.chain import LocalChain
+    from sangama_p2p.model.checkpoint import open_checkpoint
+    from sangama_p2p.model.spec import LayerRange
+    from sangama_p2p.model.stage import StageModel
+
+    ranges = [(0, 2), (2, 4), (4, 6)]
+    stages, opened = [], []
+    for a, b in ranges:
+        ckpt = open_checkpoint(resolve_model(repo, layers=(a, b), settings=settings, progress=False))
+        opened.append(ckpt)
+        stages.append(StageModel.load(ckpt.spec, ckpt.source, a, b))
+    full = open_checkpoint(repos["one"] if "gguf" in repo else repos["full"])
+    want = LocalChain.load(full, [LayerRange(a, b) for a, b in ranges]).generate([5, 17, 42], 8, stop_at_eos=False)
+    got = LocalChain(stages).generate([5, 17, 42], 8, stop_at_eos=False)
+    assert got.tokens == want.tokens and len(want.tokens) == 8
+    for c in opened + [full]:
+        c.close()
+
+
+def test_progress_bars_draw_on_stderr(hub, settings, capsys):
+    resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(0, 1), settings=settings, progress=True)
+    assert "tiny-F32.gguf" in capsys.readouterr().err
