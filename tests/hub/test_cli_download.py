@@ -75,3 +75,15 @@ def test_smollm2_stage_by_ranges_fetches_a_third_and_keeps_the_fingerprint(smoll
     assert stage_bytes <= served < stage_bytes + (4 << 20)  # + the header (~1.6 MB) and the sample windows
     parts = [str(k) for k in range(10, 20)]
     assert checkpoint_identity(stage, parts=parts) == checkpoint_identity(path, parts=parts)
+
+
+def test_join_serves_a_stage_fetched_from_the_hub(hub_env, repos, capsys, tmp_path, monkeypatch):  # noqa: F811
+    from sangama_p2p.cli import net_cmds
+
+    monkeypatch.setattr(net_cmds, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
+    assert main(["join", "--model", "hf:org/gguf1:tiny-F32.gguf", "--layers", "2:4", "--listen", "/ip4/127.0.0.1/tcp/0",
+                 "--key", str(tmp_path / "k"), "--run-for", "0.1"]) == 0
+    out = capsys.readouterr().out
+    ready = [line.split() for line in out.splitlines() if line.startswith("ready ")]
+    assert ready and ready[0][2:] == ["tiny-F32", "2:4"], out
+    assert hub_env.served["tiny-F32.gguf"] < repos["one"].stat().st_size // 2  # only the stage's ranges

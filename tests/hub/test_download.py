@@ -65,6 +65,7 @@ def hub(repos):
         s.add("org/sharded", repos["sharded"])
         s.add("org/gguf", repos["gguf"])
         s.add("org/gguf1", repos["gguf1"])
+        s.add("org/full", repos["full"])
         yield s
 
 
@@ -175,7 +176,7 @@ def test_bad_names_and_ranges_are_typed_errors(hub, settings):
             resolve_model(bad, settings=settings)
 
 
-@pytest.mark.parametrize("repo", ["hf:org/gguf1:tiny-F32.gguf", "hf:org/sharded"])
+@pytest.mark.parametrize("repo", ["hf:org/gguf1:tiny-F32.gguf", "hf:org/sharded", "hf:org/full"])
 def test_three_stage_copies_chained_give_the_full_checkpoints_tokens(hub, settings, repos, repo):
     """Each stage loads from its own partial copy (only its layers' bytes are real): the chain's greedy tokens
     equal those of the full local checkpoint split the same way."""
@@ -191,6 +192,8 @@ def test_three_stage_copies_chained_give_the_full_checkpoints_tokens(hub, settin
         opened.append(ckpt)
         stages.append(StageModel.load(ckpt.spec, ckpt.source, a, b))
     full = open_checkpoint(repos["one"] if "gguf" in repo else repos["full"])
+    if repo == "hf:org/full":  # one model.safetensors: each stage fetched ranges of it, about a third
+        assert hub.served["model.safetensors"] < 1.5 * (repos["full"] / "model.safetensors").stat().st_size
     want = LocalChain.load(full, [LayerRange(a, b) for a, b in ranges]).generate([5, 17, 42], 8, stop_at_eos=False)
     got = LocalChain(stages).generate([5, 17, 42], 8, stop_at_eos=False)
     assert got.tokens == want.tokens and len(want.tokens) == 8
