@@ -197,6 +197,9 @@ def test_three_stage_copies_chained_give_the_full_checkpoints_tokens(hub, settin
     want = LocalChain.load(full, [LayerRange(a, b) for a, b in ranges]).generate([5, 17, 42], 8, stop_at_eos=False)
     got = LocalChain(stages).generate([5, 17, 42], 8, stop_at_eos=False)
     assert got.tokens == want.tokens and len(want.tokens) == 8
+    # a copy holds only its own layers: the last stage loaded from the first stage's copy reads zeros
+    wrong = StageModel.load(opened[0].spec, opened[0].source, 4, 6)
+    assert LocalChain([*stages[:2], wrong]).generate([5, 17, 42], 8, stop_at_eos=False).tokens != want.tokens
     for c in opened + [full]:
         c.close()
 
@@ -204,3 +207,14 @@ def test_three_stage_copies_chained_give_the_full_checkpoints_tokens(hub, settin
 def test_progress_bars_draw_on_stderr(hub, settings, capsys):
     resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(0, 1), settings=settings, progress=True)
     assert "tiny-F32.gguf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("repo", ["hf:org/gguf1:tiny-F32.gguf", "hf:org/sharded"])
+def test_metadata_only_gives_the_tokenizer_and_template_without_weights(hub, settings, repos, repo):
+    from sangama_p2p.cli.chat_cmds import open_chat_model
+
+    path = resolve_model(repo, settings=settings, progress=False, metadata_only=True)
+    tokenizer, template, _context = open_chat_model(path)
+    assert tokenizer.encode("hello world")
+    weights = sum(n for k, n in hub.served.items() if k.endswith((".safetensors", ".gguf")))
+    assert weights < 300_000  # a GGUF's header probe at most; no shard
