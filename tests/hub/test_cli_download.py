@@ -69,9 +69,10 @@ def test_smollm2_stage_by_ranges_fetches_a_third_and_keeps_the_fingerprint(smoll
         stage = resolve_model(f"hf:HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:{path.name}", layers=(10, 20),
                               settings=settings, progress=False)
         served = s.served[path.name]
+        requests = len(s.ranges[path.name])
     size = path.stat().st_size
     print(f"SmolLM2 {path.name}: layers 10:20 of 30 fetched {served} of {size} bytes ({served / size:.1%}); "
-          f"the stage's tensors are {stage_bytes} bytes")
+          f"the stage's tensors are {stage_bytes} bytes; {requests} range requests")
     assert stage_bytes <= served < stage_bytes + (4 << 20)  # + the header (~1.6 MB) and the sample windows
     parts = [str(k) for k in range(10, 20)]
     assert checkpoint_identity(stage, parts=parts) == checkpoint_identity(path, parts=parts)

@@ -191,6 +191,10 @@ def download_file(settings: HubSettings, repo: str, commit: str, sib: Sibling, p
         raise DownloadError(f"hf:{repo}: cannot fetch {sib.name}: {exc}") from exc
     if isinstance(cached, str) and Path(cached) == path:
         return path  # checked when it was fetched (or by whoever put it in the cache)
+    if sib.sha256 and path.resolve().name != sib.sha256:  # the blob is named by the X-Linked-Etag it came with
+        _discard(path)
+        raise DownloadError(f"hf:{repo}: {sib.name} came with etag {path.resolve().name}, the Hub lists sha256 "
+                            f"{sib.sha256}")
     if sib.size is not None and path.stat().st_size != sib.size:
         _discard(path)
         raise DownloadError(f"hf:{repo}: {sib.name} has {path.stat().st_size} bytes, the Hub lists {sib.size}")
@@ -219,9 +223,17 @@ def fetch_spans(settings: HubSettings, repo: str, commit: str, name: str, spans:
     ``max_workers`` at once); return the bytes fetched."""
     if settings.offline:
         raise DownloadError(f"hf:{repo}: {name} needs {len(spans)} byte range(s) and offline mode is on")
-    from huggingface_hub import hf_hub_url
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
 
     url = hf_hub_url(repo, name, revision=commit, endpoint=settings.endpoint)
+    try:  # one HEAD: where the Hub redirects (its CDN), so that each range is one round trip, not two
+        meta = get_hf_file_metadata(url, token=settings.token, endpoint=settings.endpoint)
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise DownloadError(f"hf:{repo}: cannot reach {name}: {exc}") from exc
+    if meta.commit_hash and meta.commit_hash != commit:
+        raise DownloadError(f"hf:{repo}: {name} answered for commit {meta.commit_hash}, asked for {commit}")
+    url = meta.location or url
     total = sum(b - a for a, b in spans)
     task = progress.add(f"{name} (ranges)", total)
     futures = [pool.submit(_fetch_span, settings, url, a, b, fd, progress, task) for a, b in spans]
@@ -233,7 +245,8 @@ def _fetch_span(settings: HubSettings, url: str, start: int, end: int, fd: int, 
     import httpx2
     from huggingface_hub.utils import build_hf_headers, get_session
 
-    headers = build_hf_headers(token=settings.token)
+    # the token goes to the Hub (or its mirror), never to a signed CDN address
+    headers = build_hf_headers(token=settings.token if url.startswith(settings.endpoint) else False)
     headers["Accept-Encoding"] = "identity"
     at, tries = start, 0
     while at < end:
