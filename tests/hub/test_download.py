@@ -218,3 +218,9 @@ def test_metadata_only_gives_the_tokenizer_and_template_without_weights(hub, set
     assert tokenizer.encode("hello world")
     weights = sum(n for k, n in hub.served.items() if k.endswith((".safetensors", ".gguf")))
     assert weights < 300_000  # a GGUF's header probe at most; no shard
+
+
+def test_all_layers_come_as_whole_checked_files(hub, settings, repos):
+    path = resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(0, 6), settings=settings, progress=False)
+    assert "snapshots" in path.parts and path.read_bytes() == repos["one"].read_bytes()
+    assert hub.served["tiny-F32.gguf"] <= repos["one"].stat().st_size + (256 << 10)  # + the header probe

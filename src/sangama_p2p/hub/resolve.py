@@ -165,6 +165,10 @@ class _Job:
         except (KeyError, TypeError, ValueError) as exc:
             raise DownloadError(f"{self.hs}: the GGUF metadata has no {arch}.block_count") from exc
         start, end = _check_layers(layers, num_layers)
+        if (start, end) == (0, num_layers):  # the whole model: whole files, checked against their sha256
+            for p in parts:
+                heads[p][0].remove()
+            return self.whole(parts)[parts[0]]
         names = [t[0] for _, _, tensors, _ in heads.values() for t in tensors]
         need = gguf_stage_tensors(names, num_layers, start, end)
         if m is not None:  # splits: the first part and the parts holding stage tensors come whole
