@@ -88,3 +88,14 @@ def test_join_serves_a_stage_fetched_from_the_hub(hub_env, repos, capsys, tmp_pa
     ready = [line.split() for line in out.splitlines() if line.startswith("ready ")]
     assert ready and ready[0][2:] == ["tiny-F32", "2:4"], out
     assert hub_env.served["tiny-F32.gguf"] < repos["one"].stat().st_size // 2  # only the stage's ranges
+
+
+def test_hf_hub_offline_uses_the_cache_or_exits_2(hub_env, capsys, monkeypatch):
+    assert main(["download", "hf:org/gguf1:tiny-F32.gguf", "--layers", "1:3", "--no-progress"]) == 0
+    first = capsys.readouterr().out.strip()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_env.reset_counts()
+    assert main(["download", "hf:org/gguf1:tiny-F32.gguf", "--layers", "1:3", "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip() == first and not hub_env.ranges
+    assert main(["download", "hf:org/gguf1:tiny-F32.gguf", "--layers", "0:3", "--no-progress"]) == 2
+    assert "offline" in capsys.readouterr().err
