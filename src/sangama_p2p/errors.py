@@ -22,6 +22,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     +-- NetworkError          identity, dialling, records, relays, private fleets
     |   +-- RecordError           a signed DHT record failed validation
     |   +-- ListenError           a listen address refused (not covered by the fleet secret) or not listened on
+    |   +-- DownloadError         a Hub file that could not be fetched, or whose bytes fail the Hub's sha256/etag
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
 
@@ -36,6 +37,7 @@ __all__ = [
     "CapacityError",
     "ChatTemplateError",
     "CheckpointError",
+    "DownloadError",
     "ErrorCode",
     "FrameTooLargeError",
     "InvalidMessageError",
@@ -161,6 +163,12 @@ class RecordError(NetworkError):
 class ListenError(NetworkError):
     """A configured listen address cannot be used: its transport bypasses the fleet secret (QUIC, WebSocket, ...
     on a private fleet), or the host did not actually listen on it (e.g. ``/udp/5000`` names no transport)."""
+
+
+class DownloadError(NetworkError):
+    """A model file from the Hugging Face Hub (``hf:`` models) could not be fetched: the repo, revision or file is
+    unknown or refused, the transfer failed after its retries, offline mode has no cached copy, or the bytes do not
+    match the Hub's sha256 (LFS files) / git blob id (small files). The file is then removed, never used."""
 
 
 class RouteError(SangamaError):

@@ -135,7 +135,15 @@ def _chat(args: argparse.Namespace) -> int:
     from .peer_cmds import _quiet, client_peer_config, default_guesses
 
     _quiet()
+    from .hub_cmds import from_hub
+
+    hub_path, hub_id = from_hub(args.model, metadata_only=True)  # hf:...: the tokenizer, template and config
+    if hub_id is not None:
+        args.model = str(hub_path)
     config, model_id = client_peer_config(args, args.model)
+    if hub_id is not None:
+        model_id = hub_id
+        config = dataclasses.replace(config, client=dataclasses.replace(config.client, model_id=hub_id))
     given = Path(args.model).expanduser()
     if given.suffix == ".gguf" and given.is_file():  # a GGUF file names the model as its stem
         model_id = default_model_id(given)

@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("text", nargs="?", help="the prompt (same as --prompt)")
     p.add_argument("--local", metavar="MODEL", default=None,
-                   help="checkpoint directory (config.json + safetensors) or .gguf file to run in this process")
+                   help="checkpoint directory (config.json + safetensors), .gguf file or hf:ORG/REPO[@REV][:FILE.gguf] "
+                   "to run in this process")
     p.add_argument("--model", default=None, metavar="ID|DIR",
                    help="network mode: the model id to ask the swarm for, or a checkpoint directory (its name is "
                    "the id; its tokenizer encodes the prompt)")
@@ -113,6 +114,9 @@ def _generate(args: argparse.Namespace) -> int:
     from ..model.spec import LayerRange, parse_stages
 
     set_threads(args.threads)
+    from .hub_cmds import from_hub
+
+    args.local = str(from_hub(args.local)[0])  # hf:...: fetched whole (a local run holds every layer)
     ckpt = open_checkpoint(args.local, mtp_from=args.mtp_from, need_tokenizer=args.prompt_ids is None)
     spec = ckpt.spec
     ranges = parse_stages(args.stages, spec.num_layers) if args.stages else [LayerRange(0, spec.num_layers)]

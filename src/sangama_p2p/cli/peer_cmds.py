@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve layers A:B of a checkpoint (or 'auto': the range the swarm covers worst) until "
         "interrupted, announcing them in the DHT.",
     )
-    p.add_argument("--model", type=Path, default=None, help="checkpoint directory or .gguf file")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint directory, .gguf file or hf:ORG/REPO[@REV][:FILE.gguf] (fetches only --layers)")
     p.add_argument("--layers", default=None, metavar="A:B|auto[:N]",
                    help="layer range to serve; auto = the third of the model the swarm covers worst")
     p.add_argument("--model-id", default=None, help="swarm-wide model name (default: the checkpoint's name)")
@@ -138,6 +139,10 @@ def _join(args: argparse.Namespace) -> int:
     if (model_id is None and args.model is not None and config.stage is not None and config.model_path is not None
             and config.stage.model_id == default_model_id(config.model_path)):
         model_id = default_model_id(args.model)  # the id the file took from its own model follows --model
+    from .hub_cmds import from_hub
+
+    model, hub_id = from_hub(model, layers)  # hf:...: only the files (or byte ranges) of the layers served
+    model_id = model_id or hub_id
     options: dict[str, Any] = {}
     if args.dtype:
         options["dtype"] = args.dtype
