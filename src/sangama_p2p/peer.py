@@ -434,17 +434,19 @@ class Peer:
         top_p: float = 1.0,
         seed: int = 0,
         stop_at_eos: bool = True,
+        on_tokens: Any = None,
     ) -> Generation:
         """Generate through the swarm; greedy at ``temperature`` 0 gives the same tokens as ``generate --local``.
 
-        ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. Errors: :class:`RouteError` when no chain covers
-        the model, :class:`StageError` when every stage refuses.
+        ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. ``on_tokens(ids)``: called with each trip's new ids
+        as they arrive. Errors: :class:`RouteError` when no chain covers the model, :class:`StageError` when every
+        stage refuses.
         """
         ids = self.encode(prompt)
         client = await self.client(model_id)
         kwargs = self._gen_kwargs({}, stop_at_eos)
         result = await client.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                       guesses=guesses, **kwargs)
+                                       guesses=guesses, on_tokens=on_tokens, **kwargs)
         text = self._tokenizer.decode(result.tokens) if self._tokenizer is not None else None
         return Generation(tuple(result.tokens), text, result)
 
