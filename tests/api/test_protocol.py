@@ -80,3 +80,19 @@ def test_the_api_table_of_a_peer_config(tmp_path):
     path.write_text('[api]\nguesses = "lots"\n')
     with pytest.raises(SangamaError, match="guesses"):
         PeerConfig.from_toml(path)
+
+
+def test_the_api_never_imports_the_stage_side():
+    import ast
+    from pathlib import Path
+
+    import sangama_p2p.api
+
+    names = set()
+    for path in Path(sangama_p2p.api.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names.add("." * node.level + (node.module or ""))
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+    assert names and not [n for n in names if "stage" in n.split(".")], sorted(names)
