@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -137,6 +138,7 @@ class ApiServer:
         self.clients = clients
         self.config = config
         self._key = config.api_key()
+        self._nursery: trio.Nursery | None = None
         self.app = self._build_app()
 
     # ---- ASGI ---------------------------------------------------------------------------------------------------
@@ -173,7 +175,14 @@ class ApiServer:
             def started(self, binds: Any = None) -> None:
                 task_status.started(binds[0] if binds else None)
 
-        await serve(self.app, cfg, shutdown_trigger=trio.sleep_forever, task_status=_Status())  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:  # the generations of the requests in flight
+            self._nursery = nursery
+            try:
+                await serve(self.app, cfg, shutdown_trigger=trio.sleep_forever,
+                            task_status=_Status())  # type: ignore[arg-type]
+            finally:
+                self._nursery = None
+                nursery.cancel_scope.cancel()
 
     def _error(self, err: ApiError) -> Any:
         from starlette.responses import JSONResponse
@@ -277,31 +286,63 @@ class ApiServer:
 
     async def _pieces(self, model: ServedModel, req: ApiRequest, ids: list[int], stop_ids: tuple[int, ...],
                       run: _Run) -> AsyncIterator[tuple[str, list[int]]]:
-        """(text, the token ids it came from) as the tokens arrive; text is cut at the request's stop strings."""
+        """(text, the token ids it came from) as the tokens arrive; text is cut at the request's stop strings.
+
+        The generation runs in a task of the server's own (:meth:`_produce`), so that the next trip leaves as soon
+        as a token is in, while this one is still being decoded and written to the HTTP client."""
         from ..model.tokenizer import IncrementalDecoder
 
+        if self._nursery is None:
+            raise ApiError("the server is not running (ApiServer.serve)", 503, "service_unavailable")
         client = await self.clients(model.model_id)
+        send, recv = trio.open_memory_channel[Any](math.inf)
+        scope = trio.CancelScope()
+        self._nursery.start_soon(self._produce, client, req, ids, stop_ids, send, scope)
         decoder, scan = IncrementalDecoder(model.tokenizer), StopScanner(req.stop)
-        stops, held = frozenset(stop_ids), []
-        async with aclosing(client.stream(ids, req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                          seed=req.seed, guesses=req.guesses, stop_tokens=stop_ids)) as tokens:
-            async for tok in tokens:
-                run.tokens.append(tok)
-                held.append(tok)
-                if tok in stops:
-                    run.finish = "stop"
-                    break
-                text = scan.push(decoder.push([tok]))
-                if scan.hit:
-                    run.finish = "stop"
-                    break
-                if text:
-                    yield text, held
-                    held = []
+        stops, held, text = frozenset(stop_ids), [], ""
+        try:
+            async with recv:
+                async for item in recv:
+                    if isinstance(item, BaseException):
+                        raise item
+                    run.tokens.append(item)
+                    held.append(item)
+                    if item in stops:
+                        run.finish = "stop"
+                        break
+                    text = scan.push(decoder.push([item]))
+                    if scan.hit:
+                        run.finish = "stop"
+                        break
+                    if text:
+                        yield text, held
+                        held = []
+        finally:
+            scope.cancel()  # a stop string, an error or a client gone: the generation ends (its sessions close)
         tail = text if scan.hit else scan.flush(decoder.flush())
         run.finish = run.finish or "length"
         if tail or held:
             yield tail, held
+
+    @staticmethod
+    async def _produce(client: Any, req: ApiRequest, ids: list[int], stop_ids: tuple[int, ...],
+                       send: Any, scope: trio.CancelScope) -> None:
+        """Run the generation, sending each token id (then any error) to the request's channel."""
+        with scope:
+            async with send:
+                try:
+                    async with aclosing(client.stream(ids, req.max_tokens, temperature=req.temperature,
+                                                      top_p=req.top_p, seed=req.seed, guesses=req.guesses,
+                                                      stop_tokens=stop_ids)) as tokens:
+                        async for tok in tokens:
+                            send.send_nowait(tok)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the request is gone
+                except Exception as exc:  # noqa: BLE001 - handed to the request, which types it (or re-raises)
+                    try:
+                        send.send_nowait(exc)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
 
     async def _events(self, req: ApiRequest, pieces: AsyncIterator[tuple[str, list[int]]],
                       first: tuple[str, list[int]] | None, run: _Run) -> AsyncIterator[str]:
