@@ -54,6 +54,9 @@ def test_models_auth_and_request_errors(api):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi", temperature=5)
     assert err.value.body["param"] == "temperature" and set(err.value.body) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.RateLimitError) as err:  # more positions than any stage holds: CAPACITY
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+    assert err.value.status_code == 429 and err.value.body["code"] == "capacity"
 
 
 def test_completion_and_chat_equal_the_local_chain(api, local, model_dir):
@@ -114,6 +117,22 @@ def test_sixteen_concurrent_streams_get_their_solo_tokens(api, local):
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(one, prompts))
     assert got == wants, f"{time.perf_counter() - t0:.1f} s"
+
+
+def test_a_client_that_hangs_up_ends_its_generation(api, local):
+    import httpx
+
+    body = {"model": MODEL, "prompt": "Hang up", "max_tokens": 3000, "temperature": 0, "stream": True,
+            "ignore_eos": True, "guesses": 0}  # about 10 s of trips
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as res:
+            lines = res.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert api.routes()  # the generation is running
+    deadline = time.monotonic() + 3
+    while api.routes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got and api.routes() == []  # its sessions were closed well before 3000 tokens
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")

@@ -24,6 +24,7 @@ def test_parse_request_defaults_and_fields():
     assert (r.max_tokens, r.stop, r.include_usage, r.guesses, r.seed) == (3, ("x",), True, 4, 5)
     assert r.messages[0]["content"] == "a"
     assert _parse({"model": "m", "prompt": [[1, 2]]}).prompt == (1, 2)
+    assert _parse({"model": "m", "prompt": "x", "ignore_eos": True}).ignore_eos
 
 
 @pytest.mark.parametrize("body,param", [

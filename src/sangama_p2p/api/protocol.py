@@ -38,6 +38,7 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     guesses: int | str
+    ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens, past the end-of-sequence ids
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -123,12 +124,16 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
         parse_guesses(guesses)
     except (ModelError, TypeError, ValueError) as exc:
         raise ApiError(f"guesses: {exc}", param="guesses") from exc
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError("ignore_eos must be a boolean", param="ignore_eos")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError("seed must be an integer", param="seed")
     return ApiRequest(chat, model, prompt, messages, max_tokens or default_max_tokens,
                       _number(body, "temperature", 1.0, 0.0, 2.0), _number(body, "top_p", 1.0, 0.0, 1.0),
-                      int(seed or 0), stops, stream, bool(options and options.get("include_usage")), guesses)
+                      int(seed or 0), stops, stream, bool(options and options.get("include_usage")), guesses,
+                      ignore_eos)
 
 
 class StopScanner:

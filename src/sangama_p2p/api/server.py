@@ -262,6 +262,8 @@ class ApiServer:
                                 default_guesses=self.config.guesses)
             model = self._model(req.model)
             ids, stop_ids = self._prompt(model, req)
+            if req.ignore_eos:
+                stop_ids = ()
             run = _Run(len(ids))
             pieces = self._pieces(model, req, ids, stop_ids, run)
             if req.stream:
