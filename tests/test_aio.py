@@ -117,3 +117,27 @@ def test_cancelling_the_awaiting_task_cancels_the_generation(fleet) -> None:
             return len((await peer.generate(PROMPT, 2, stop_at_eos=False)).tokens)
 
     assert asyncio.run(main()) == 2
+
+
+def test_the_http_api_inside_asyncio_run(fleet) -> None:
+    """hypercorn's trio worker runs in the trio guest of an asyncio program; an asyncio HTTP client reaches it."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("hypercorn")
+    from sangama_p2p.api import ApiConfig
+
+    model, f = fleet
+    ckpt = open_checkpoint(model)
+    expected = LocalChain.load(ckpt, [LayerRange(0, 8)]).generate(PROMPT, 6).tokens
+
+    async def main() -> tuple[list, dict]:
+        async with aio.Peer(client_config(model, f.bootstrap_addr), key_pair=generate_key_pair()) as peer:
+            url = await peer.serve_api(model, ApiConfig(port=0))
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                models = (await http.get("/v1/models")).json()
+                res = await http.post("/v1/completions", json={"model": model.name, "prompt": PROMPT,
+                                                               "max_tokens": 6, "temperature": 0})
+        return models["data"], res.json()
+
+    models, res = asyncio.run(main())
+    assert [m["id"] for m in models] == [model.name]
+    assert res["choices"][0]["token_ids"] == expected

@@ -218,6 +218,11 @@ class Peer:
         """Serve ``layers`` of ``model`` (see :meth:`sangama_p2p.Peer.serve`)."""
         return await self._call(lambda p: p.serve(model, layers, **kwargs))
 
+    async def serve_api(self, model: Any = None, config: Any = None, **kwargs: Any) -> str:
+        """Serve the OpenAI-compatible HTTP API until the peer closes; its base URL (see
+        :meth:`sangama_p2p.Peer.serve_api`)."""
+        return await self._call(lambda p: p.serve_api(model, config, **kwargs))
+
     async def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 32, **kwargs: Any) -> Generation:
         """Generate through the swarm (see :meth:`sangama_p2p.Peer.generate`)."""
         return await self._call(lambda p: p.generate(prompt, max_new_tokens, **kwargs))

@@ -25,6 +25,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- DownloadError         a Hub file that could not be fetched, or whose bytes fail the Hub's sha256/etag
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
+    +-- ApiError              an HTTP API request refused (carries the HTTP status and OpenAI's error fields)
 
 Foreign errors are re-raised ``from`` the original exception.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "ApiError",
     "CapacityError",
     "ChatTemplateError",
     "CheckpointError",
@@ -181,6 +183,16 @@ class StageError(SangamaError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ApiError(SangamaError):
+    """An HTTP API request that cannot be served: ``status`` (400, 401, 404, 429, 502, 503) and the fields of
+    OpenAI's error object (``type``, ``param``, ``code``)."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
 
 
 def group_leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -58,6 +58,7 @@ class PeerConfig:
     model_path: Path | None = None
     layers: str = "auto"
     tokenizer_path: Path | None = None
+    api: Any = None  # api.ApiConfig from an [api] table: ``sangama-peer api`` listens with it
 
     def replace(self, **changes: Any) -> PeerConfig:
         return dataclasses.replace(self, **changes)
@@ -69,15 +70,17 @@ class PeerConfig:
         ``[stage]``: ``model`` (checkpoint path, relative to the file), ``layers`` (``"0:20"`` or ``"auto"``),
         optional ``model_id`` (default: the checkpoint's directory name) and any :class:`StageConfig` field.
         ``[client]``: any :class:`ClientConfig` field, plus ``tokenizer`` (a checkpoint directory).
+        ``[api]``: any :class:`~sangama_p2p.api.ApiConfig` field (``host``, ``port``, ``api_key_file`` relative to
+        the file, ``max_tokens``, ``guesses``), for ``sangama-peer api``.
         """
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise SangamaError(f"cannot read peer config {path}: {exc}") from exc
-        unknown = set(data) - {"host", "stage", "client"}
+        unknown = set(data) - {"host", "stage", "client", "api"}
         if unknown:
-            raise SangamaError(f"unknown tables in {path}: {sorted(unknown)} (expected host, stage, client)")
+            raise SangamaError(f"unknown tables in {path}: {sorted(unknown)} (expected host, stage, client, api)")
         host = HostConfig.from_toml(path) if "host" in data else cls.host
         stage, model_path, layers = None, None, "auto"
         if "stage" in data:
@@ -99,7 +102,24 @@ class PeerConfig:
             if "model_id" not in table and stage is not None:
                 table["model_id"] = stage.model_id
             client = _build(ClientConfig, table, f"[client] of {path}")
-        return cls(host, stage, client, model_path, layers, tokenizer)
+        api = None
+        if "api" in data:
+            from .api.server import ApiConfig
+
+            table = dict(data["api"])
+            if "api_key_file" in table:
+                if not isinstance(table["api_key_file"], str):
+                    raise SangamaError(f"[api] of {path}: api_key_file must be a path string")
+                table["api_key_file"] = (path.parent / Path(table["api_key_file"]).expanduser()).resolve()
+            guesses = table.pop("guesses", "auto")
+            try:
+                from .guesses import parse_guesses
+
+                parse_guesses(guesses)
+            except ModelError as exc:
+                raise SangamaError(f"[api] of {path}: {exc}") from exc
+            api = _build(ApiConfig, table, f"[api] of {path}").replace(guesses=guesses)
+        return cls(host, stage, client, model_path, layers, tokenizer, api)
 
 
 def _template_range(layers: str) -> tuple[int, int]:
@@ -414,19 +434,41 @@ class Peer:
         top_p: float = 1.0,
         seed: int = 0,
         stop_at_eos: bool = True,
+        on_tokens: Any = None,
     ) -> Generation:
         """Generate through the swarm; greedy at ``temperature`` 0 gives the same tokens as ``generate --local``.
 
-        ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. Errors: :class:`RouteError` when no chain covers
-        the model, :class:`StageError` when every stage refuses.
+        ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. ``on_tokens(ids)``: called with each trip's new ids
+        as they arrive. Errors: :class:`RouteError` when no chain covers the model, :class:`StageError` when every
+        stage refuses.
         """
         ids = self.encode(prompt)
         client = await self.client(model_id)
         kwargs = self._gen_kwargs({}, stop_at_eos)
         result = await client.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                       guesses=guesses, **kwargs)
+                                       guesses=guesses, on_tokens=on_tokens, **kwargs)
         text = self._tokenizer.decode(result.tokens) if self._tokenizer is not None else None
         return Generation(tuple(result.tokens), text, result)
+
+    async def serve_api(self, model: str | Path | None = None, config: Any = None, *,
+                        model_id: str | None = None, served: Any = None) -> str:
+        """Serve the OpenAI-compatible HTTP API (:mod:`sangama_p2p.api`) for one model until the peer closes;
+        returns its base URL (``http://127.0.0.1:8000``; the ``/v1`` routes are under it).
+
+        ``model``: the checkpoint directory or ``.gguf`` file whose tokenizer and chat template format requests
+        (``served``: an :class:`~sangama_p2p.api.ServedModel` instead); ``config``: an
+        :class:`~sangama_p2p.api.ApiConfig` (default: ``PeerConfig.api``, else port 8000 on 127.0.0.1).
+        """
+        from .api.server import ApiConfig, ApiServer, served_model
+
+        nursery = self._running()
+        if served is None:
+            if model is None:
+                raise SangamaError("serve_api needs the model's checkpoint (directory or .gguf file) or served=")
+            served = await trio.to_thread.run_sync(served_model, model, model_id)
+        server = ApiServer([served], self.client, config or self.config.api or ApiConfig())
+        url: str = await nursery.start(server.serve)
+        return url
 
     async def stream(
         self,

@@ -17,7 +17,7 @@ import threading
 
 from ..errors import SangamaError, group_leaves
 
-_COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds", "peer_cmds", "chat_cmds", "hub_cmds")
+_COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds", "peer_cmds", "chat_cmds", "hub_cmds", "api_cmds")
 _WITHOUT_TORCH = frozenset({"id", "bootstrap", "status"})  # these run on machines without torch (net_cmds)
 _TORCH = "torch"  # a name, so that tests can stand in a module of their own
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import ModelError
+from ..errors import ModelError, SangamaError
 from .argtypes import guesses, non_negative_int, positive_int
 from .threads import set_threads
 
@@ -61,7 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dequantize-per-use", action="store_true",
                    help="keep quantized GGUF weights as stored and dequantize them on every use (slow; for comparing "
                    "with the fused kernels)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text")
+    out.add_argument("--jsonl", action="store_true",
+                     help="stream one JSON line per token ({\"token\", \"text\"}), then a {\"done\": true, ...} line")
     p.set_defaults(handler=_generate)
 
 
@@ -135,21 +138,44 @@ def _generate(args: argparse.Namespace) -> int:
                             fused=not args.dequantize_per_use)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
+    if args.batch == 1:  # one request: its tokens print as they come
+        from ..model.emit import TokenPrinter
+
+        printer = TokenPrinter(ckpt.tokenizer, output_mode(args), hide=stops or ())
+        try:
+            r = chain.generate(ids, args.max_new_tokens, sampling, guesses=args.guesses,
+                               stop_at_eos=not args.ignore_eos, stop_tokens=stops,
+                               on_tokens=lambda i, new: printer.push(new))
+        except SangamaError as exc:
+            printer.fail(exc)
+            raise
+        printer.done(dict(r.as_dict(), text=_answer_text(r, stops, ckpt.tokenizer)))
+        if printer.mode == "text":
+            _local_stats(r)
+        return 0
     results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=args.guesses,
                                   stop_at_eos=not args.ignore_eos, stop_tokens=stops)
     texts = [_answer_text(r, stops, ckpt.tokenizer) for r in results]
-    if args.json:
+    if args.json or args.jsonl:
         dicts = [dict(r.as_dict(), text=t) for r, t in zip(results, texts)]
         print(json.dumps(dicts[0] if args.batch == 1 else {"requests": dicts}))
         return 0
     for r, text in zip(results, texts):
         print(text if text is not None else " ".join(map(str, r.tokens)))
-        print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
-              f"decode, {r.steps} steps, {r.tokens_per_step:.2f} tokens/step, accepted guesses per step "
-              f"{r.guesses_accepted / max(r.steps, 1):.2f}; stages "
-              + ", ".join(f"{t.layers}: {t.seconds * 1e3 / max(t.calls, 1):.2f} ms/call" for t in r.stages)
-              + "]", file=sys.stderr)
+        _local_stats(r)
     return 0
+
+
+def output_mode(args: argparse.Namespace) -> str:
+    return "json" if args.json else "jsonl" if args.jsonl else "text"
+
+
+def _local_stats(r) -> None:
+    print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
+          f"decode, {r.steps} steps, {r.tokens_per_step:.2f} tokens/step, accepted guesses per step "
+          f"{r.guesses_accepted / max(r.steps, 1):.2f}; stages "
+          + ", ".join(f"{t.layers}: {t.seconds * 1e3 / max(t.calls, 1):.2f} ms/call" for t in r.stages)
+          + "]", file=sys.stderr)
 
 
 def _answer_text(result, stops: tuple[int, ...] | None, tokenizer) -> str | None:

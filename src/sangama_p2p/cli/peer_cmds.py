@@ -264,6 +264,9 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
             raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
         _need_tokenizer(config, args.model, "a text prompt")
 
+    if args.batch == 1:
+        return _generate_streamed(args, config, prompts[0] if prompts is not None else None, text)
+
     async def main() -> list[Any]:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
             todo = prompts if prompts is not None else [peer.encode(text)]
@@ -289,16 +292,61 @@ def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) 
         from .tables import print_where_time_goes
 
         print_where_time_goes(results[0].result.trips)
-    if args.json:
+    if args.json or args.jsonl:
         dicts = [dict(g.result.as_dict(), text=g.text) for g in results]
         print(json.dumps(dicts[0] if len(dicts) == 1 else {"requests": dicts}))
         return 0
     for g in results:
-        r = g.result
         print(g.text if g.text is not None else " ".join(map(str, g.tokens)))
-        print(f"[{len(g.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
-              f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
-              f"route {' -> '.join(p[:8] for p in r.route)}]", file=sys.stderr)
+        _network_stats(g.result)
+    return 0
+
+
+def _network_stats(r: Any) -> None:
+    print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
+          f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
+          f"route {' -> '.join(p[:8] for p in r.route)}]", file=sys.stderr)
+
+
+def _generate_streamed(args: argparse.Namespace, config: Any, ids: list[int] | None, text: str | None) -> int:
+    """One request over the swarm, printed token by token (``--json``: one document at the end); on a failure
+    the tokens produced so far stay printed, then the error (exit code 2, from ``main``)."""
+    import trio
+
+    from ..errors import SangamaError
+    from ..model.emit import TokenPrinter
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer
+    from .model_cmds import output_mode
+
+    printer: Any = None
+
+    async def main() -> Any:
+        nonlocal printer
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            printer = TokenPrinter(peer.tokenizer, output_mode(args))
+            prompt = ids if ids is not None else peer.encode(text or "")
+            return await peer.generate(prompt, args.max_new_tokens, guesses=args.guesses,
+                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                       stop_at_eos=not args.ignore_eos, on_tokens=printer.push)
+
+    try:
+        g = trio.run(main)
+    except BaseException as exc:
+        from .chat_cmds import _sangama_errors
+
+        errors = _sangama_errors(exc)
+        if errors is None or printer is None:
+            raise
+        printer.fail(errors[0])
+        raise errors[0] from exc
+    printer.done(dict(g.result.as_dict(), text=g.text))
+    if args.timings:
+        from .tables import print_where_time_goes
+
+        print_where_time_goes(g.result.trips)
+    if printer.mode == "text":
+        _network_stats(g.result)
     return 0
 
 

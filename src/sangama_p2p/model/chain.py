@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -84,6 +84,7 @@ class _Request:
     decoder: Decoder
     pending: list[int]  # token ids of the next step (last token + guesses)
     eos: frozenset[int]
+    index: int = 0  # in the prompts given
     n_guesses: int = 0
     start: int = 0
     out: list[int] = dataclasses.field(default_factory=list)
@@ -121,10 +122,11 @@ class LocalChain:
         stop_at_eos: bool = True,
         capacity: int | None = None,
         stop_tokens: Sequence[int] | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> GenerationResult:
         """One request; ``guesses``: a fixed number of MTP guesses per step, or ``"auto"``."""
         return self.generate_many([prompt_ids], max_new_tokens, sampling, guesses=guesses, stop_at_eos=stop_at_eos,
-                                  capacity=capacity, stop_tokens=stop_tokens)[0]
+                                  capacity=capacity, stop_tokens=stop_tokens, on_tokens=on_tokens)[0]
 
     def generate_many(
         self,
@@ -136,12 +138,13 @@ class LocalChain:
         stop_at_eos: bool = True,
         capacity: int | None = None,
         stop_tokens: Sequence[int] | None = None,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[GenerationResult]:
         """Several requests at once: every trip runs all unfinished requests as one batched step per stage.
 
         ``guesses`` is one setting for all requests, or one per request. ``stop_tokens`` replaces the model's eos
         ids as the ids that end a request (e.g. a chat template's end-of-turn tokens); ``stop_at_eos=False`` ignores
-        both.
+        both. ``on_tokens(i, ids)`` is called with request ``i``'s new ids after every trip that produced some.
         """
         settings = list(guesses) if isinstance(guesses, (list, tuple)) else [guesses] * len(prompts)
         if len(settings) != len(prompts):
@@ -166,13 +169,13 @@ class LocalChain:
             sessions = [s.new_session(cap, ring=ring) for s in self.stages]
             params = dataclasses.replace(sampling, seed=sampling.seed + i)
             dec = Decoder(sessions[-1], params, GuessPolicy(max_guesses, adaptive))
-            reqs.append(_Request(prompt, max_new_tokens, sessions, dec, pending=prompt, eos=eos))
+            reqs.append(_Request(prompt, max_new_tokens, sessions, dec, pending=prompt, eos=eos, index=i))
         t0 = time.perf_counter()
         while True:
             active = [r for r in reqs if not r.done]
             if not active:
                 break
-            self._trip(active, timings)
+            self._trip(active, timings, on_tokens)
             now = time.perf_counter()
             for r in active:
                 if not r.t_first:
@@ -189,7 +192,8 @@ class LocalChain:
                 steps=d.steps - 1, guesses_proposed=d.proposed, guesses_accepted=d.accepted, accepted_at=by_pos))
         return results
 
-    def _trip(self, reqs: list[_Request], timings: list[StageTiming]) -> None:
+    def _trip(self, reqs: list[_Request], timings: list[StageTiming],
+              on_tokens: Callable[[int, list[int]], None] | None = None) -> None:
         """One batched trip through every stage for ``reqs``; updates each request."""
         x: torch.Tensor | None = None
         t_trip = time.thread_time()  # the guess policy weighs compute time (Decoder.record_trip)
@@ -210,12 +214,15 @@ class LocalChain:
         for r, o in zip(reqs, outs):
             r.decoder.record_trip(t_trip)
             r.start += len(r.pending) - r.n_guesses + o.accepted
+            before = len(r.out)
             for tok in o.tokens:
                 if len(r.out) >= r.max_new:
                     break
                 r.out.append(tok)
                 if tok in r.eos:
                     break
+            if on_tokens is not None and len(r.out) > before:
+                on_tokens(r.index, r.out[before:])
             if len(r.out) >= r.max_new or r.out[-1] in r.eos:
                 r.done = True
             r.pending = [o.tokens[-1], *o.guesses]

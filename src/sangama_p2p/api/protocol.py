@@ -1,0 +1,228 @@
+"""OpenAI's request and response shapes, without I/O: parse and check a request body, cut text at stop strings,
+map Sangama's errors to HTTP statuses, build the JSON objects the server sends.
+
+Kept apart from the server (:mod:`sangama_p2p.api.server`) so that every rule here is a pure function tests call.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ApiError, CapacityError, ChatTemplateError, ErrorCode, ModelError, RouteError, SangamaError
+from ..errors import StageError
+from ..guesses import parse_guesses
+
+__all__ = ["ApiRequest", "StopScanner", "chat_chunk", "chat_response", "completion_chunk", "completion_response",
+           "error_body", "error_for", "parse_request", "usage"]
+
+MAX_STOP = 4  # OpenAI's limit on stop strings
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One ``/v1/completions`` or ``/v1/chat/completions`` request, checked."""
+
+    chat: bool
+    model: str
+    prompt: str | tuple[int, ...] | None  # completions
+    messages: tuple[Mapping[str, Any], ...]  # chat
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    guesses: int | str
+    ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens, past the end-of-sequence ids
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ApiError(f"{name} must be a number in [{lo}, {hi}], got {value!r}", param=name)
+    return float(value)
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ApiError(f"{name} must be an integer >= {lo}, got {value!r}", param=name)
+    return value
+
+
+def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_guesses: int | str) -> ApiRequest:
+    """Check a decoded JSON body; :class:`ApiError` (400) names the bad field."""
+    if not isinstance(body, Mapping):
+        raise ApiError("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError("model is required (a string)", param="model")
+    n = _int(body, "n", 1)
+    if n is not None and n != 1:
+        raise ApiError(f"n={n} is not supported: this server returns one choice (n=1)", param="n")
+    for name in ("logprobs", "echo", "tools", "functions", "logit_bias", "best_of"):
+        value = body.get(name)
+        if value not in (None, False, 0, 1, {}, []) or (name == "best_of" and value not in (None, 1)):
+            raise ApiError(f"{name} is not supported by this server", param=name)
+    prompt: str | tuple[int, ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] = ()
+    if chat:
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise ApiError("messages must be a non-empty list", param="messages")
+        for m in raw:
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise ApiError("every message needs a role (and content)", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+                    raise ApiError("only text content parts are supported", param="messages")
+                m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
+            elif content is not None and not isinstance(content, str):
+                raise ApiError("message content must be a string or a list of text parts", param="messages")
+            messages += (dict(m),)
+    else:
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+            raw = raw[0]  # one prompt in a batch of one
+        if isinstance(raw, str) and raw:
+            prompt = raw
+        elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            prompt = tuple(raw)
+        else:
+            raise ApiError("prompt must be a non-empty string or list of token ids (one prompt per request)",
+                           param="prompt")
+    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
+        stops = tuple(s for s in stop if s)
+    else:
+        raise ApiError(f"stop must be a string or a list of at most {MAX_STOP} strings", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("stream must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ApiError("stream_options must be an object", param="stream_options")
+    guesses = body.get("guesses", default_guesses)
+    try:
+        parse_guesses(guesses)
+    except (ModelError, TypeError, ValueError) as exc:
+        raise ApiError(f"guesses: {exc}", param="guesses") from exc
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError("ignore_eos must be a boolean", param="ignore_eos")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError("seed must be an integer", param="seed")
+    return ApiRequest(chat, model, prompt, messages, max_tokens or default_max_tokens,
+                      _number(body, "temperature", 1.0, 0.0, 2.0), _number(body, "top_p", 1.0, 0.0, 1.0),
+                      int(seed or 0), stops, stream, bool(options and options.get("include_usage")), guesses,
+                      ignore_eos)
+
+
+class StopScanner:
+    """Cuts streamed text at the first stop string: :meth:`push` returns the text that is safe to send (a tail that
+    could be the start of a stop string is held back) and whether a stop string was hit."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        self._buf += piece
+        cuts = [i for i in (self._buf.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.hit = True
+            out, self._buf = self._buf[:min(cuts)], ""
+            return out
+        keep = min(self._hold, len(self._buf))
+        out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return out
+
+    def flush(self, piece: str = "") -> str:
+        out = self.push(piece)
+        if self.hit:
+            return out
+        out, self._buf = out + self._buf, ""
+        return out
+
+
+def error_for(exc: BaseException, *, started: bool) -> ApiError:
+    """The HTTP error for a Sangama error; ``started``: tokens had come back before it (the chain failed mid-way)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (ChatTemplateError, CapacityError)) or (isinstance(exc, ModelError) and not started):
+        return ApiError(str(exc), 400, "invalid_request_error", code="invalid_prompt")
+    if isinstance(exc, StageError) and exc.code in (ErrorCode.CAPACITY, ErrorCode.OVERLOADED) and not started:
+        return ApiError(f"the swarm is at capacity: {exc}", 429, "rate_limit_error", code="capacity")
+    if isinstance(exc, RouteError) and not started and not isinstance(exc.__cause__, SangamaError):
+        return ApiError(f"no chain of peers serves the model now: {exc}", 503, "service_unavailable",
+                        code="no_chain")
+    return ApiError(f"the chain of peers failed: {exc}", 502, "bad_gateway", code="chain_failed")
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    return {"error": {"message": str(err), "type": err.type, "param": err.param, "code": err.code}}
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _head(rid: str, obj: str, model: str, created: int | None) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, int],
+                  token_ids: Sequence[int]) -> dict[str, Any]:
+    return {**_head(rid, "chat.completion", model, None),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                         "logprobs": None, "token_ids": list(token_ids)}],
+            "usage": use}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict[str, int],
+                        token_ids: Sequence[int]) -> dict[str, Any]:
+    return {**_head(rid, "text_completion", model, None),
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+                         "token_ids": list(token_ids)}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None, finish: str | None,
+               token_ids: Sequence[int] = (), use: dict[str, int] | None = None) -> dict[str, Any]:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None,
+                                         "token_ids": list(token_ids)}]
+    return {**_head(rid, "chat.completion.chunk", model, created), "choices": choices, "usage": use}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None,
+                     token_ids: Sequence[int] = (), use: dict[str, int] | None = None) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+                                        "token_ids": list(token_ids)}]
+    return {**_head(rid, "text_completion", model, created), "choices": choices, "usage": use}

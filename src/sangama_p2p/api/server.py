@@ -1,0 +1,378 @@
+"""An OpenAI-compatible HTTP API over the swarm: starlette routes served by hypercorn's trio worker.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as server-sent
+events ending in ``data: [DONE]``). Each request runs one :meth:`ChainClient.stream` on the one client per model,
+so concurrent requests batch at the stages like concurrent ``generate`` calls. Chat prompts go through the
+checkpoint's own template (:func:`sangama_p2p.model.chat.render_chat`) and end at its stop ids. Errors are
+OpenAI's ``{"error": {...}}`` objects with the status :func:`~sangama_p2p.api.protocol.error_for` gives; a failure
+after a stream started is sent as one ``data: {"error": ...}`` event, then the stream closes (no ``[DONE]``).
+
+Embedding (trio)::
+
+    server = ApiServer([served_model("/models/smol")], peer.client, ApiConfig(port=8000))
+    url = await nursery.start(server.serve)       # "http://127.0.0.1:8000"
+
+or simply ``url = await peer.serve_api("/models/smol")``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..errors import ApiError, CheckpointError, SangamaError, group_leaves
+from .protocol import (ApiRequest, StopScanner, chat_chunk, chat_response, completion_chunk, completion_response,
+                       error_body, error_for, new_id, parse_request, usage)
+
+__all__ = ["ApiConfig", "ApiServer", "ServedModel", "served_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """``host``/``port`` to listen on (port 0: any free one); ``api_key_file``: a file holding the one key clients
+    must send as ``Authorization: Bearer KEY`` (None: no key); ``max_tokens``: when a request gives none;
+    ``guesses``: MTP guesses per trip unless a request's ``guesses`` field says otherwise."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key_file: Path | None = None
+    max_tokens: int = 256
+    guesses: int | str = "auto"
+
+    def replace(self, **changes: Any) -> ApiConfig:
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)
+
+    def api_key(self) -> str | None:
+        if self.api_key_file is None:
+            return None
+        try:
+            key = Path(self.api_key_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise SangamaError(f"cannot read the API key file {self.api_key_file}: {exc}") from exc
+        if not key:
+            raise SangamaError(f"the API key file {self.api_key_file} is empty")
+        return key
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model the API offers: its swarm id, tokenizer, chat template and end-of-sequence ids."""
+
+    model_id: str
+    tokenizer: Any  # model.tokenizer.Tokenizer
+    template: Any  # model.chat.ChatTemplate
+    eos_ids: tuple[int, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
+    """Tokenizer, template and eos ids of a checkpoint directory or ``.gguf`` file (the id: its name)."""
+    from ..model.chat import ChatTemplate, load_chat_template
+    from ..model.tokenizer import Tokenizer
+
+    p = Path(path).expanduser()
+    mid = model_id or (p.stem if p.suffix == ".gguf" else p.resolve().name)
+    if p.is_file() and p.suffix == ".gguf":
+        from ..model.gguf.reader import read_metadata
+        from ..model.gguf.tokenizer import tokenizer_from_gguf
+
+        meta = read_metadata(p)
+        tok = tokenizer_from_gguf(meta)
+        if tok is None:
+            raise CheckpointError(f"{p} carries no tokenizer (tokenizer.ggml.model)")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        ids = (int(eos),) if eos is not None else ()
+        return ServedModel(mid, Tokenizer(tok, ids), ChatTemplate.from_gguf_metadata(meta.metadata, p.name), ids)
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is neither a checkpoint directory nor a .gguf file")
+    tokenizer = Tokenizer.from_dir(p)
+    try:
+        from ..model.spec import ModelSpec
+
+        eos_ids = tuple(ModelSpec.from_dir(p).eos_token_ids)
+    except SangamaError:  # a directory with only the tokenizer
+        eos_ids = tuple(tokenizer.eos_token_ids)
+    return ServedModel(mid, tokenizer, load_chat_template(p), eos_ids)
+
+
+def _sangama_error(exc: BaseException) -> SangamaError | None:
+    """The typed error ``exc`` is (trio may wrap it in groups), or None."""
+    if isinstance(exc, SangamaError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = group_leaves(exc)
+        if leaves and all(isinstance(e, SangamaError) for e in leaves):
+            return leaves[0]  # type: ignore[return-value]
+    return None
+
+
+@dataclass
+class _Run:
+    """What one request produced so far."""
+
+    prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+class ApiServer:
+    """The ASGI app and its trio server; ``clients(model_id)`` returns the model's ChainClient (``Peer.client``)."""
+
+    def __init__(self, models: Sequence[ServedModel], clients: Callable[[str], Awaitable[Any]],
+                 config: ApiConfig = ApiConfig()) -> None:
+        self.models = {m.model_id: m for m in models}
+        self.clients = clients
+        self.config = config
+        self._key = config.api_key()
+        self._nursery: trio.Nursery | None = None
+        self.app = self._build_app()
+
+    # ---- ASGI ---------------------------------------------------------------------------------------------------
+    def _build_app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        async def not_found(request: Any, exc: Any) -> Any:
+            status = getattr(exc, "status_code", 404)
+            return self._error(ApiError(f"{request.method} {request.url.path}: {getattr(exc, 'detail', '')}",
+                                        status, "invalid_request_error", code="not_found" if status == 404 else None))
+
+        return Starlette(routes=[
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self._model_info, methods=["GET"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+        ], exception_handlers={HTTPException: not_found})
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled; ``task_status.started`` gets the base URL (``http://host:port``)."""
+        from hypercorn.config import Config
+        from hypercorn.trio import serve
+
+        cfg = Config()
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        cfg.bind = [f"{host}:{self.config.port}"]
+        cfg.accesslog = None
+        cfg.errorlog = log
+        cfg.graceful_timeout = 1.0
+
+        class _Status:
+            def started(self, binds: Any = None) -> None:
+                task_status.started(binds[0] if binds else None)
+
+        async with trio.open_nursery() as nursery:  # the generations of the requests in flight
+            self._nursery = nursery
+            try:
+                await serve(self.app, cfg, shutdown_trigger=trio.sleep_forever,
+                            task_status=_Status())  # type: ignore[arg-type]
+            finally:
+                self._nursery = None
+                nursery.cancel_scope.cancel()
+
+    def _error(self, err: ApiError) -> Any:
+        from starlette.responses import JSONResponse
+
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+    def _auth(self, request: Any) -> None:
+        if self._key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key.encode()):
+            raise ApiError("Incorrect API key provided" if given else "Missing API key (Authorization: Bearer KEY)",
+                           401, "invalid_request_error", code="invalid_api_key")
+
+    def _model(self, model_id: str) -> ServedModel:
+        model = self.models.get(model_id)
+        if model is None:
+            raise ApiError(f"The model {model_id!r} does not exist (served: {', '.join(self.models)})", 404,
+                           "invalid_request_error", "model", "model_not_found")
+        return model
+
+    def _card(self, m: ServedModel) -> dict[str, Any]:
+        return {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "sangama"}
+
+    async def _models(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        try:
+            self._auth(request)
+        except ApiError as err:
+            return self._error(err)
+        return JSONResponse({"object": "list", "data": [self._card(m) for m in self.models.values()]})
+
+    async def _model_info(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        try:
+            self._auth(request)
+            return JSONResponse(self._card(self._model(request.path_params["model"])))
+        except ApiError as err:
+            return self._error(err)
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._complete(request, chat=False)
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._complete(request, chat=True)
+
+    # ---- one request --------------------------------------------------------------------------------------------
+    def _prompt(self, model: ServedModel, req: ApiRequest) -> tuple[list[int], tuple[int, ...]]:
+        if req.chat:
+            from ..model.chat import render_chat
+
+            prompt = render_chat(model.template, model.tokenizer, list(req.messages))
+            return list(prompt.ids), tuple(prompt.stop_ids)
+        if isinstance(req.prompt, str):
+            return model.tokenizer.encode(req.prompt), model.eos_ids
+        ids = list(req.prompt or ())
+        vocab = model.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        return ids, model.eos_ids
+
+    async def _complete(self, request: Any, *, chat: bool) -> Any:
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        run: _Run | None = None
+        try:
+            self._auth(request)
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ApiError(f"the body is not valid JSON: {exc}") from exc
+            req = parse_request(body, chat=chat, default_max_tokens=self.config.max_tokens,
+                                default_guesses=self.config.guesses)
+            model = self._model(req.model)
+            ids, stop_ids = self._prompt(model, req)
+            if req.ignore_eos:
+                stop_ids = ()
+            run = _Run(len(ids))
+            pieces = self._pieces(model, req, ids, stop_ids, run)
+            if req.stream:
+                first = await anext(pieces, None)  # errors before the first token get their own status
+                return StreamingResponse(self._events(req, pieces, first, run), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text, done = [], []
+            async for piece, toks in pieces:
+                text.append(piece)
+                done.extend(toks)
+        except ApiError as err:
+            return self._error(err)
+        except BaseException as exc:
+            typed = _sangama_error(exc)
+            if typed is None:
+                raise
+            log.info("request failed: %s", typed)
+            return self._error(error_for(typed, started=bool(run and run.tokens)))
+        build = chat_response if chat else completion_response
+        return JSONResponse(build(new_id(chat), req.model, "".join(text), run.finish or "length",
+                                  usage(run.prompt_tokens, len(run.tokens)), run.tokens))
+
+    async def _pieces(self, model: ServedModel, req: ApiRequest, ids: list[int], stop_ids: tuple[int, ...],
+                      run: _Run) -> AsyncIterator[tuple[str, list[int]]]:
+        """(text, the token ids it came from) as the tokens arrive; text is cut at the request's stop strings.
+
+        The generation runs in a task of the server's own (:meth:`_produce`), so that the next trip leaves as soon
+        as a token is in, while this one is still being decoded and written to the HTTP client."""
+        from ..model.tokenizer import IncrementalDecoder
+
+        if self._nursery is None:
+            raise ApiError("the server is not running (ApiServer.serve)", 503, "service_unavailable")
+        client = await self.clients(model.model_id)
+        send, recv = trio.open_memory_channel[Any](math.inf)
+        scope = trio.CancelScope()
+        self._nursery.start_soon(self._produce, client, req, ids, stop_ids, send, scope)
+        decoder, scan = IncrementalDecoder(model.tokenizer), StopScanner(req.stop)
+        stops, held, text = frozenset(stop_ids), [], ""
+        try:
+            async with recv:
+                async for item in recv:
+                    if isinstance(item, BaseException):
+                        raise item
+                    run.tokens.append(item)
+                    held.append(item)
+                    if item in stops:
+                        run.finish = "stop"
+                        break
+                    text = scan.push(decoder.push([item]))
+                    if scan.hit:
+                        run.finish = "stop"
+                        break
+                    if text:
+                        yield text, held
+                        held = []
+        finally:
+            scope.cancel()  # a stop string, an error or a client gone: the generation ends (its sessions close)
+        tail = text if scan.hit else scan.flush(decoder.flush())
+        run.finish = run.finish or "length"
+        if tail or held:
+            yield tail, held
+
+    @staticmethod
+    async def _produce(client: Any, req: ApiRequest, ids: list[int], stop_ids: tuple[int, ...],
+                       send: Any, scope: trio.CancelScope) -> None:
+        """Run the generation, sending each token id (then any error) to the request's channel."""
+        with scope:
+            async with send:
+                try:
+                    async with aclosing(client.stream(ids, req.max_tokens, temperature=req.temperature,
+                                                      top_p=req.top_p, seed=req.seed, guesses=req.guesses,
+                                                      stop_tokens=stop_ids)) as tokens:
+                        async for tok in tokens:
+                            send.send_nowait(tok)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the request is gone
+                except Exception as exc:  # noqa: BLE001 - handed to the request, which types it (or re-raises)
+                    try:
+                        send.send_nowait(exc)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+
+    async def _events(self, req: ApiRequest, pieces: AsyncIterator[tuple[str, list[int]]],
+                      first: tuple[str, list[int]] | None, run: _Run) -> AsyncIterator[str]:
+        rid, created = new_id(req.chat), int(time.time())
+
+        def chunk(text: str | None, finish: str | None, toks: Sequence[int] = (), use: Any = None) -> str:
+            if req.chat:
+                delta = None if text is None else ({"content": text} if finish is None else {})
+                obj = chat_chunk(rid, req.model, created, delta, finish, toks, use)
+            else:
+                obj = completion_chunk(rid, req.model, created, text, finish, toks, use)
+            return f"data: {json.dumps(obj)}\n\n"
+
+        if req.chat:
+            yield f"data: {json.dumps(chat_chunk(rid, req.model, created, {'role': 'assistant', 'content': ''}, None))}\n\n"
+        try:
+            if first is not None:
+                yield chunk(first[0], None, first[1])
+                async for piece, toks in pieces:
+                    yield chunk(piece, None, toks)
+        except BaseException as exc:
+            typed = _sangama_error(exc)
+            if typed is None:
+                raise
+            log.info("stream failed after %d tokens: %s", len(run.tokens), typed)
+            yield f"data: {json.dumps(error_body(error_for(typed, started=True)))}\n\n"
+            return
+        yield chunk("", run.finish or "length")
+        if req.include_usage:
+            yield chunk(None, None, use=usage(run.prompt_tokens, len(run.tokens)))
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,84 @@
+"""``sangama-peer api``: an OpenAI-compatible HTTP API over the swarm (:mod:`sangama_p2p.api`).
+
+Prints ``api listening http://HOST:PORT`` once the server accepts requests; SIGINT/SIGTERM stop it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from .argtypes import guesses, positive_int
+from .peer_cmds import add_host_args
+
+READY = "api listening "
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API over the swarm",
+                       description="Serve /v1/models, /v1/completions and /v1/chat/completions (streamed with "
+                       "server-sent events) for a model served by the swarm; prompts are tokenized and chats "
+                       "formatted with the checkpoint's own tokenizer and chat template.")
+    p.add_argument("--model", required=True, metavar="ID|DIR|FILE.gguf",
+                   help="checkpoint directory or .gguf file (its name is the model id), or a model id with "
+                   "--tokenizer")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR|FILE.gguf",
+                   help="checkpoint directory or .gguf file with the tokenizer and chat template (for --model ID)")
+    p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [client], [api])")
+    add_host_args(p, listen=False)
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 = any free port)")
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                   help="file holding the key clients must send as 'Authorization: Bearer KEY' (default: none)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="new tokens when a request gives no max_tokens (default 256)")
+    p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
+                   help="MTP guesses per trip unless a request sets 'guesses' (default auto)")
+    p.set_defaults(handler=_api)
+
+
+def _api(args: argparse.Namespace) -> int:
+    import signal
+
+    import trio
+
+    from ..api.server import ApiConfig, served_model
+    from ..client.config import ClientConfig
+    from ..errors import SangamaError
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer, PeerConfig, default_model_id
+    from .peer_cmds import _quiet, _until_signal, client_peer_config
+
+    _quiet()
+    config, model_id = client_peer_config(args, args.model)
+    given = Path(args.model).expanduser()
+    if given.suffix == ".gguf" and given.is_file():  # a GGUF file names the model as its stem
+        model_id = default_model_id(given)
+        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
+    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
+    if source is None:
+        raise SangamaError(f"api needs the model's tokenizer, and {args.model!r} is a model id, not a checkpoint: "
+                           "pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
+    file_config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
+    api = file_config.api or ApiConfig()
+    flags: dict[str, Any] = {"host": args.host, "port": args.port, "api_key_file": args.api_key_file,
+                             "max_tokens": args.max_tokens, "guesses": args.guesses}
+    api = api.replace(**{k: v for k, v in flags.items() if v is not None})
+    api.api_key()  # a missing or empty key file fails here, before joining the swarm
+    if file_config.client is not None:
+        config = config.replace(client=file_config.client.replace(model_id=model_id))
+    config = dataclasses.replace(config, tokenizer_path=None)
+    served = served_model(source, model_id)
+
+    async def main() -> None:
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                url = await peer.serve_api(served=served, config=api)
+                print(f"{READY}{url} (model {model_id})", flush=True)
+                await _until_signal(signals, None)
+                print("stopping", flush=True)
+
+    trio.run(main)
+    return 0

@@ -1,0 +1,99 @@
+"""The API's pure rules: request checks, stop strings, the HTTP status of each error, the [api] config table."""
+
+from __future__ import annotations
+
+import pytest
+
+from sangama_p2p.api.protocol import StopScanner, error_for, parse_request
+from sangama_p2p.client.session import ChainBroken, StageRefused
+from sangama_p2p.errors import ApiError, ChatTemplateError, ErrorCode, RouteError, SangamaError
+from sangama_p2p.peer import PeerConfig
+
+
+def _parse(body, chat=False):
+    return parse_request(body, chat=chat, default_max_tokens=7, default_guesses="auto")
+
+
+def test_parse_request_defaults_and_fields():
+    r = _parse({"model": "m", "prompt": "hi"})
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed, r.stop, r.stream, r.guesses) == \
+        (7, 1.0, 1.0, 0, (), False, "auto")
+    r = _parse({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                "max_completion_tokens": 3, "max_tokens": 9, "stop": "x", "stream": True,
+                "stream_options": {"include_usage": True}, "guesses": 4, "seed": 5}, chat=True)
+    assert (r.max_tokens, r.stop, r.include_usage, r.guesses, r.seed) == (3, ("x",), True, 4, 5)
+    assert r.messages[0]["content"] == "a"
+    assert _parse({"model": "m", "prompt": [[1, 2]]}).prompt == (1, 2)
+    assert _parse({"model": "m", "prompt": "x", "ignore_eos": True}).ignore_eos
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi"}, "model"),
+    ({"model": "m", "prompt": "hi", "n": 2}, "n"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": ""}, "prompt"),
+    ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"model": "m", "prompt": "hi", "stop": ["a"] * 5}, "stop"),
+    ({"model": "m", "prompt": "hi", "guesses": 99}, "guesses"),
+    ({"model": "m", "prompt": "hi", "logprobs": 5}, "logprobs"),
+    ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
+])
+def test_bad_requests_are_400_naming_the_field(body, param):
+    with pytest.raises(ApiError) as err:
+        _parse(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
+    s = StopScanner(["END", "xy"])
+    out = [s.push(p) for p in ("ab", "cE", "N", "Dzz")]
+    assert "".join(out) == "abc" and s.hit
+    s = StopScanner(["END"])
+    assert s.push("aE") == "" and s.push("Nx") == "aE" and s.flush() == "Nx" and not s.hit
+    assert StopScanner([]).push("abc") == "abc"
+
+
+def test_errors_map_to_openai_statuses():
+    cap = StageRefused("CAPACITY: max_length", ErrorCode.CAPACITY, "peer")
+    assert error_for(cap, started=False).status == 429
+    assert error_for(RouteError("no live peer serves 'm'"), started=False).status == 503
+    broke = RouteError("gave up")
+    broke.__cause__ = ChainBroken("reset")
+    assert error_for(broke, started=False).status == 502
+    assert error_for(RouteError("x"), started=True).status == 502
+    assert error_for(ChatTemplateError("bad"), started=False).status == 400
+    assert error_for(SangamaError("?"), started=False).status == 502
+
+
+def test_the_api_table_of_a_peer_config(tmp_path):
+    path = tmp_path / "peer.toml"
+    path.write_text('[api]\nport = 9000\nhost = "0.0.0.0"\napi_key_file = "key"\nguesses = 2\n')
+    api = PeerConfig.from_toml(path).api
+    assert (api.port, api.host, api.api_key_file, api.guesses) == (9000, "0.0.0.0", tmp_path / "key", 2)
+    path.write_text('[api]\nport = "x"\n')
+    with pytest.raises(SangamaError, match="port"):
+        PeerConfig.from_toml(path)
+    path.write_text('[api]\nnope = 1\n')
+    with pytest.raises(SangamaError, match="nope"):
+        PeerConfig.from_toml(path)
+    path.write_text('[api]\nguesses = "lots"\n')
+    with pytest.raises(SangamaError, match="guesses"):
+        PeerConfig.from_toml(path)
+
+
+def test_the_api_never_imports_the_stage_side():
+    import ast
+    from pathlib import Path
+
+    import sangama_p2p.api
+
+    names = set()
+    for path in Path(sangama_p2p.api.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names.add("." * node.level + (node.module or ""))
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+    assert names and not [n for n in names if "stage" in n.split(".")], sorted(names)
