@@ -122,3 +122,26 @@ def test_replies_that_are_never_read_stay_within_the_outbox_bound_and_memory_ret
                 assert after <= 1.1 * baseline
 
     trio.run(main)
+
+
+def test_an_outbox_bounds_its_queue_and_a_shared_link_refuses_only_the_item_over_it():
+    from sangama_p2p.stage.links import Outbox, OutboxFull
+    from sangama_p2p.wire.messages import InfoRequest as Req
+
+    async def main():
+        async def never() -> object:
+            await trio.sleep_forever()
+
+        lost: list = []
+        reply = Outbox(peer="p", opener=never, on_failed=lambda o, items, exc: lost.append((items, exc)),
+                       max_bytes=4096)
+        link = Outbox(peer="q", opener=never, max_bytes=4096, fail_when_full=False)
+        for box in (reply, link):
+            assert all(box.put(Req(), 1024) for _ in range(8))  # 8 KiB: up to twice the bound
+            assert box.congested and box.queued_bytes == 8192
+        assert not link.put(Req(), 1024) and link.failed is None and link.queued_bytes == 8192
+        assert not reply.put(Req(), 1024) and isinstance(reply.failed, OutboxFull)
+        assert reply.queued_bytes == 0 and len(lost[0][0]) == 9  # dropped at once, and reported
+        await reply.wait_uncongested()  # a failed outbox never blocks its reader
+
+    trio.run(main)

@@ -16,7 +16,9 @@ Bounded: each queued item counts its size (``put(item, nbytes)``; small frames c
 ``max_bytes``. Over that, :attr:`congested` is true and :meth:`wait_uncongested` blocks, which a reader of the
 stream whose replies these are awaits before reading more (back-pressure: a peer that does not read its replies
 stops being read). A ``put`` that would take the queue past ``2 x max_bytes`` fails the outbox instead (the write
-is stuck; the items are dropped and ``on_failed`` gets them), so a stream's queue never holds more than that.
+is stuck; the items are dropped and ``on_failed`` gets them), so a stream's queue never holds more than that; with
+``fail_when_full=False`` (a link to the next stage, which other sessions share) only that item is refused (``put``
+returns False and the caller reports it to the session's owner).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Outbox:
         opener: Callable[[], Awaitable[FramedStream]] | None = None,
         on_failed: Callable[[Outbox, list[Item], BaseException], None] | None = None,
         max_bytes: int = 64 << 20,
+        fail_when_full: bool = True,
     ) -> None:
         if stream is None and opener is None:
             raise ValueError("an outbox needs a stream or an opener")
@@ -67,6 +70,7 @@ class Outbox:
         self._on_failed = on_failed
         self._send, self._recv = trio.open_memory_channel[tuple[Item, int]](math.inf)
         self.max_bytes = max_bytes
+        self.fail_when_full = fail_when_full
         self.queued_bytes = 0  # sizes of the items queued and not yet written
         self.peak_bytes = 0
         self._drained = trio.Event()  # set while the queue is under max_bytes
@@ -110,6 +114,8 @@ class Outbox:
 
     def _enqueue(self, item: Item | object, nbytes: int) -> bool:
         if self.queued_bytes + nbytes > 2 * self.max_bytes and self._queued:
+            if not self.fail_when_full:
+                return False
             self._fail([] if item is _FLUSH else [item], OutboxFull(  # type: ignore[list-item]
                 f"{self.queued_bytes} bytes queued for {self.peer} and its writes do not drain"))
             return False

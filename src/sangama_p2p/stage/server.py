@@ -372,8 +372,10 @@ class StageServer:
                             (*m.trace, stamp()))
         link = self._next_link(session.next_hop or "")
         if not link.put(item, SMALL_ITEM + _nbytes(hidden)):
+            why = (f"does not take its frames ({link.queued_bytes} bytes queued)" if link.failed is None
+                   and link.congested else "is unreachable")
             self._to_owner(session, ErrorMessage(m.session_id, m.step, ErrorCode.INTERNAL,
-                                                 f"next hop {session.next_hop} is unreachable"))
+                                                 f"next hop {session.next_hop} {why}"))
 
     def _to_owner(self, session: StageSession, item: Item) -> None:
         session.reply.put(item)
@@ -383,7 +385,7 @@ class StageServer:
         if link is not None and link.failed is None:
             return link
         link = Outbox(peer=peer, opener=lambda: self._open_next(peer), on_failed=self._next_failed,
-                      max_bytes=self.config.outbox_bytes)
+                      max_bytes=self.config.outbox_bytes, fail_when_full=False)
         self._next[peer] = link
         if self._nursery is not None:
             self._nursery.start_soon(link.run)
