@@ -71,7 +71,8 @@ def test_partial_records_stay_within_the_input_budget_and_memory_returns(ckpt, f
                 await trio.sleep(0.5)
                 during = _rss()
                 budget = server.input_budget
-                # one lane's 48 MiB record fits the 64 MiB budget (reserved whole); the other 7 are closed at their prefix
+                # one lane's 48 MiB record fits the 64 MiB budget (reserved whole); the 7 others are closed
+                # at their prefix
                 assert sorted(took) == [-1] * 7 + [24 * MiB], took
                 assert budget.peak <= budget.limit and budget.used == 48 * MiB + 4
                 assert during - baseline < 64 * MiB, (during - baseline) / MiB
