@@ -66,3 +66,24 @@ def test_the_trip_deadline_comes_from_measured_decode_trips_within_its_bounds():
     off = ChainSession(None, [], SessionParams(MODEL, "me", 64), open_timeout=5, step_timeout=60)
     off.decode_trip_s, off._decode_trips = 0.02, 9
     assert off.trip_deadline(True) == 60  # stall_factor 0: the clock is off
+
+
+def test_a_generation_paused_past_the_stages_idle_expiry_reopens_and_continues(ckpt):
+    from contextlib import aclosing
+
+    want = local_chain(ckpt, SPLIT).generate(PROMPT, 8).tokens
+
+    async def main():
+        got: list[int] = []
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT, session_idle_s=0.3) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    async with aclosing(client.stream(PROMPT, 8)) as tokens:
+                        async for tok in tokens:
+                            got.append(tok)
+                            if len(got) == 3:  # the consumer pauses: every stage frees the session meanwhile
+                                await trio.sleep(1.0)
+                                assert all(not s.table.sessions for _, s, _ in f.stages)
+        return got
+
+    assert trio.run(main) == want

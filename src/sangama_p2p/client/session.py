@@ -187,8 +187,8 @@ class ChainSession:
         if isinstance(msg, LinkLost):
             raise ChainBroken(f"stream to {peer} ended: {msg.reason}", frozenset({peer}))
         if isinstance(msg, ErrorMessage):
-            if msg.code == ErrorCode.INTERNAL:
-                raise ChainBroken(f"{peer}: {msg.message}")
+            if msg.code in (ErrorCode.INTERNAL, ErrorCode.EXPIRED):  # EXPIRED: idle too long, open and replay
+                raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
             raise StageRefused(f"{peer} refused: {msg.code.name}: {msg.message}", msg.code, peer)
         raise StageRefused(f"{peer} sent an unexpected {type(msg).__name__}", ErrorCode.BAD_FRAME, peer)
 
