@@ -36,6 +36,7 @@ import enum
 
 __all__ = [
     "ApiError",
+    "BufferBudgetError",
     "CapacityError",
     "ChatTemplateError",
     "CheckpointError",
@@ -75,6 +76,7 @@ class ErrorCode(enum.IntEnum):
     WRONG_MODEL = 8
     OVERLOADED = 9
     NON_FINITE = 10
+    EXPIRED = 11
 
 
 class SangamaError(Exception):
@@ -129,6 +131,12 @@ class WireError(SangamaError):
 
 class FrameTooLargeError(WireError):
     """A frame's length prefix exceeds the maximum; raised before anything is buffered."""
+
+
+class BufferBudgetError(WireError):
+    """A frame being read would take more buffered bytes than the stage's input budget has left."""
+
+    code = ErrorCode.CAPACITY
 
 
 class TruncatedFrameError(WireError):

@@ -25,7 +25,7 @@ import trio
 
 from .errors import NetworkError
 from .wire.codec import decode, encode_message_frame
-from .wire.framing import DEFAULT_MAX_FRAME, FrameReader
+from .wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
 from .wire.messages import Message
 
 __all__ = ["FramedStream", "MemoryStream", "PeerConn", "StreamClosed", "memory_stream_pair"]
@@ -38,11 +38,13 @@ class StreamClosed(NetworkError):
 class FramedStream:
     """Messages over one py-libp2p stream (``INetStream``). ``peer`` is the authenticated remote peer id (base58)."""
 
-    def __init__(self, stream: Any, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, stream: Any, *, max_frame: int = DEFAULT_MAX_FRAME, budget: ByteBudget | None = None) -> None:
+        """``budget``: shared with other streams, it bounds the bytes of partial frames they hold together (a frame
+        over what is left fails this stream with :class:`~sangama_p2p.errors.BufferBudgetError`)."""
         self.stream = stream
         self.max_frame = max_frame
         self.peer: str = stream.muxed_conn.peer_id.to_base58()
-        self._reader = FrameReader(self.read, max_frame)
+        self._reader = FrameReader(self.read, max_frame, budget=budget)
         self._lock = trio.Lock()
         self.closed = False
         # streams that can write without waiting (lanes): ``try_write(frame) -> unwritten rest``, ``write_raw(rest)``
@@ -147,8 +149,10 @@ class FramedStream:
                     raise StreamClosed(f"a write to {self.peer} took over {timeout} s")
 
     async def aclose(self, *, reset: bool = False) -> None:
-        """Close (or reset) the stream; never raises."""
+        """Close (or reset) the stream; never raises. A partial frame read so far is dropped (its budget share
+        returned)."""
         self.closed = True
+        self._reader.close()
         with trio.move_on_after(1.0) as scope:
             scope.shield = True
             try:

@@ -16,7 +16,7 @@ def test_record_tracks_free_sessions_and_measured_throughput(ckpt, fl):
     async def main():
         with trio.fail_after(60):
             async with fl.fleet(ckpt, [(0, 8)], announce_every=0.2, max_sessions=3,
-                                typical_session_length=64) as f:
+                                max_sessions_per_peer=3, typical_session_length=64) as f:
                 node, server, _ = f.stages[0]
                 client = f.clients[0]
                 me = server.peer_id

@@ -82,7 +82,7 @@ def _solo(first, last, i, *, decoding: bool = False):
 def test_non_finite_hidden_states_fail_only_their_session(ckpt, poison):
     first, last = _models(ckpt)
     want = [_solo(first, last, i) for i in range(1, OTHERS + 1)]
-    table = SessionTable(last, StageConfig("m", 4, 8, max_sessions=OTHERS + 1))
+    table = SessionTable(last, StageConfig("m", 4, 8, max_sessions=OTHERS + 1, max_sessions_per_peer=OTHERS + 1))
     sched = Scheduler(last, lambda job, out: None)
     drivers = [_Driver(first, table, i, _prompt(i)) for i in range(OTHERS + 1)]
     bad, others = drivers[0], drivers[1:]
@@ -102,7 +102,7 @@ def test_a_job_that_fails_inside_the_batched_step_changes_no_other_job(ckpt):
     retry puts every decoder back and finishes each job alone: the others still get their solo tokens."""
     first, last = _models(ckpt)
     want = [_solo(first, last, i, decoding=True) for i in range(1, OTHERS + 1)]
-    table = SessionTable(last, StageConfig("m", 4, 8, max_sessions=OTHERS + 1))
+    table = SessionTable(last, StageConfig("m", 4, 8, max_sessions=OTHERS + 1, max_sessions_per_peer=OTHERS + 1))
     sched = Scheduler(last, lambda job, out: None)
     drivers = [_Driver(first, table, i, _prompt(i)) for i in range(OTHERS + 1)]
     bad, others = drivers[0], drivers[1:]

@@ -115,3 +115,28 @@ def test_trip_clock_times_only_steady_decode_trips():
     assert c.lap(14, 4, 0, 0, now=13.0) is None  # a prefill chunk (a chat's next turn) ...
     assert c.lap(18, 1, 0, 0, now=13.3) is None  # ... and the first decode step after it
     assert c.lap(19, 1, 0, 0, now=13.6) == pytest.approx(0.3)
+
+
+def test_each_peer_is_held_to_its_quota_and_idle_sessions_expire(stages):
+    first, _ = stages
+    t = SessionTable(first, StageConfig(MODEL, 0, 4, max_sessions=8, session_idle_s=10.0))
+    assert t.config.sessions_per_peer == 2
+    a1, a2 = t.open(_open(b"1" * 16), "A", None), t.open(_open(b"2" * 16), "A", None)
+    with pytest.raises(StageError, match="per-peer quota") as info:
+        t.open(_open(b"3" * 16), "A", None)
+    assert info.value.code == ErrorCode.CAPACITY
+    b1 = t.open(_open(b"4" * 16, client="B"), "B", None)  # another peer is not affected
+    t.close(a1.session_id, "A")
+    a3 = t.open(_open(b"3" * 16), "A", None)  # a freed session frees its place in the quota
+    assert t.per_peer == {"A": 2, "B": 1}
+    now = a3.last_active
+    a2.last_active = b1.last_active = now - 10.0
+    assert {s.session_id for s in t.expire_idle(now + 0.5)} == {a2.session_id, b1.session_id}
+    assert set(t.sessions) == {a3.session_id} and t.per_peer == {"A": 1}
+    assert t.used_bytes == a3.nbytes
+    assert _code(lambda: t.authorize_step(b1.session_id, "B")) == ErrorCode.EXPIRED
+    assert _code(lambda: t.authorize_step(b"9" * 16, "B")) == ErrorCode.UNKNOWN_SESSION
+    t.authorize_step(a3.session_id, "A")  # a step keeps a session alive
+    assert t.expire_idle(now + 9.5) == [] and t.sessions
+    with pytest.raises(StageError):
+        StageConfig(MODEL, 0, 4, session_idle_s=0)

@@ -28,6 +28,9 @@ class ClientConfig:
     ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
     states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
     exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.
+    ``stall_factor``/``stall_floor_s``: a decode trip that has not answered within ``stall_factor`` x the route's
+    smoothed decode trip time (at least ``stall_floor_s``) counts as a stalled chain: the client re-routes around
+    its peers where spares exist and replays (0: only ``step_timeout``).
     ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/3``, see
     :mod:`sangama_p2p.net.lane`), set up within ``lane_timeout`` seconds, else over libp2p streams.
     """
@@ -45,6 +48,8 @@ class ClientConfig:
     max_frame: int = DEFAULT_MAX_FRAME
     lanes: bool = True
     lane_timeout: float = 2.0
+    stall_factor: float = 10.0
+    stall_floor_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -56,6 +61,8 @@ class ClientConfig:
         if self.fingerprint is not None and (len(self.fingerprint) != 32
                                              or any(c not in "0123456789abcdef" for c in self.fingerprint)):
             raise RouteError(f"fingerprint must be 32 lowercase hex digits, got {self.fingerprint!r}")
+        if self.stall_factor < 0 or self.stall_floor_s <= 0:
+            raise RouteError("stall_factor must be >= 0 and stall_floor_s positive")
         if self.max_failovers < 0:
             raise RouteError("max_failovers must be >= 0")
         if self.max_step_tokens <= 0:

@@ -240,22 +240,24 @@ class ChainClient:
             raise RouteError(f"{exc} (left out: {left})") from exc
 
     async def _open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
-                          pin: str | None = None) -> ChainSession:
+                          pin: str | None = None, avoid: frozenset[str] = frozenset()) -> ChainSession:
         """Route (on a survey at most ``max_age`` old), open the session on every stage; re-route around peers
         that fail (on a fresh survey when ``config.rediscover``). ``pin``: chain only peers of this fingerprint
-        (a generation's re-routes keep to the checkpoint it started on)."""
+        (a generation's re-routes keep to the checkpoint it started on). ``avoid``: peers left out wherever a
+        route without them exists (the peers of a chain that stalled: one of them swallowed the trip)."""
         tries = 0
         refused: StageRefused | None = None
         while True:
             offers = await self.survey(frozenset(exclude), max_age=max_age)
             try:
-                route, fingerprint = self._route(offers, exclude, pin)
+                route, fingerprint = self._route(offers, exclude | self._avoidable(offers, exclude, pin, avoid), pin)
             except RouteError as exc:
                 if refused is not None:  # the peers that could serve refused: say why, with their code
                     raise refused from exc
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
-                                   step_timeout=self.config.step_timeout)
+                                   step_timeout=self.config.step_timeout, stall_factor=self.config.stall_factor,
+                                   stall_floor=self.config.stall_floor_s)
             session.fingerprint = fingerprint
             try:
                 await session.open()
@@ -274,6 +276,18 @@ class ChainClient:
                 refused = exc
             tries += 1
             max_age = 0.0 if self.config.rediscover else math.inf
+
+    def _avoidable(self, offers: Sequence[PeerOffer], exclude: set[str], pin: str | None,
+                   avoid: frozenset[str]) -> set[str]:
+        """The largest part of ``avoid`` (taken peer by peer, in order) that still leaves a route."""
+        keep: set[str] = set()
+        for peer in sorted(avoid - exclude):
+            try:
+                self._route(offers, exclude | keep | {peer}, pin)
+            except RouteError:
+                continue
+            keep.add(peer)
+        return keep
 
     async def _dead_peers(self, session: ChainSession) -> set[str]:
         """Probe every stage of ``session``'s route (over a fresh stream where the old one broke); those that do not
@@ -350,6 +364,7 @@ class ChainClient:
         max_guesses, adaptive = parse_guesses(guesses)
         stop = frozenset(stop_tokens)
         exclude: set[str] = set()
+        avoid: frozenset[str] = frozenset()  # peers of chains that stalled
         while True:
             params = SessionParams(self.config.model_id, self.peer_id, len(prompt) + max_new + max_guesses + 1,
                                    temperature, top_p, seed, max_guesses, adaptive)
@@ -390,8 +405,10 @@ class ChainClient:
                     if result.failovers > self.config.max_failovers:
                         raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
                     exclude |= bad
+                    if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
+                        avoid |= exc.stalled
                     session = await self._open_chain(params, exclude, 0.0 if self.config.rediscover else math.inf,
-                                                     pin=session.fingerprint)
+                                                     pin=session.fingerprint, avoid=avoid)
                     self.active[id(result)] = session
                     # replay: everything the model has seen, from position 0, no guesses
                     pending, start, n_guesses = [*prompt, *out], 0, 0

@@ -6,7 +6,10 @@ ends the trip with a typed failure:
 
 * :class:`ChainBroken` - a stream to a stage ended, a stage reported that its next hop failed, or the trip timed
   out; ``suspects`` names the peers known dead (empty when unknown: the caller probes). The caller re-routes and
-  replays (see ``generate.py``).
+  replays (see ``generate.py``). A decode trip times out early, after ``stall_factor`` x the session's smoothed
+  decode trip time (at least ``stall_floor`` s, at most ``step_timeout``), once three decode trips were measured:
+  a stage that accepted the session and then swallows its steps costs about a second, not ``step_timeout``. Such a
+  timeout names the route's peers as ``stalled`` (the caller avoids them where it can).
 * :class:`~sangama_p2p.errors.StageError` (with ``code`` and ``peer``) - a stage refused the request (capacity,
   wrong model, bad position...).
 """
@@ -34,10 +37,11 @@ class ChainBroken(NetworkError):
     ``misbehaving`` are peers that answered against the protocol (excluded without a probe)."""
 
     def __init__(self, message: str, suspects: frozenset[str] = frozenset(),
-                 misbehaving: frozenset[str] = frozenset()) -> None:
+                 misbehaving: frozenset[str] = frozenset(), stalled: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
         self.suspects = suspects | misbehaving
         self.misbehaving = misbehaving
+        self.stalled = stalled  # the route of a trip that stalled past its trip clock (one of them swallowed it)
 
 
 def check_result(res: StepResult, sent: Sequence[int], n_guesses: int, peer: str) -> None:
@@ -80,13 +84,18 @@ class ChainSession:
     """One session on one route. ``await open()``, then ``await step(...)`` per trip, then ``await close()``."""
 
     def __init__(self, pool: LinkPool, route: Sequence[PeerOffer], params: SessionParams, *,
-                 open_timeout: float, step_timeout: float) -> None:
+                 open_timeout: float, step_timeout: float, stall_factor: float = 0.0,
+                 stall_floor: float = 1.0) -> None:
         self.pool = pool
         self.route = list(route)
         self.params = params
         self.session_id = os.urandom(16)
         self.open_timeout = open_timeout
         self.step_timeout = step_timeout
+        self.stall_factor = stall_factor
+        self.stall_floor = stall_floor
+        self.decode_trip_s: float | None = None  # smoothed decode trip time on this route
+        self._decode_trips = 0
         self.links: list[Link] = []
         self.fingerprint: str | None = None  # the checkpoint fingerprint the route was chosen for
         self._send, self._recv = trio.open_memory_channel[Delivery](math.inf)
@@ -138,7 +147,9 @@ class ChainSession:
         msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, ())
         t0 = time.perf_counter()
         await self._send_to(self.links[0], msg)
-        with trio.move_on_after(self.step_timeout):
+        decode = len(token_ids) <= n_guesses + 1
+        limit = self.trip_deadline(decode)
+        with trio.move_on_after(limit):
             while True:
                 peer, got = await self._recv.receive()
                 if isinstance(got, StepResult):
@@ -150,19 +161,34 @@ class ChainSession:
                         if len(got.guesses) > self.params.max_guesses:
                             raise ChainBroken(f"{peer} drafted {len(got.guesses)} guesses",
                                               misbehaving=frozenset({peer}))
-                        return got, time.perf_counter() - t0
+                        trip_s = time.perf_counter() - t0
+                        if decode:
+                            self._decode_trips += 1
+                            old = self.decode_trip_s
+                            self.decode_trip_s = trip_s if old is None else 0.7 * old + 0.3 * trip_s
+                        return got, trip_s
                     continue  # a late answer to an earlier trip
                 if isinstance(got, ErrorMessage) and got.step not in (None, step):
                     continue
                 self._fail(peer, got)
+        if limit < self.step_timeout:
+            raise ChainBroken(f"trip {step} stalled: no answer in {limit:.2f} s (decode trips take "
+                              f"{self.decode_trip_s:.3f} s here)", stalled=frozenset(self.peers))
         raise ChainBroken(f"trip {step} took over {self.step_timeout} s")
+
+    def trip_deadline(self, decode: bool) -> float:
+        """How long a trip may take before it counts as failed: ``stall_factor`` x the smoothed decode trip time
+        for a decode trip once three were measured (at least ``stall_floor``), else ``step_timeout``."""
+        if not decode or not self.stall_factor or self._decode_trips < 3 or self.decode_trip_s is None:
+            return self.step_timeout
+        return min(self.step_timeout, max(self.stall_floor, self.stall_factor * self.decode_trip_s))
 
     def _fail(self, peer: str, msg: object) -> None:
         if isinstance(msg, LinkLost):
             raise ChainBroken(f"stream to {peer} ended: {msg.reason}", frozenset({peer}))
         if isinstance(msg, ErrorMessage):
-            if msg.code == ErrorCode.INTERNAL:
-                raise ChainBroken(f"{peer}: {msg.message}")
+            if msg.code in (ErrorCode.INTERNAL, ErrorCode.EXPIRED):  # EXPIRED: idle too long, open and replay
+                raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
             raise StageRefused(f"{peer} refused: {msg.code.name}: {msg.message}", msg.code, peer)
         raise StageRefused(f"{peer} sent an unexpected {type(msg).__name__}", ErrorCode.BAD_FRAME, peer)
 

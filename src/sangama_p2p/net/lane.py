@@ -30,7 +30,11 @@ a ``/sangama/stage/2`` stream over libp2p instead.
 
 Handshakes are bounded before anyone has proved anything: at most ``max_handshakes`` at once and
 ``max_handshakes_per_source`` per source IP (a new connection over either bound cuts the oldest handshake, so idle
-connections cannot hold the slots), each cut after ``handshake_timeout`` (2 s).
+connections cannot hold the slots), each cut after ``handshake_timeout`` (2 s). Lanes are bounded per peer: one
+that holds ``max_lanes_per_peer`` open lanes is answered ``CAPACITY`` instead of an offer (it uses libp2p streams),
+so no peer can take the stage's file descriptors. With a ``budget`` (a
+:class:`~sangama_p2p.wire.framing.ByteBudget` shared with the stage's other streams), a record that does not arrive
+whole reserves its length from it first, and the lane fails when the budget cannot cover it.
 
 :class:`LaneStream` has the surface :class:`~sangama_p2p.streams.FramedStream` reads from a py-libp2p stream
 (``read``, ``write``, ``close``, ``reset``, ``muxed_conn.peer_id``), so everything above it is unchanged.
@@ -50,9 +54,9 @@ import trio
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..errors import NetworkError, WireError
+from ..errors import ErrorCode, NetworkError, WireError
 from ..streams import FramedStream, PeerConn, StreamClosed
-from ..wire.framing import DEFAULT_MAX_FRAME, FrameDecoder
+from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
 from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
 from ..wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 from .holepunch import stream_link
@@ -82,7 +86,8 @@ class LaneStream:
     """One end of a lane: plaintext ``read``/``write`` over AES-GCM records on a trio TCP stream."""
 
     def __init__(self, sock: trio.SocketStream, key: bytes, peer_id: Any, *, dialer: bool,
-                 max_frame: int = DEFAULT_MAX_FRAME, decoder: FrameDecoder | None = None) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, decoder: FrameDecoder | None = None,
+                 budget: ByteBudget | None = None) -> None:
         self.sock = sock
         self.muxed_conn = PeerConn(peer_id)
         self._key = key
@@ -91,10 +96,11 @@ class LaneStream:
         self._send_n = 0
         self._recv_n = 0
         # a record holds one frame: its 4-byte prefix, at most max_frame bytes, and the tag
-        self._records = decoder or FrameDecoder(max_frame + 4 + TAG_BYTES)
+        self._records = decoder or FrameDecoder(max_frame + 4 + TAG_BYTES, budget)
         self._plain: list[bytes] = []  # decrypted records not yet read, oldest last
         self._buf = b""
         self._eof = False
+        self.closed = False
         self._failed: LaneError | None = None
         self.remote = _remote(sock)
 
@@ -189,10 +195,18 @@ class LaneStream:
             raise StreamClosed(f"cannot write to lane {self.remote}: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
+        self._drop()
         await self.sock.aclose()
 
     async def reset(self) -> None:
+        self._drop()
         await self.sock.aclose()
+
+    def _drop(self) -> None:
+        """The lane is done: a partial record's buffer (and its budget share) goes now."""
+        self.closed = True
+        self._records.close()
+        self._plain, self._buf = [], b""
 
 
 def _remote(sock: trio.SocketStream) -> str:
@@ -215,7 +229,8 @@ class LaneListener:
     def __init__(self, node: Any, on_lane: Callable[[LaneStream], Awaitable[None]], *, port: int = 0,
                  hosts: tuple[str, ...] | None = None, max_frame: int = DEFAULT_MAX_FRAME, offer_ttl: float = 10.0,
                  max_offers: int = 256, max_offers_per_peer: int = 4, max_handshakes: int = 64,
-                 max_handshakes_per_source: int = 8, handshake_timeout: float = 2.0) -> None:
+                 max_handshakes_per_source: int = 8, handshake_timeout: float = 2.0, max_lanes_per_peer: int = 8,
+                 budget: ByteBudget | None = None) -> None:
         self.node = node
         self.on_lane = on_lane
         self.port = port
@@ -227,6 +242,9 @@ class LaneListener:
         self.max_handshakes = max_handshakes
         self.max_handshakes_per_source = max_handshakes_per_source
         self.handshake_timeout = handshake_timeout
+        self.max_lanes_per_peer = max_lanes_per_peer
+        self.budget = budget
+        self._lanes: dict[str, list[LaneStream]] = {}  # peer id (base58) -> its lanes handed over, not yet closed
         self._handshakes: dict[trio.CancelScope, str] = {}  # handshakes in progress, oldest first -> source IP
         self._offers: dict[bytes, tuple[Any, bytes, float]] = {}  # token -> (peer id, key, expiry)
         self._listeners: list[trio.SocketListener] = []
@@ -294,11 +312,26 @@ class LaneListener:
         self._offers[token] = (peer_id, key, now + self.offer_ttl)
         return LaneOffer(self.bound_port, token, key)
 
+    def lanes_of(self, peer_id: Any) -> int:
+        """Open lanes of ``peer_id`` (closed ones are forgotten here)."""
+        key = peer_id.to_base58() if hasattr(peer_id, "to_base58") else str(peer_id)
+        live = [lane for lane in self._lanes.get(key, ()) if not lane.closed]
+        if live:
+            self._lanes[key] = live
+        else:
+            self._lanes.pop(key, None)
+        return len(live)
+
     async def _on_offer_stream(self, stream: Any) -> None:
         fs = FramedStream(stream, max_frame=4096)
+        peer_id = stream.muxed_conn.peer_id
         try:
             with trio.move_on_after(self.handshake_timeout):
-                await fs.send(self.offer(stream.muxed_conn.peer_id))
+                if self.lanes_of(peer_id) >= self.max_lanes_per_peer:
+                    await fs.send(ErrorMessage(None, None, ErrorCode.CAPACITY,
+                                               f"at most {self.max_lanes_per_peer} lanes per peer"))
+                else:
+                    await fs.send(self.offer(peer_id))
         except (StreamClosed, WireError) as exc:
             log.debug("lane offer to %s failed: %s", fs.peer, exc)
         finally:
@@ -350,6 +383,7 @@ class LaneListener:
             with trio.CancelScope(shield=True):
                 await sock.aclose()
             return
+        self._lanes.setdefault(lane.muxed_conn.peer_id.to_base58(), []).append(lane)
         await self.on_lane(lane)
 
     async def _accept(self, sock: trio.SocketStream) -> LaneStream:
@@ -362,9 +396,11 @@ class LaneListener:
         if not open_hello(hello, offer_key):  # a stolen token without the key: the offer stays for its owner
             raise LaneError("a lane hello that does not authenticate under its offer's key")
         del self._offers[hello.token]  # claimed: no await since the lookup, so no second connection gets it
+        if self.lanes_of(peer_id) >= self.max_lanes_per_peer:  # several offers were pending
+            raise LaneError(f"{peer_id} already holds {self.max_lanes_per_peer} lanes")
         stage_nonce = os.urandom(NONCE_BYTES)
         key = lane_key(offer_key, hello.token, hello.dialler_nonce, stage_nonce)
-        lane = LaneStream(sock, key, peer_id, dialer=False, max_frame=self.max_frame)
+        lane = LaneStream(sock, key, peer_id, dialer=False, max_frame=self.max_frame, budget=self.budget)
         await lane.write_raw(stage_nonce + lane.seal(READY))
         return lane
 
@@ -425,7 +461,9 @@ async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
             raise LaneError(f"bad lane offer from {peer_id}: {exc}") from exc
     finally:
         await fs.aclose()
-    if isinstance(msg, ErrorMessage) or not isinstance(msg, LaneOffer):
+    if isinstance(msg, ErrorMessage):
+        raise LaneError(f"{peer_id} refused a lane: {msg.code.name} {msg.message}")
+    if not isinstance(msg, LaneOffer):
         raise LaneError(f"{peer_id} answered the lane request with {type(msg).__name__}")
     try:
         sock = await trio.open_tcp_stream(ip, msg.port)

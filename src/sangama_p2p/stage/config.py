@@ -29,6 +29,12 @@ class StageConfig:
     ``fused``: repack quantized GGUF weights once at load for fused kernels (False: dequantize them on every use).
     ``inline_step_s``: decode-like steps run on the event loop's thread instead of the compute thread while they
     take at most this long (smoothed), which saves two thread hand-offs a step (0: always the compute thread).
+    Bounds against one peer taking the stage: ``max_sessions_per_peer`` sessions open per peer id (0: a quarter of
+    ``max_sessions``, at least 1); a session with no step for ``session_idle_s`` seconds is freed (its owner's next
+    frame for it is answered ``EXPIRED``); ``max_lanes_per_peer`` open lanes per peer; ``input_budget`` bytes held
+    for partial frames of every stream and lane together (a frame over what is left closes its stream);
+    ``outbox_bytes`` bytes queued to send per stream (over it, the stream the replies answer is not read until
+    they drain; at twice it the stream is closed).
     """
 
     model_id: str
@@ -55,6 +61,11 @@ class StageConfig:
     lane_port: int = 0
     lane_timeout: float = 2.0
     inline_step_s: float = 0.01
+    max_sessions_per_peer: int = 0  # 0: max(1, max_sessions // 4)
+    session_idle_s: float = 300.0
+    max_lanes_per_peer: int = 8
+    input_budget: int = 256 << 20
+    outbox_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -73,8 +84,18 @@ class StageConfig:
             raise StageError("announce_every, record_ttl, next_hop_timeout and lane_timeout must be positive")
         if not 0 <= self.inline_step_s <= 1.0:
             raise StageError(f"inline_step_s must be in 0..1 s, got {self.inline_step_s}")
+        if self.max_sessions_per_peer < 0:
+            raise StageError(f"max_sessions_per_peer must be >= 0, got {self.max_sessions_per_peer}")
+        for name in ("session_idle_s", "max_lanes_per_peer", "input_budget", "outbox_bytes"):
+            if not getattr(self, name) > 0:
+                raise StageError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.lane_port <= 65535:
             raise StageError(f"lane_port must be in 0..65535, got {self.lane_port}")
+
+    @property
+    def sessions_per_peer(self) -> int:
+        """The per-peer session quota in effect."""
+        return self.max_sessions_per_peer or max(1, self.max_sessions // 4)
 
     def replace(self, **changes: object) -> StageConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

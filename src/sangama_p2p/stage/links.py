@@ -11,6 +11,14 @@ queue instead.
 
 An outbox to the next stage is created at once and dials in its writer task (``opener``), so frames produced while
 the link comes up simply wait. When the link fails, every frame it still holds is handed to ``on_failed``.
+
+Bounded: each queued item counts its size (``put(item, nbytes)``; small frames count ``SMALL_ITEM`` bytes) against
+``max_bytes``. Over that, :attr:`congested` is true and :meth:`wait_uncongested` blocks, which a reader of the
+stream whose replies these are awaits before reading more (back-pressure: a peer that does not read its replies
+stops being read). A ``put`` that would take the queue past ``2 x max_bytes`` fails the outbox instead (the write
+is stuck; the items are dropped and ``on_failed`` gets them), so a stream's queue never holds more than that; with
+``fail_when_full=False`` (a link to the next stage, which other sessions share) only that item is refused (``put``
+returns False and the caller reports it to the session's owner).
 """
 
 from __future__ import annotations
@@ -22,16 +30,23 @@ from typing import Union
 
 import trio
 
-from ..errors import SangamaError
+from ..errors import ErrorCode, SangamaError
 from ..streams import FramedStream
 from ..wire.messages import Message
 
-__all__ = ["Item", "Outbox"]
+__all__ = ["SMALL_ITEM", "Item", "Outbox", "OutboxFull"]
 
 log = logging.getLogger(__name__)
 
 Item = Union[Message, Callable[[], Message]]
 _FLUSH = object()  # queued after a frame the socket took only in part: the writer sends its rest
+SMALL_ITEM = 1024  # what a frame without tensors counts in the queue (its Python objects, roughly)
+
+
+class OutboxFull(SangamaError):
+    """A stream's queue of outgoing frames reached its hard bound while its writes were stuck."""
+
+    code = ErrorCode.OVERLOADED
 
 
 class Outbox:
@@ -44,6 +59,8 @@ class Outbox:
         peer: str = "",
         opener: Callable[[], Awaitable[FramedStream]] | None = None,
         on_failed: Callable[[Outbox, list[Item], BaseException], None] | None = None,
+        max_bytes: int = 64 << 20,
+        fail_when_full: bool = True,
     ) -> None:
         if stream is None and opener is None:
             raise ValueError("an outbox needs a stream or an opener")
@@ -51,14 +68,30 @@ class Outbox:
         self.peer = stream.peer if stream is not None else peer
         self._opener = opener
         self._on_failed = on_failed
-        self._send, self._recv = trio.open_memory_channel[Item](math.inf)
+        self._send, self._recv = trio.open_memory_channel[tuple[Item, int]](math.inf)
+        self.max_bytes = max_bytes
+        self.fail_when_full = fail_when_full
+        self.queued_bytes = 0  # sizes of the items queued and not yet written
+        self.peak_bytes = 0
+        self._drained = trio.Event()  # set while the queue is under max_bytes
+        self._drained.set()
         self.failed: BaseException | None = None
         self.ready = trio.Event()  # set once the stream is open (or the outbox has failed)
         self.done = trio.Event()  # set when the writer has stopped
         self._queued = 0  # items put in the queue and not yet written (or failed) by the writer
         self._closed = False
 
-    def put(self, item: Item) -> bool:
+    @property
+    def congested(self) -> bool:
+        return self.queued_bytes > self.max_bytes
+
+    async def wait_uncongested(self) -> None:
+        """Return once the queue is back under ``max_bytes`` (or the outbox failed or closed)."""
+        while self.congested and self.failed is None and not self._closed:
+            self._drained = trio.Event()
+            await self._drained.wait()
+
+    def put(self, item: Item, nbytes: int = SMALL_ITEM) -> bool:
         """Send ``item`` now if the stream can take it at once with nothing ahead of it, else queue it; False when
         the outbox has already failed or closed (the caller reports the loss). A write that fails here fails the
         outbox as the writer's would (``on_failed`` gets the item)."""
@@ -73,24 +106,39 @@ class Outbox:
                 self._fail([item], exc)
                 return True
             if not sent:
-                return self._enqueue(msg)  # built (and stamped) already: queue the message itself
+                return self._enqueue(msg, nbytes)  # built (and stamped) already: queue the message itself
             if fs.pending:  # the socket took part of the frame: the writer sends the rest before anything else
-                self._enqueue(_FLUSH)
+                self._enqueue(_FLUSH, nbytes)
             return True
-        return self._enqueue(item)
+        return self._enqueue(item, nbytes)
 
-    def _enqueue(self, item: Item | object) -> bool:
+    def _enqueue(self, item: Item | object, nbytes: int) -> bool:
+        if self.queued_bytes + nbytes > 2 * self.max_bytes and self._queued:
+            if not self.fail_when_full:
+                return False
+            self._fail([] if item is _FLUSH else [item], OutboxFull(  # type: ignore[list-item]
+                f"{self.queued_bytes} bytes queued for {self.peer} and its writes do not drain"))
+            return False
         try:
-            self._send.send_nowait(item)  # type: ignore[arg-type]
+            self._send.send_nowait((item, nbytes))  # type: ignore[arg-type]
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return False
         self._queued += 1
+        self.queued_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.queued_bytes)
         return True
+
+    def _written(self, nbytes: int) -> None:
+        self._queued -= 1
+        self.queued_bytes -= nbytes
+        if not self.congested:
+            self._drained.set()
 
     def close(self) -> None:
         """No more items; the writer finishes what is queued, then stops."""
         self._closed = True
         self._send.close()
+        self._drained.set()
 
     async def run(self) -> None:
         """Open the stream if needed, then write items until closed; report what is left on failure."""
@@ -99,7 +147,7 @@ class Outbox:
                 assert self._opener is not None  # checked in __init__
                 self.stream = await self._opener()
             self.ready.set()
-            async for item in self._recv:
+            async for item, nbytes in self._recv:
                 try:
                     if item is _FLUSH:
                         await self.stream.flush()
@@ -109,7 +157,8 @@ class Outbox:
                     self._fail([] if item is _FLUSH else [item], exc)
                     return
                 finally:
-                    self._queued -= 1
+                    self._written(nbytes)
+                del item  # not held while the next one is awaited
         except Exception as exc:  # a failed dial (any library error) fails this link, never the server
             self._fail([], exc)
         finally:
@@ -121,11 +170,14 @@ class Outbox:
         self._send.close()
         while True:
             try:
-                item = self._recv.receive_nowait()
+                item, nbytes = self._recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
+            self._queued -= 1
+            self.queued_bytes -= nbytes
             if item is not _FLUSH:
                 lost.append(item)
+        self._drained.set()
         log.debug("link to %s failed (%s); %d frames lost", self.peer, exc, len(lost))
         if self._on_failed is not None:
             self._on_failed(self, lost, exc)

@@ -22,6 +22,12 @@ stage appends its ``TraceStamp`` (receive, compute start, compute end, send; own
 Refusals are ``ErrorMessage`` frames with an :class:`~sangama_p2p.errors.ErrorCode` (``NOT_OWNER`` for a peer
 that neither opened the session nor feeds it, ``UNKNOWN_SESSION``, ``WRONG_MODEL``, ``BAD_POSITION``, ...); an
 error about an accepted session goes to the client that owns it, wherever in the chain it happened.
+
+Bounded resources (issue 15, item 5): sessions per peer (``CAPACITY`` naming the per-peer quota), idle sessions
+freed after ``session_idle_s`` (``EXPIRED`` to an owner that comes back), lanes per peer, one
+:class:`~sangama_p2p.wire.framing.ByteBudget` (``input_budget``) for the partial frames of every stream and lane,
+and an outbox of at most ``outbox_bytes`` per stream: while a stream's replies are over it, that stream is not read
+(back-pressure), and at twice it the stream is closed.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from ..wire.messages import (
 )
 from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .config import StageConfig
-from .links import Item, Outbox
+from ..wire.framing import ByteBudget
+from .links import SMALL_ITEM, Item, Outbox
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
 
@@ -83,6 +90,7 @@ class StageServer:
         self._inbound: dict[FramedStream, Outbox] = {}
         self._next: dict[str, Outbox] = {}
         self._measured_step_s = 0.0
+        self.input_budget = ByteBudget(config.input_budget)
         self.announcer: Any = None
         self.lane_listener: LaneListener | None = None
         self.lanes = LaneDialer(node, enabled=config.lanes, timeout=config.lane_timeout, max_frame=config.max_frame)
@@ -113,9 +121,11 @@ class StageServer:
             self.node.host.set_stream_handler(INFO_PROTOCOL, self._on_info_stream)
             if self.config.lanes:
                 self.lane_listener = LaneListener(self.node, self._on_stage_stream, port=self.config.lane_port,
-                                                  max_frame=self.config.max_frame)
+                                                  max_frame=self.config.max_frame, budget=self.input_budget,
+                                                  max_lanes_per_peer=self.config.max_lanes_per_peer)
                 await self._nursery.start(self.lane_listener.run)
             self._nursery.start_soon(self.scheduler.run)
+            self._nursery.start_soon(self._expire_idle)
             if self.config.announce and getattr(self.node, "dht", None) is not None:
                 from .announce import StageAnnouncer
 
@@ -164,6 +174,15 @@ class StageServer:
                     nursery.start_soon(partial(fs.aclose, reset=True))
         self._next.clear()
         self.table.drop_all()
+
+    async def _expire_idle(self) -> None:
+        """Free sessions without a step for ``session_idle_s``, checking a few times per that period."""
+        every = min(max(self.config.session_idle_s / 4, 0.05), 10.0)
+        while True:
+            await trio.sleep(every)
+            for s in self.table.expire_idle():
+                log.info("session %s of %s expired after %g s without a step", s.session_id.hex()[:12], s.owner,
+                         self.config.session_idle_s)
 
     # ---- figures -------------------------------------------------------------------------------------------
     @property
@@ -229,8 +248,8 @@ class StageServer:
         if self._nursery is None:
             await FramedStream(stream).aclose(reset=True)
             return
-        fs = FramedStream(stream, max_frame=self.config.max_frame)
-        outbox = Outbox(fs)
+        fs = FramedStream(stream, max_frame=self.config.max_frame, budget=self.input_budget)
+        outbox = Outbox(fs, max_bytes=self.config.outbox_bytes)
         self._inbound[fs] = outbox
         self._nursery.start_soon(outbox.run)
         self._nursery.start_soon(self._serve_inbound, fs, outbox)
@@ -239,6 +258,11 @@ class StageServer:
         """Read frames from one peer (a client or the previous stage) until the stream ends."""
         try:
             while True:
+                if outbox.congested:  # back-pressure: no more reading while this peer's replies do not drain
+                    await outbox.wait_uncongested()
+                if outbox.failed is not None:
+                    log.info("stream from %s closed: %s", fs.peer, outbox.failed)
+                    break
                 try:
                     msg = await fs.recv()
                 except InvalidMessageError as exc:
@@ -347,9 +371,11 @@ class StageServer:
         item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731
                             (*m.trace, stamp()))
         link = self._next_link(session.next_hop or "")
-        if not link.put(item):
+        if not link.put(item, SMALL_ITEM + _nbytes(hidden)):
+            why = (f"does not take its frames ({link.queued_bytes} bytes queued)" if link.failed is None
+                   and link.congested else "is unreachable")
             self._to_owner(session, ErrorMessage(m.session_id, m.step, ErrorCode.INTERNAL,
-                                                 f"next hop {session.next_hop} is unreachable"))
+                                                 f"next hop {session.next_hop} {why}"))
 
     def _to_owner(self, session: StageSession, item: Item) -> None:
         session.reply.put(item)
@@ -358,7 +384,8 @@ class StageServer:
         link = self._next.get(peer)
         if link is not None and link.failed is None:
             return link
-        link = Outbox(peer=peer, opener=lambda: self._open_next(peer), on_failed=self._next_failed)
+        link = Outbox(peer=peer, opener=lambda: self._open_next(peer), on_failed=self._next_failed,
+                      max_bytes=self.config.outbox_bytes, fail_when_full=False)
         self._next[peer] = link
         if self._nursery is not None:
             self._nursery.start_soon(link.run)
@@ -391,7 +418,7 @@ class StageServer:
             stream = await self.lanes.stage_stream(pid)
         if stream is None:
             raise NetworkError(f"next hop {peer} not reached in {self.config.next_hop_timeout} s")
-        fs = FramedStream(stream, max_frame=self.config.max_frame)
+        fs = FramedStream(stream, max_frame=self.config.max_frame, budget=self.input_budget)
         if self._nursery is not None:
             self._nursery.start_soon(self._read_next, fs)
         return fs
@@ -426,3 +453,16 @@ class StageServer:
                 self._to_owner(session, ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.INTERNAL,
                                                      f"next hop {link.peer} failed: {exc}"))
 
+
+
+def _nbytes(tensor: Any) -> int:
+    """Bytes of a tensor (or anything with ``nbytes``) to be sent; 0 for none."""
+    if tensor is None:
+        return 0
+    n = getattr(tensor, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    try:
+        return int(tensor.numel() * tensor.element_size())
+    except AttributeError:
+        return 0

@@ -8,10 +8,16 @@ client only, so it refuses an ``OpenSession`` that names a ``prev_hop``.
 
 Memory: every session's caches are preallocated at open and counted against ``StageConfig.memory_budget``; a
 session that does not fit, or one over ``max_sessions``, is refused with ``CAPACITY`` before anything is allocated.
+
+Fairness: one peer holds at most ``StageConfig.sessions_per_peer`` sessions (``CAPACITY``, "per-peer quota"), and a
+session with no step for ``session_idle_s`` is freed by :meth:`SessionTable.expire_idle`; its id is remembered (the
+last ``EXPIRED_KEPT``) so that its owner coming back is told ``EXPIRED`` rather than ``UNKNOWN_SESSION``.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +32,7 @@ from .config import StageConfig
 
 __all__ = ["SessionTable", "StageSession", "TripClock"]
 
+EXPIRED_KEPT = 4096  # ids of expired sessions remembered for their owners' next frame
 GAP_FACTOR = 4.0  # a cycle this many times longer than the one before it was a pause, not a trip
 
 
@@ -79,6 +86,7 @@ class StageSession:
     nbytes: int
     upstream: str | None = None  # the peer the owner named to feed this session (OpenSession.prev_hop)
     closed: bool = False
+    last_active: float = field(default_factory=time.monotonic)  # opened or last stepped (monotonic s)
     trips: TripClock = field(default_factory=TripClock)  # the last stage's trip times, for ``auto`` guesses
 
 
@@ -90,6 +98,8 @@ class SessionTable:
         self.config = config
         self.sessions: dict[bytes, StageSession] = {}
         self.used_bytes = 0
+        self.per_peer: dict[str, int] = {}  # owner -> sessions open
+        self.expired: OrderedDict[bytes, str] = OrderedDict()  # expired session id -> its owner
 
     @property
     def free_sessions(self) -> int:
@@ -131,6 +141,9 @@ class SessionTable:
             raise StageError(f"max_length must be in 1..{self._max_len()}, got {msg.max_length}", ErrorCode.CAPACITY)
         if len(self.sessions) >= cfg.max_sessions:
             raise StageError(f"stage is full: {len(self.sessions)} sessions open", ErrorCode.CAPACITY)
+        if self.per_peer.get(peer, 0) >= cfg.sessions_per_peer:
+            raise StageError(f"per-peer quota: {peer} already holds {cfg.sessions_per_peer} sessions here",
+                             ErrorCode.CAPACITY)
         ring = msg.max_guesses + 1 if msg.max_guesses else 0
         need = model.session_bytes(msg.max_length, ring)
         left = cfg.memory_budget - self.used_bytes
@@ -146,11 +159,16 @@ class SessionTable:
                                upstream=msg.prev_hop)
         self.sessions[msg.session_id] = session
         self.used_bytes += need
+        self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
+        self.expired.pop(msg.session_id, None)
         return session
 
     def lookup(self, session_id: bytes) -> StageSession:
         session = self.sessions.get(session_id)
         if session is None:
+            if session_id in self.expired:
+                raise StageError(f"the session was freed after {self.config.session_idle_s:g} s without a step",
+                                 ErrorCode.EXPIRED)
             raise StageError("no such session on this stage", ErrorCode.UNKNOWN_SESSION)
         return session
 
@@ -159,6 +177,7 @@ class SessionTable:
         NOT_OWNER/UNKNOWN_SESSION."""
         session = self.lookup(session_id)
         if peer == session.owner or peer == session.upstream:
+            session.last_active = time.monotonic()
             return session
         if session.upstream is None:
             raise StageError("only the client that opened the session may step it", ErrorCode.NOT_OWNER)
@@ -179,6 +198,17 @@ class SessionTable:
             self._drop(s)
         return gone
 
+    def expire_idle(self, now: float | None = None) -> list[StageSession]:
+        """Free every session with no step for ``session_idle_s`` (``now``: a ``time.monotonic()`` reading)."""
+        now = time.monotonic() if now is None else now
+        gone = [s for s in self.sessions.values() if now - s.last_active >= self.config.session_idle_s]
+        for s in gone:
+            self._drop(s)
+            self.expired[s.session_id] = s.owner
+            while len(self.expired) > EXPIRED_KEPT:
+                self.expired.popitem(last=False)
+        return gone
+
     def drop_all(self) -> None:
         for s in list(self.sessions.values()):
             self._drop(s)
@@ -187,3 +217,8 @@ class SessionTable:
         if self.sessions.pop(session.session_id, None) is not None:
             session.closed = True
             self.used_bytes -= session.nbytes
+            left = self.per_peer.get(session.owner, 0) - 1
+            if left > 0:
+                self.per_peer[session.owner] = left
+            else:
+                self.per_peer.pop(session.owner, None)

@@ -15,6 +15,12 @@ Other exceptions (a reset stream) pass through untouched.
 
 A length above the maximum raises :class:`FrameTooLargeError` before a single payload byte is buffered, so a peer
 cannot make us allocate by lying about a length.
+
+A :class:`ByteBudget` shared by many decoders bounds the bytes they hold together for frames not yet complete (a
+stage's every stream and lane): a frame that does not arrive whole in one chunk reserves its announced length from
+the budget first, and one the budget cannot cover raises :class:`BufferBudgetError` (the stream is closed; the
+budget is not touched). The reservation is returned when the frame completes or the decoder is closed, and the
+buffer that held it is dropped (not kept at its high-water mark), so memory returns once a flood ends.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import struct
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from sangama_p2p.errors import FrameTooLargeError, TruncatedFrameError, WireError
+from sangama_p2p.errors import BufferBudgetError, FrameTooLargeError, TruncatedFrameError, WireError
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
+    "ByteBudget",
     "PREFIX_SIZE",
     "FrameDecoder",
     "FrameReader",
@@ -68,20 +75,66 @@ def encode_frame(*parts: bytes | bytearray | memoryview, max_frame: int = DEFAUL
     return b"".join((_PREFIX.pack(length), *parts))
 
 
+class ByteBudget:
+    """Bytes that many readers may hold together for partial frames (no I/O, not thread-safe: one event loop).
+
+    ``reserve(n)`` takes ``n`` bytes or nothing; ``release(n)`` gives them back. ``peak`` is the high-water mark."""
+
+    __slots__ = ("limit", "peak", "used")
+
+    def __init__(self, limit: int) -> None:
+        if type(limit) is not int or limit < 0:
+            raise ValueError(f"a byte budget must be a non-negative int, got {limit!r}")
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def reserve(self, n: int) -> bool:
+        if n > self.limit - self.used:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def release(self, n: int) -> None:
+        self.used = max(0, self.used - n)
+
+
 class FrameDecoder:
     """Incremental decoder: ``feed`` any chunk, get back every frame it completed, in order.
 
-    Frames may be split anywhere and several may arrive in one chunk. After a :class:`FrameTooLargeError` the
-    decoder stays failed (the stream has lost sync and must be closed).
+    Frames may be split anywhere and several may arrive in one chunk. After a :class:`FrameTooLargeError` (or a
+    :class:`BufferBudgetError`) the decoder stays failed (the stream has lost sync and must be closed). With a
+    ``budget``, a frame that is not complete in the chunk that brought its prefix reserves its length there first
+    (see the module docstring); call :meth:`close` when the stream ends so that a frame cut off returns its share.
     """
 
-    __slots__ = ("_buf", "_failed", "_max", "_need")
+    __slots__ = ("_budget", "_buf", "_failed", "_max", "_need", "_reserved")
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, budget: ByteBudget | None = None) -> None:
         self._max = _check_max(max_frame)
         self._buf = bytearray()
         self._need: int | None = None  # payload length of the frame being assembled, once its prefix is read
         self._failed: WireError | None = None
+        self._budget = budget
+        self._reserved = 0  # bytes of the budget held for the frame being assembled
+
+    def close(self) -> None:
+        """Drop any partial frame and return its reservation (the decoder is failed from now on)."""
+        self._release()
+        self._buf = bytearray()
+        self._need = None
+        if self._failed is None:
+            self._failed = WireError("decoder closed")
+
+    def _release(self) -> None:
+        if self._reserved and self._budget is not None:
+            self._budget.release(self._reserved)
+        self._reserved = 0
 
     @property
     def buffered(self) -> int:
@@ -113,12 +166,27 @@ class FrameDecoder:
                 pos = self._split(flat, frames)
                 if source is not buf:
                     buf += flat[pos:]
-        except FrameTooLargeError as exc:
+        except (FrameTooLargeError, BufferBudgetError) as exc:
             self._failed = exc
-            buf.clear()
+            self._release()
+            self._buf = bytearray()
             raise
         if source is buf and pos:
-            del buf[:pos]
+            if pos == len(buf):
+                self._buf = bytearray()  # a fresh one: the old one's capacity (up to a whole frame) goes now
+            else:
+                del buf[:pos]
+        if self._need is not None and not self._reserved and self._budget is not None:
+            # a frame is left partial: it reserves its whole length before its bytes are held
+            want = self._need + PREFIX_SIZE
+            if not self._budget.reserve(want):
+                exc = BufferBudgetError(
+                    f"a frame of {self._need} bytes would exceed the input budget ({self._budget.left} of "
+                    f"{self._budget.limit} bytes left)")
+                self._failed = exc
+                self._buf = bytearray()
+                raise exc
+            self._reserved = want
         return frames
 
     def _split(self, view: memoryview, frames: list[bytes]) -> int:
@@ -139,6 +207,7 @@ class FrameDecoder:
             frames.append(bytes(view[pos : pos + need]))
             pos += need
             self._need = None
+            self._release()
 
     def finish(self) -> None:
         """Call at end of stream: raise :class:`TruncatedFrameError` if a frame was cut off."""
@@ -196,14 +265,20 @@ class FrameReader:
 
     __slots__ = ("_chunk", "_decoder", "_eof", "_read", "_ready")
 
-    def __init__(self, read: ReadFn, max_frame: int = DEFAULT_MAX_FRAME, chunk_size: int = 256 * 1024) -> None:
+    def __init__(self, read: ReadFn, max_frame: int = DEFAULT_MAX_FRAME, chunk_size: int = 256 * 1024,
+                 budget: ByteBudget | None = None) -> None:
         if type(chunk_size) is not int or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self._read = read
-        self._decoder = FrameDecoder(max_frame)
+        self._decoder = FrameDecoder(max_frame, budget)
         self._chunk = chunk_size
         self._ready: list[bytes] = []
         self._eof = False
+
+    def close(self) -> None:
+        """Drop what is buffered and return its share of the budget."""
+        self._decoder.close()
+        self._ready = []
 
     @property
     def has_frames(self) -> bool:
