@@ -19,6 +19,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- MalformedFrameError    bytes that do not parse as a message (garbage, unknown tag)
     |   +-- UnsupportedVersionError a message of a wire version this peer does not speak
     |   +-- InvalidMessageError    a field breaks the wire rules (type, bound, dtype, shape)
+    |   +-- BufferBudgetError      a frame being read would exceed the stage's input budget
     +-- NetworkError          identity, dialling, records, relays, private fleets
     |   +-- RecordError           a signed DHT record failed validation
     |   +-- ListenError           a listen address refused (not covered by the fleet secret) or not listened on
