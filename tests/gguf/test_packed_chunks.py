@@ -80,3 +80,19 @@ def test_release_view_drops_mapped_pages_and_leaves_owned_memory(tmp_path: Path)
     f.release_view(owned)  # not a view of the map: left alone (dropping anonymous pages would zero them)
     assert torch.equal(owned, expect)
     f.close()
+
+
+@pytest.mark.parametrize("rows", [15, 16, 512])
+def test_fp16_weight_times_many_rows_is_an_fp32_product(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """16 rows or more (prefill) multiply the exactly upcast fp16 weight in fp32, 64 of its rows at a time here;
+    fewer stay an fp16 product (the activations rounded to fp16: ~1e-3 relative)."""
+    monkeypatch.setattr(packed, "_TEMP_BYTES", 1)
+    w = (torch.randn(200, 96, generator=torch.Generator().manual_seed(0)) * 0.05).half()
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)) * 3
+    ref = x.double() @ w.double().t()
+    got = packed.FloatLinear(w).linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 200)
+    err = float((got.double() - ref).abs().max() / ref.abs().max())
+    assert err < (1e-6 if rows >= 16 else 3e-3), err
+    if rows < 16:
+        assert err > 1e-5  # the fp16 product really is a different path
