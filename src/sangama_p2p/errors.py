@@ -13,6 +13,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- SessionStateError     a step that does not fit the session's state
     |   +-- TooManyGuessesError   a step with more guesses than the session allows
     |   +-- ChatTemplateError     a checkpoint's chat template that does not render
+    |   +-- DeviceError           a --device that is malformed or absent here (cuda without CUDA)
     +-- WireError             malformed, oversized or inconsistent frames from a peer
     |   +-- FrameTooLargeError     a length prefix above the configured maximum
     |   +-- TruncatedFrameError    the stream ended inside a frame
@@ -40,6 +41,7 @@ __all__ = [
     "BufferBudgetError",
     "CapacityError",
     "ChatTemplateError",
+    "DeviceError",
     "CheckpointError",
     "DownloadError",
     "ErrorCode",
@@ -122,6 +124,10 @@ class TooManyGuessesError(ModelError):
 
 class ChatTemplateError(ModelError):
     """A chat template failed to compile or render (its syntax, a ``raise_exception`` call, a bad message)."""
+
+
+class DeviceError(ModelError):
+    """A ``--device`` that is not ``cpu``, ``cuda`` or ``cuda:N``, or a CUDA device this process cannot use."""
 
 
 class WireError(SangamaError):

@@ -99,6 +99,7 @@ def test_unsupported_type_is_typed() -> None:
         dequantize_blocks(QType.Q8_0, torch.zeros(1, 33, dtype=torch.uint8))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("qtype", sorted(_FP16_FIELDS), ids=lambda t: gguf.GGMLQuantizationType(t).name)
 def test_dequantize_bit_exact_on_cuda(qtype: int) -> None:

@@ -226,7 +226,7 @@ def test_package_does_not_import_transformers(tmp_path: Path) -> None:
 def test_presets_cover_every_arch_and_size() -> None:
     dense = ["micro", "small", "tiny"]
     assert {a: sorted(p) for a, p in PRESETS.items()} == {
-        "qwen3_5_moe": ["small", "tiny"], "llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": dense}
+        "qwen3_5_moe": ["mid", "small", "tiny"], "llama": dense, "qwen2": dense, "qwen3": dense, "qwen3_moe": dense}
 
 
 @pytest.mark.slow

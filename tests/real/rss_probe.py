@@ -1,7 +1,8 @@
 """Run as a script: load a whole-model stage of a GGUF file, run one prefill + one decode step, and print (JSON) how
 long opening the file and loading the stage took and how much the process's memory grew over the load - anonymous memory plus the resident pages of the GGUF file's own
 mapping, the memory the stage holds (library code pages faulted in by first use are not counted) - against the bytes
-of the stage's tensors in the file. Used by test_smollm2.py and benchmarks; argv: PATH fused(0|1)."""
+of the stage's tensors in the file, and the most the process's resident set grew at any time during the load
+(``peak_load``: VmHWM after it minus VmRSS before it). Used by test_smollm2.py and benchmarks; argv: PATH fused(0|1)."""
 
 import gc
 import json
@@ -29,6 +30,14 @@ def resident(path: str) -> int:
     return anon + file_rss
 
 
+def status_mib(key: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM: the process's peak resident set so far)."""
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
 def main() -> None:
     path, fused = sys.argv[1], sys.argv[2] == "1"
     torch.set_num_threads(1)
@@ -38,10 +47,12 @@ def main() -> None:
     t_open = time.perf_counter() - t0
     gc.collect()
     before = resident(path)
+    rss_before = status_mib("VmRSS")
     t0 = time.perf_counter()
     stage = StageModel.load(spec, src, 0, spec.num_layers, fused=fused)
     t_load = time.perf_counter() - t0
     loaded = resident(path)
+    peak_load = status_mib("VmHWM") - rss_before  # the most the resident set grew at any time during the load
     state = stage.new_session(16)
     x = stage.forward([StepInput(state, 0, tokens=torch.tensor([1, 2, 3, 4]))])
     stage.logits(x[-1:])
@@ -52,6 +63,7 @@ def main() -> None:
     stepped = resident(path)
     in_file = sum(src.nbytes_in_file(n) for n in stage.loaded_names)
     print(json.dumps({"in_file": in_file, "after_load": loaded - before, "after_steps": stepped - before,
+                      "peak_load": peak_load,
                       "open_s": round(t_open, 3), "load_s": round(t_load, 3)}))
 
 

@@ -141,6 +141,11 @@ def test_greedy_equals_transformers_gguf_loader_on_f16(smollm2_files: dict[str, 
 # resident until the first step reads the rest. Q4_K_M misses the goal when fused: 166 of its tensors fell back to
 # Q5_0 (576 columns are not a multiple of 256), held as two int4 planes (1.82x their blocks) for lack of a 5-bit kernel.
 RSS_BOUND = {("F16", True): 1.2, ("Q8_0", True): 1.2, ("Q4_1", True): 1.2, ("Q4_K_M", True): 1.7}
+# The peak during the load (VmHWM) over what the stage holds after it: weights are repacked a chunk of rows at a time
+# (temporaries ~16 MiB) and the mapped pages read are dropped as it goes. Measured over after_load, fused: F16 +10 MiB,
+# Q8_0 +17, Q4_1 +27, Q4_K_M +24 (per use: +4 for Q4_1 and Q4_K_M); before the chunked repacking, the whole-tensor
+# temporaries and the pages piled up: +134 (F16), +255 (Q8_0), +185 (Q4_1), +253 MiB (Q4_K_M).
+PEAK_SLACK = 40 * 2**20
 
 
 @pytest.mark.slow
@@ -152,3 +157,4 @@ def test_stage_memory_after_load_within_bound_of_file_bytes(smollm2_files: dict[
                           "1" if fused else "0"], capture_output=True, text=True, check=True, timeout=300)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["after_load"] <= RSS_BOUND.get((label, fused), 1.2) * got["in_file"] + 2**20, got
+    assert got["peak_load"] <= got["after_load"] + PEAK_SLACK, got

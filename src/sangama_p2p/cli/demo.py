@@ -76,6 +76,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
     guesses = _int_list(args.guesses, "--guesses", 0, MAX_GUESSES)
     requests = _int_list(args.requests, "--requests", 1)
+    if args.device:
+        from ..model.device import resolve_device
+
+        resolve_device(args.device)  # here, before the fleet starts, not in three stage logs
 
     import torch
 
@@ -102,7 +106,9 @@ def run_demo(args: argparse.Namespace) -> int:
         print("one-process reference runs done", flush=True)
         t0 = time.monotonic()
         threads = getattr(args, "threads", None) or max(1, available_cores() // len(split))  # stages share the cores
-        with LocalFleet(model_dir, split, workdir / "fleet", join_args=["--threads", str(threads)]) as fleet:
+        placement = (["--device", args.device] if args.device else []) + (["--dtype", args.dtype] if args.dtype else [])
+        join_args = ["--threads", str(threads), *placement]
+        with LocalFleet(model_dir, split, workdir / "fleet", join_args=join_args) as fleet:
             print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(split)} "
                   f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
             results = measure_network(model_dir, fleet.bootstrap_addr, refs, guesses=guesses, requests=requests,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 _ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe")
-_PRESETS = ("tiny", "small", "micro")
+_PRESETS = ("tiny", "small", "micro", "mid")
 _DTYPES = ("float32", "bfloat16")
 # model.gguf.mix.PRESETS (spelt out so that registering the command imports no torch; a test keeps them equal)
 REQUANT_PRESETS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q4_K_M")

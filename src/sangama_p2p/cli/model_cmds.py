@@ -45,7 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="--local: compute dtype (default: float32 on the CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="--local: cpu (default), cuda or cuda:N; the compute dtype defaults to bfloat16 on CUDA")
     p.add_argument("--mtp-from", default=None, help="safetensors checkpoint to take mtp.* tensors from (GGUF)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--guesses", type=guesses, default=0, metavar="K|auto",
@@ -89,7 +92,8 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system", "dequantize_per_use")
+_LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system", "dequantize_per_use", "device",
+               "dtype")
 _NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
 
 
@@ -116,6 +120,9 @@ def _generate(args: argparse.Namespace) -> int:
     from ..model.sampling import SamplingParams
     from ..model.spec import LayerRange, parse_stages
 
+    from ..model.device import default_dtype, resolve_device
+
+    device = resolve_device(args.device or "cpu")  # before the checkpoint is read
     set_threads(args.threads)
     from .hub_cmds import from_hub
 
@@ -134,7 +141,8 @@ def _generate(args: argparse.Namespace) -> int:
         ids = _prompt_ids(args, ckpt.tokenizer)
     if any(i < 0 or i >= spec.vocab_size for i in ids):
         raise ModelError(f"prompt token ids must be in 0..{spec.vocab_size - 1}")
-    chain = LocalChain.load(ckpt, ranges, dtype=args.dtype, batch_invariant=args.batch_invariant,
+    chain = LocalChain.load(ckpt, ranges, dtype=default_dtype(device, args.dtype), device=device,
+                            batch_invariant=args.batch_invariant,
                             fused=not args.dequantize_per_use)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]

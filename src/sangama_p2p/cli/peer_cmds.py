@@ -45,7 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [stage], [client])")
     add_host_args(p)
     p.add_argument("--key", type=Path, default=None, help="key file (default ~/.sangama/peer.key)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32 on the CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="cpu (default), cuda or cuda:N; the compute dtype defaults to bfloat16 on CUDA")
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
     p.add_argument("--threads", type=positive_int, default=None,
@@ -72,6 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads of each stage process (default: this process's cores shared among the stages)")
+    p.add_argument("--device", default=None, metavar="DEV",
+                   help="each stage's device: cpu (default), cuda or cuda:N (passed to join)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="each stage's compute dtype (default: float32 on the CPU, bfloat16 on CUDA)")
     p.set_defaults(handler=_demo)
 
 
@@ -144,7 +151,13 @@ def _join(args: argparse.Namespace) -> int:
     model, hub_id = from_hub(model, layers)  # hf:...: only the files (or byte ranges) of the layers served
     model_id = model_id or hub_id
     options: dict[str, Any] = {}
-    if args.dtype:
+    if args.device is not None:
+        from ..model.device import default_dtype, resolve_device
+
+        device = resolve_device(args.device)  # before anything starts: a one-line error for cuda without CUDA
+        options["device"] = str(device)
+        options["dtype"] = default_dtype(device, args.dtype)
+    elif args.dtype:
         options["dtype"] = args.dtype
     if args.batch_invariant:
         options["batch_invariant"] = True

@@ -102,9 +102,9 @@ class LocalChain:
         self.spec = self.stages[0].spec
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, ranges: Sequence[LayerRange], *, dtype="float32",
+    def load(cls, ckpt: Checkpoint, ranges: Sequence[LayerRange], *, dtype="float32", device="cpu",
              batch_invariant: bool = False, fused: bool = True) -> "LocalChain":
-        stages = [StageModel.load(ckpt.spec, ckpt.source, r.start, r.end, dtype=dtype,
+        stages = [StageModel.load(ckpt.spec, ckpt.source, r.start, r.end, dtype=dtype, device=device,
                                   batch_invariant=batch_invariant, fused=fused) for r in ranges]
         return cls(stages, ckpt.tokenizer)
 

@@ -10,6 +10,7 @@ Sizes:
   on (the "Petals anchor"); keep it.
 - ``qwen2/tiny`` (tied head, as Qwen2.5's small models), ``qwen3/tiny`` (head_dim 64 > hidden / heads, as Qwen3),
   ``qwen3_moe/tiny`` (8 experts, top-2, no shared expert): hidden 64-128, 6 layers, vocab 1024.
+- ``qwen3_5_moe/mid``: hidden 2048, 48 layers, 128 experts top-8 (narrow experts): the GPU benchmark's model.
 - ``*/small``: sized so one decode step costs roughly 20-50 ms on one CPU process (a realistic benchmark load;
   measured 2026-12-01, one thread, whole model, fp32: llama 34 ms, qwen2 33 ms, qwen3 39 ms, qwen3_moe 25 ms).
 - ``<dense arch>/micro``: hidden 32, 4 layers, vocab 384 - the checkpoints behind the converter-made GGUF test files
@@ -135,6 +136,24 @@ PRESETS: dict[str, dict[str, Preset]] = {
             num_experts=64,
             num_experts_per_tok=4,
             moe_intermediate_size=256,
+            shared_expert_intermediate_size=512,
+        ),
+        # the routing shape of Qwen3.5-35B-A3B (hidden 2048, 48 layers, 128 experts, top-8) with narrow experts, so
+        # that it makes in minutes: 4.07e9 parameters, 8.1 GB in bfloat16; for benchmarks/gpu_check.sh
+        "mid": QwenMoePreset(
+            vocab_size=8192,
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=64,
             shared_expert_intermediate_size=512,
         ),
     },

@@ -112,17 +112,20 @@ class StageModel:
 
         if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
             stage.embed = get("model.embed_tokens.weight", raw=True)  # looked up by rows (take_rows), not multiplied
+        release = getattr(source, "release_pages", None) if packer is not None else None
         for i in range(start, end):
             prefix = f"model.layers.{i}."
             stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
+            if release is not None:  # layer by layer, so the pages a repacking or a concatenation read do not pile up
+                release()
         if stage.is_last:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
             tied = spec.tie_word_embeddings
             stage.head = pack(stage.embed) if tied else get("lm_head.weight")  # type: ignore[arg-type]
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
-        if packer is not None and hasattr(source, "release_pages"):
-            source.release_pages()  # the repacked weights hold their own copies of the blocks they came from
+        if release is not None:
+            release()  # the repacked weights hold their own copies of the blocks they came from
         return stage
 
     def weights(self) -> Iterator[Weight]:

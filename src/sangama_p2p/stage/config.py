@@ -41,6 +41,7 @@ class StageConfig:
     start: int
     end: int
     dtype: str = "float32"
+    device: str = "cpu"  # cpu, cuda or cuda:N (model/device.py checks it at load)
     batch_invariant: bool = False
     fused: bool = True
     max_sessions: int = 64

@@ -102,8 +102,11 @@ class StageServer:
         from ..model.fingerprint import parts_of, stage_identity
         from ..model.stage import StageModel
 
+        from ..model.device import resolve_device
+
         model = StageModel.load(checkpoint.spec, checkpoint.source, config.start, config.end, dtype=config.dtype,
-                                batch_invariant=config.batch_invariant, fused=config.fused)
+                                device=resolve_device(config.device), batch_invariant=config.batch_invariant,
+                                fused=config.fused)
         t0 = time.perf_counter()
         identity = stage_identity(checkpoint.spec, checkpoint.source, parts_of(model.loaded_names))
         log.info("checkpoint fingerprint %s (%d layers), %d parts hashed in %.2f s", identity.fingerprint,

@@ -16,7 +16,9 @@ without ever being dequantized again:
   padding is cut from the output), K a multiple of 32 (always true of these block types).
 - **Dense** (:class:`FloatLinear`): Q6_K (groups of 16, which the int4 kernel cannot take) is dequantized once into
   bfloat16; F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products accumulate in fp32; the
-  activations are scaled into fp16's range first), never upcast per step.
+  activations are scaled into fp16's range first), never upcast whole. An fp16 weight times 16 rows or more (prefill)
+  is multiplied in fp32 instead, a chunk of its rows upcast at a time: torch's fp16 GEMM on the CPU is 3-4x slower
+  than fp32's there.
 
 2-D F32 tensors (routers, the shared expert's gate) of a stage computing in bf16/fp16 are cast to it once. Anything
 else (1-D tensors, whose users take them in fp32; tensors already in the compute dtype; other devices than the CPU)
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +42,7 @@ __all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "repack"]
 
 GROUP = 32  # the int4 kernel's group size: one (scale, zero) per 32 weights of a row
 _ROW_TILE = 64  # packed rows are laid out in tiles of 64: packings of whole tiles concatenate along N
-_CHUNK_ROWS = 4096  # rows repacked at a time (bounds the temporaries of a large head to a few MB)
+_TEMP_BYTES = 16 << 20  # the most the repacking of one chunk of rows allocates besides its result (about)
 
 Q4_1, Q5_1 = QType.Q4_1, QType.Q5_1  # d, m fp16 + codes; w = d*q + m
 _PLANES = {QType.Q4_0: 1, Q4_1: 1, QType.Q4_K: 1, QType.Q5_0: 2, Q5_1: 2, QType.Q5_K: 2, QType.Q8_0: 2}
@@ -47,6 +50,7 @@ INT4_TYPES = frozenset(_PLANES)
 _TYPE_SIZE = {QType.Q4_0: 18, Q4_1: 20, QType.Q4_K: 144, QType.Q5_0: 22, Q5_1: 24, QType.Q5_K: 176, QType.Q8_0: 34}
 _BF16_TYPES = frozenset({QType.Q6_K})  # dequantized once into bfloat16
 _FP16_MAX = 60000.0  # activations scaled below this before an fp16 product
+_WIDE_ROWS = 16  # an fp16 weight multiplies this many activation rows or more in fp32 (torch's fp16 GEMM is slow)
 
 
 # ---- codes, scales and zeros from raw blocks --------------------------------------------------------------------
@@ -195,32 +199,46 @@ class Int4Weight(FusedWeight):
                           first.k, planes, first.qtype if len({p.qtype for p in ps}) == 1 else -1)
 
 
-def pack_int4(qt: QuantTensor) -> Int4Weight:
+def chunk_rows(k: int, planes: int) -> int:
+    """Rows repacked at a time: a whole number of 64-row tiles whose temporaries (about 8 bytes per weight and
+    plane: the codes as uint8 and int32, the kernel's packing) stay under :data:`_TEMP_BYTES`."""
+    return max(_ROW_TILE, _TEMP_BYTES // (8 * k * planes) // _ROW_TILE * _ROW_TILE)
+
+
+def pack_int4(qt: QuantTensor, release: Callable[[torch.Tensor], None] | None = None) -> Int4Weight:
     """Repack a quantized tensor (one of :data:`INT4_TYPES`, on the CPU) for the int4 kernel, a chunk of rows at a
-    time. Blocks whose columns llama.cpp reordered are packed as stored; the activations are reordered instead."""
+    time into outputs allocated once (so the peak is the result plus one chunk's temporaries); ``release`` is given
+    each chunk's blocks once they are packed (the source drops their mapped pages). Blocks whose columns llama.cpp
+    reordered are packed as stored; the activations are reordered instead."""
     n, k = qt.shape
     planes = _PLANES[qt.qtype]
     tile = 16 if planes == 1 else _ROW_TILE  # the second plane must start on a whole tile of the packed layout
     big = -(-n // tile) * tile
-    packs, szs = [], []
-    for r0 in range(0, big, _CHUNK_ROWS):
-        r1 = min(r0 + _CHUNK_ROWS, big)
+    packed = torch.empty(planes, big, k // 2, dtype=torch.uint8)
+    sz = torch.empty(k // GROUP, planes, big, 2, dtype=torch.bfloat16)
+    step = chunk_rows(k, planes)
+    for r0 in range(0, big, step):
+        r1 = min(r0 + step, big)
         real = max(0, min(r1, n) - r0)
-        codes, scale, zero = int4_codes(qt.qtype, qt.data[r0 : r0 + real], k)
+        if real:
+            blocks = qt.data[r0 : r0 + real]
+            codes, scale, zero = int4_codes(qt.qtype, blocks, k)
+            if release is not None:
+                release(blocks)
+            sz[:, :, r0 : r0 + real, 0] = scale.permute(2, 0, 1)
+            sz[:, :, r0 : r0 + real, 1] = zero.permute(2, 0, 1)
+            del scale, zero
         if real < r1 - r0:  # pad rows: codes 8 at scale 0, zero 0 -> weights 0
-            pad = r1 - r0 - real
-            codes = torch.cat((codes, codes.new_full((planes, pad, k), 8)), dim=1)
-            scale = torch.cat((scale, scale.new_zeros(planes, pad, k // GROUP)), dim=1)
-            zero = torch.cat((zero, zero.new_zeros(planes, pad, k // GROUP)), dim=1)
-        flat = codes.reshape(planes * (r1 - r0), k).to(torch.int32)
-        per_plane = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in
-                     flat.view(planes, r1 - r0, k).unbind(0)]
-        packs.append(torch.stack(per_plane))  # [planes, rows, k/2]
-        szs.append(torch.stack((scale, zero), dim=-1).to(torch.bfloat16))  # [planes, rows, k/32, 2]
-    packed = torch.cat(packs, dim=1).reshape(planes * big, k // 2)
-    sz = torch.cat(szs, dim=1).permute(2, 0, 1, 3).reshape(k // GROUP, planes * big, 2).contiguous()
+            pad = codes.new_full((planes, r1 - r0 - real, k), 8) if real else torch.full((planes, r1 - r0, k), 8,
+                                                                                          dtype=torch.uint8)
+            codes = torch.cat((codes, pad), dim=1) if real else pad
+            sz[:, :, r0 + real : r1] = 0
+        for p in range(planes):
+            packed[p, r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[p].to(torch.int32), 1)
+        del codes
     in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
-    return Int4Weight(packed, sz, n, k, planes, qt.qtype, in_perm)
+    return Int4Weight(packed.view(planes * big, k // 2), sz.view(k // GROUP, planes * big, 2), n, k, planes,
+                      qt.qtype, in_perm)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -239,7 +257,9 @@ class FloatLinear(FusedWeight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight
-        if w.dtype == torch.float16 and x.dtype != torch.float16:
+        if w.dtype == torch.float16 and x.dtype != torch.float16 and x.numel() >= _WIDE_ROWS * w.shape[1]:
+            y = _fp32_by_row_chunks(x.reshape(-1, w.shape[1]), w).reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+        elif w.dtype == torch.float16 and x.dtype != torch.float16:
             peak = float(x.abs().max()) if x.numel() else 0.0
             if peak > _FP16_MAX:  # keep the activations inside fp16's range (and scale the product back)
                 scale = peak / _FP16_MAX
@@ -264,16 +284,17 @@ class FloatLinear(FusedWeight):
         return FloatLinear(torch.cat(ws)) if len({w.dtype for w in ws}) == 1 else None
 
 
-def repack(w: Weight, dtype: torch.dtype) -> Weight:
+def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None] | None = None) -> Weight:
     """The fused form of a weight a stage computing in ``dtype`` will multiply by (see the module docstring);
-    anything it does not apply to comes back unchanged."""
+    anything it does not apply to comes back unchanged. ``release`` is given the stored blocks that a repacked
+    weight no longer needs, a chunk at a time (never those a result still refers to)."""
     if isinstance(w, QuantTensor):
         if w.data.device.type != "cpu":
             return w  # other devices stay on the dequantize-per-use path
         if w.qtype in INT4_TYPES:
-            return pack_int4(w)
+            return pack_int4(w, release)
         if w.qtype in _BF16_TYPES:
-            return FloatLinear(_dequantize_chunked(w, torch.bfloat16))  # (columns put in order by dequantize)
+            return FloatLinear(_dequantize_chunked(w, torch.bfloat16, release))  # (columns put in order by dequantize)
         return w
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype != dtype:
         if w.dtype in (torch.float16, torch.bfloat16):
@@ -293,10 +314,28 @@ def trim_heap() -> None:
     fn(0)
 
 
-def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+def _fp32_by_row_chunks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in fp32 for an fp16 ``w`` (upcast exactly), a chunk of w's rows at a time (copies of at most
+    :data:`_TEMP_BYTES`). On the CPU, torch's fp16 GEMM is 3-4x slower than fp32's for many rows (measured at 512 rows,
+    1 thread: 1536x576 35.8 ms fp16, 10.3 fp32, 2.9 bf16); one activation row it does at the speed of memory."""
+    x32 = x.float()
+    n, k = w.shape
+    out = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    step = max(64, _TEMP_BYTES // (4 * k))
+    for r0 in range(0, n, step):
+        out[:, r0 : r0 + step] = x32 @ w[r0 : r0 + step].float().t()
+    return out
+
+
+def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype,
+                        release: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     n, k = qt.shape
     out = torch.empty(n, k, dtype=dtype)
-    for r0 in range(0, n, _CHUNK_ROWS):
-        part = dequantize_rows(qt.qtype, qt.data[r0 : r0 + _CHUNK_ROWS], k)
-        out[r0 : r0 + _CHUNK_ROWS] = part if qt.col_perm is None else part.index_select(1, qt.col_perm)
+    step = max(1, _TEMP_BYTES // (8 * k))  # rows whose fp32 dequantization (and its steps) fit the bound
+    for r0 in range(0, n, step):
+        blocks = qt.data[r0 : r0 + step]
+        part = dequantize_rows(qt.qtype, blocks, k)
+        if release is not None:
+            release(blocks)
+        out[r0 : r0 + step] = part if qt.col_perm is None else part.index_select(1, qt.col_perm)
     return out

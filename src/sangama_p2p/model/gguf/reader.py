@@ -289,6 +289,27 @@ class GGUFFile:
             if raw is not None and hasattr(mmap, "MADV_DONTNEED"):
                 raw.madvise(mmap.MADV_DONTNEED)
 
+    def release_view(self, view: torch.Tensor) -> None:
+        """Drop this process's copies of the mapped pages under ``view`` (the pages wholly inside it), when it is a
+        view of one of the maps (:meth:`view`); memory of its own (:meth:`read`) is left alone. For weights
+        repacked a chunk at a time: the chunk's blocks stop counting in the resident set as soon as it is packed."""
+        if not hasattr(mmap, "MADV_DONTNEED") or view.device.type != "cpu" or not view.numel():
+            return
+        start = view.data_ptr()
+        end = start + view.numel() * view.element_size()
+        if not view.is_contiguous():
+            return
+        for mm in self._maps:
+            raw = getattr(mm, "_mmap", None)
+            base = mm.ctypes.data
+            if raw is None or not (base <= start and end <= base + mm.nbytes):
+                continue
+            lo = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+            hi = (end - base) // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi > lo:
+                raw.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            return
+
     def _fd(self, file: int) -> int:
         if not self._fds:
             self._fds = [os.open(p, os.O_RDONLY) for p in self.paths]

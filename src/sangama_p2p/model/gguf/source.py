@@ -116,10 +116,11 @@ class GGUFSource:
         return _narrow(part, dtype)
 
     def repack(self, w: Weight, dtype: torch.dtype) -> Weight:
-        """The weight in the layout of a fused kernel, built once at load (``packed.repack``)."""
+        """The weight in the layout of a fused kernel, built once at load (``packed.repack``); the mapped pages of
+        the blocks it was built from are dropped as it goes (``GGUFFile.release_view``)."""
         from .packed import repack
 
-        return repack(w, dtype)
+        return repack(w, dtype, self.file.release_view)
 
     def release_pages(self) -> None:
         """Forget the mapped pages read so far (the repacked weights hold their own copies), and hand the repacking's
