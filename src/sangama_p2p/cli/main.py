@@ -74,7 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if getattr(args, "command", None) not in _WITHOUT_TORCH:
             import_keeping_interrupts(_TORCH)
-        return int(args.handler(args) or 0)
+        torch = sys.modules.get("torch")
+        grad = torch.is_grad_enabled() if torch is not None else True
+        try:
+            return int(args.handler(args) or 0)
+        finally:  # join and demo switch autograd off for their thread; a caller in the same process gets it back
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                torch.set_grad_enabled(grad)
     except SangamaError as exc:
         print(f"sangama-peer: error: {exc}", file=sys.stderr)
         return 2
