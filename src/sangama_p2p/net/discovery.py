@@ -20,6 +20,7 @@ from libp2p.peer.id import ID
 
 from ..errors import NetworkError, RecordError
 from .dht import providers_from_network, values_from_network
+from .dial import remember
 from .host import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
@@ -180,6 +181,7 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
                 best = record
         if best is not None:
             found[best.peer_id] = best
+            remember(node, peer, best.addrs)  # circuit addresses too: later dials of any kind know them
 
     async with trio.open_nursery() as nursery:
         for peer in providers:
