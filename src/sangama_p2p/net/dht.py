@@ -283,28 +283,34 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
 
     asked: set[ID] = {node.peer_id}
     got = 0
+    done = trio.Event()  # the author answered, or every query finished
 
-    async with trio.open_nursery() as nursery:
+    async def ask_once(peer: ID, first: bool = False) -> None:
+        nonlocal got
+        if peer in asked:
+            return
+        asked.add(peer)
+        if await ask(peer) and first:
+            got += 1
+            if got >= enough:  # the record's author answered: nobody holds a newer copy
+                done.set()
 
-        async def ask_once(peer: ID, first: bool = False) -> None:
-            nonlocal got
-            if peer in asked:
-                return
-            asked.add(peer)
-            if await ask(peer) and first:
-                got += 1
-                if got >= enough:  # the record's author answered: nobody holds a newer copy
-                    nursery.cancel_scope.cancel()
-
-        async def closest() -> None:
-            for peer in await _closest(dht, key_bytes):
-                nursery.start_soon(ask_once, peer)
-
+    async def queries() -> None:
         # all at once, each bounded by QUERY_TIMEOUT: the author (whose addresses may all be dead behind a NAT), the
-        # DHT servers we already know near the key (the bootstrap holding the record), and the network's closest
-        for peer in ask_first:
-            nursery.start_soon(ask_once, peer, True)
-        for peer in dht.routing_table.find_local_closest_peers(key_bytes, BUCKET_SIZE):
-            nursery.start_soon(ask_once, peer)
-        nursery.start_soon(closest)
-    return values
+        # DHT servers we know near the key (the bootstrap holding the record), and the network's closest peers
+        try:
+            async with trio.open_nursery() as nursery:
+                for peer in ask_first:
+                    nursery.start_soon(ask_once, peer, True)
+                for peer in dht.routing_table.find_local_closest_peers(key_bytes, BUCKET_SIZE):
+                    nursery.start_soon(ask_once, peer)
+                for peer in await _closest(dht, key_bytes):
+                    nursery.start_soon(ask_once, peer)
+        finally:
+            done.set()
+
+    # the queries run in the node's nursery: an early answer returns at once, and the others finish by themselves
+    # (cancelling a query in the middle of its RPC broke later lookups on the same connection)
+    node.nursery.start_soon(queries)
+    await done.wait()
+    return list(values)
