@@ -204,7 +204,8 @@ async def record_addrs(node: Node, peer_id: ID, model_id: str) -> list[str]:
         return []
     key = record_key(model_id, peer_id)
     best = None
-    for value in await values_from_network(node, key):
+    near = node.dht.routing_table.find_local_closest_peers(key.encode(), 20)  # the DHT servers we know (bootstrap)
+    for value in await values_from_network(node, key, ask_first=[p for p in near if p != peer_id]):
         try:
             rec = decode_record(key, value)
         except Exception:  # stale or foreign: skip it
@@ -242,28 +243,40 @@ async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None
             if model_id is None:
                 return await _via_find_peer(node, pid)
             raise
-    # no circuit address known: fetch the record while the known addresses are tried
-    fetched: list[str] = []
-    first: NetworkError | None = None
+    # no circuit address known: fetch the record while the known addresses are tried, and race its addresses as
+    # soon as it arrives (outside Node.connect's one-dial-per-peer lock, which a hanging address may hold)
+    won: list[INetConn] = []
+    errors: list[NetworkError] = []
 
-    async def fetch() -> None:
+    async def known(nursery: trio.Nursery) -> None:
+        try:
+            won.append(await node.connect(pid, [multiaddr.Multiaddr(a) for a in given]))
+            nursery.cancel_scope.cancel()
+        except NetworkError as exc:
+            errors.append(exc)
+
+    async def from_record(nursery: trio.Nursery) -> None:
+        fetched: list[str] = []
         with trio.move_on_after(policy.record_timeout_s):
             fetched.extend(await record_addrs(node, pid, model_id))
+        new = [a for a in fetched if a not in given]
+        if not new:
+            errors.append(NetworkError(f"no serving record of {pid} for {model_id!r} with new addresses"))
+            return
+        log.info("dialling %s at the addresses of its serving record: %s", pid, new)
+        remember(node, pid, new)
+        try:
+            won.append(await race_addrs(node, pid, new, [], policy))
+            nursery.cancel_scope.cancel()
+        except NetworkError as exc:
+            errors.append(exc)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(fetch)
-        try:
-            conn = await node.connect(pid, [multiaddr.Multiaddr(a) for a in given])
-            nursery.cancel_scope.cancel()
-            return conn
-        except NetworkError as exc:
-            first = exc
-    new = [a for a in fetched if a not in given]
-    if not new:
-        raise first
-    log.info("dialling %s at the addresses of its serving record: %s", pid, new)
-    remember(node, pid, new)
-    return await node.connect(pid, [multiaddr.Multiaddr(a) for a in new])
+        nursery.start_soon(known, nursery)
+        nursery.start_soon(from_record, nursery)
+    if won:
+        return won[0]
+    raise NetworkError(f"cannot reach {pid}: " + "; ".join(str(e) for e in errors)) from (errors or [None])[0]
 
 
 async def _via_find_peer(node: Node, pid: ID) -> INetConn:

@@ -36,8 +36,8 @@ class StageAnnouncer:
         self._soon.set()
 
     def published_addrs(self) -> tuple[str, ...]:
-        """The addresses in the record last published (empty before the first)."""
-        signed = self.announcer.published.get(self.server.config.model_id)
+        """The addresses in the record last signed and sent to the DHT (empty before the first)."""
+        signed = self.announcer.signed.get(self.server.config.model_id)
         return signed.record.addrs if signed is not None else ()
 
     def current(self) -> Offer:
