@@ -18,6 +18,7 @@ Each server and client lives in a task of the peer's own nursery, whichever task
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tomllib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack
@@ -33,6 +34,8 @@ from .net.config import HostConfig, check_toml_types
 from .stage.config import StageConfig
 
 __all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_id"]
+
+log = logging.getLogger(__name__)
 
 
 def default_model_id(model_path: str | Path) -> str:
@@ -311,8 +314,32 @@ class Peer:
         server = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
         await nursery.start(self._run_server, server)
         self.servers.append(server)
+        if self.traversal is not None and server.announcer is not None:
+            self.traversal.listeners.append(server.announcer.publish_soon)  # new circuit address: re-publish now
         await self._drop_client(mid)
         return start, end
+
+    async def wait_reachable(self, *, warn_every_s: float = 15.0) -> str:
+        """Wait until others can reach this peer's stage: reachability known, and public or with a ``/p2p-circuit``
+        address in its published record. Returns ``"direct"`` or ``"relayed"``; warns while it waits."""
+        t = self.traversal
+        if t is None:
+            return "direct"
+        waited = 0.0
+        while True:
+            with trio.move_on_after(warn_every_s):
+                await t.wait_ready()
+                while True:
+                    if t.reachable():
+                        if t.reachability.value == "public":
+                            return "direct"
+                        if all(any("/p2p-circuit" in a for a in s.announcer.published_addrs())
+                               for s in self.servers if s.announcer is not None):
+                            return "relayed"
+                    await trio.sleep(0.05)
+            waited += warn_every_s
+            log.warning("not reachable yet after %.0f s (reachability %s, circuit addresses %s): waiting for a relay "
+                        "reservation", waited, t.reachability.value, [str(a) for a in self.node.extra_addrs])
 
     async def _resolve_layers(self, layers: str | tuple[int, int], model_id: str, num_layers: int,
                               ckpt: Any = None) -> tuple[int, int]:

@@ -46,9 +46,10 @@ AGENT_SCRIPT = Path(__file__).with_name("nat_agent.py")
 
 RELAY_IP = "198.18.0.1"
 PUBLIC_IP = "198.18.0.2"
-NAT_WAN_IPS = {"a": "198.18.0.11", "b": "198.18.0.12"}
-LAN_GATEWAYS = {"a": "198.19.1.1", "b": "198.19.2.1"}
-LAN_IPS = {"a": "198.19.1.2", "b": "198.19.2.2"}
+SIDES = "abcdefgh"  # home networks a lab can have: side i is NAT 198.18.0.(11+i), LAN 198.19.(i+1).0/24
+NAT_WAN_IPS = {s: f"198.18.0.{11 + i}" for i, s in enumerate(SIDES)}
+LAN_GATEWAYS = {s: f"198.19.{i + 1}.1" for i, s in enumerate(SIDES)}
+LAN_IPS = {s: f"198.19.{i + 1}.2" for i, s in enumerate(SIDES)}
 
 
 class AgentError(RuntimeError):
@@ -194,9 +195,14 @@ class Agent:
 class NatLab:
     """Creates the namespaces on ``__enter__`` and always removes them (and its agents) on ``__exit__``."""
 
-    def __init__(self, tag: str | None = None) -> None:
+    def __init__(self, tag: str | None = None, sides: str = "ab") -> None:
+        """``sides``: the home networks, each a NAT box ``nat<s>`` and a host ``priv<s>`` behind it (see SIDES)."""
+        if not sides or any(s not in SIDES for s in sides) or len(set(sides)) != len(sides):
+            raise ValueError(f"sides must be distinct letters of {SIDES!r}, got {sides!r}")
+        self.sides = sides
         self.tag = tag or f"sg{os.getpid()}x{uuid.uuid4().hex[:3]}"
-        self.ns = {role: f"{self.tag}-{role}" for role in ("wan", "relay", "pub", "nata", "natb", "priva", "privb")}
+        roles = ("wan", "relay", "pub", *(f"nat{s}" for s in sides), *(f"priv{s}" for s in sides))
+        self.ns = {role: f"{self.tag}-{role}" for role in roles}
         self._made: list[str] = []
         self._agents: list[Agent] = []
 
@@ -243,14 +249,14 @@ class NatLab:
         wan = self.ns["wan"]
         _run(["ip", "-n", wan, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", wan, "link", "set", "br0", "up"])
-        wan_members = {"relay": RELAY_IP, "pub": PUBLIC_IP, "nata": NAT_WAN_IPS["a"], "natb": NAT_WAN_IPS["b"]}
+        wan_members = {"relay": RELAY_IP, "pub": PUBLIC_IP, **{f"nat{s}": NAT_WAN_IPS[s] for s in self.sides}}
         for role, ip in wan_members.items():
             port = f"p-{role}"
             _run(["ip", "-n", wan, "link", "add", port, "type", "veth", "peer", "name", "wan0", "netns", self.ns[role]])
             _run(["ip", "-n", wan, "link", "set", port, "master", "br0", "up"])
             self.sh(role, "ip", "addr", "add", f"{ip}/24", "dev", "wan0")
             self.sh(role, "ip", "link", "set", "wan0", "up")
-        for side in ("a", "b"):
+        for side in self.sides:
             nat, priv = f"nat{side}", f"priv{side}"
             _run(["ip", "-n", self.ns[nat], "link", "add", "lan0", "type", "veth", "peer", "name", "eth0",
                   "netns", self.ns[priv]])

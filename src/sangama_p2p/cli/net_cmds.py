@@ -68,9 +68,16 @@ def _quiet_libp2p() -> None:
 
     import libp2p  # noqa: F401  its import resets the "libp2p" logger to WARNING: let that happen before, not after
 
-    if logging.getLogger().level > logging.DEBUG:
-        for name in ("libp2p", "root"):  # py-libp2p logs routine stream resets as warnings, some on the root
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    level = logging.getLogger().level
+    if level > logging.INFO:  # no -v: py-libp2p logs routine stream resets as warnings, some on the root logger
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+        logging.getLogger().setLevel(logging.CRITICAL)
+        logging.getLogger("sangama_p2p").setLevel(level)  # our own warnings still show
+        return
+    # libp2p's import gave its logger no handler and propagate=False: its lines reached only logging's last resort
+    libp2p_log = logging.getLogger("libp2p")
+    libp2p_log.propagate = True
+    libp2p_log.setLevel(logging.WARNING if level > logging.DEBUG else level)  # -v: its warnings; -vv: everything
 
 
 def _bootstrap(args: argparse.Namespace) -> int:

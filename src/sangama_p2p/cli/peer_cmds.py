@@ -172,11 +172,14 @@ def _join(args: argparse.Namespace) -> int:
         async with Peer(config.replace(model_path=None)) as peer:
             start, end = await peer.serve(model, layers, model_id=model_id, **options)
             server = peer.servers[-1]
+            # `ready` means reachable: public, or with a relay circuit address in the published record
+            reach = await peer.wait_reachable()
             # from here on a signal stops us through the normal exit path: install the handler before saying ready
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 print(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}", flush=True)
                 for addr in peer.addrs:
                     print(f"  listening {addr}", flush=True)
+                print(f"  reachable {reach}", flush=True)
                 if sys.stdout.isatty():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_live_panel, peer)

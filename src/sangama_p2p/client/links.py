@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from ..errors import NetworkError, SangamaError
+from ..net.dial import dial_peer
 from ..net.lane import LaneDialer
 from ..streams import FramedStream
 from ..wire.messages import InfoRequest, InfoResponse, Message
@@ -150,7 +151,7 @@ class LinkPool:
         except Exception as exc:
             raise NetworkError(f"bad peer id or address for {peer!r}: {exc}") from exc
         with trio.move_on_after(self.connect_timeout) as scope:
-            await self.node.connect(pid, maddrs)
+            await dial_peer(self.node, pid, addrs=maddrs, timeout=self.connect_timeout)
             stream = await self.lanes.stage_stream(pid)
         if scope.cancelled_caught:
             raise NetworkError(f"connecting to {peer} took over {self.connect_timeout} s")

@@ -243,10 +243,12 @@ async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_
 
 
 async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] = (), enough: int = 1) -> list[bytes]:
-    """Valid values stored under ``key``: our local copy, then peers in ``ask_first``, then the closest peers.
+    """Valid values stored under ``key``: our local copy, and the answers of the peers in ``ask_first``, the DHT
+    servers in our routing table closest to the key, and the network's closest peers, all asked in parallel.
 
-    Stops once ``enough`` valid values came from the network (the caller picks the best with ``select``). Values
-    that fail the namespace validator are dropped.
+    Stops once ``enough`` valid values came from ``ask_first`` (the caller picks the best with ``select``), else when
+    every query answered or timed out (``QUERY_TIMEOUT`` each). Values that fail the namespace validator are
+    dropped.
     """
     dht = _require_dht(node)
     validator = dht.validator
@@ -279,13 +281,36 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
             return keep(record.value if isinstance(record, Record) else None)
         return False
 
+    asked: set[ID] = {node.peer_id}
     got = 0
-    for peer in ask_first:
-        if peer != node.peer_id and await ask(peer):
+    done = trio.Event()  # the author answered, or every query finished
+
+    async def ask_once(peer: ID, first: bool = False) -> None:
+        nonlocal got
+        if peer in asked:
+            return
+        asked.add(peer)
+        if await ask(peer) and first:
             got += 1
-    if got >= enough:
-        return values
-    async with trio.open_nursery() as nursery:
-        for peer in await _closest(dht, key_bytes):
-            nursery.start_soon(ask, peer)
-    return values
+            if got >= enough:  # the record's author answered: nobody holds a newer copy
+                done.set()
+
+    async def queries() -> None:
+        # all at once, each bounded by QUERY_TIMEOUT: the author (whose addresses may all be dead behind a NAT), the
+        # DHT servers we know near the key (the bootstrap holding the record), and the network's closest peers
+        try:
+            async with trio.open_nursery() as nursery:
+                for peer in ask_first:
+                    nursery.start_soon(ask_once, peer, True)
+                for peer in dht.routing_table.find_local_closest_peers(key_bytes, BUCKET_SIZE):
+                    nursery.start_soon(ask_once, peer)
+                for peer in await _closest(dht, key_bytes):
+                    nursery.start_soon(ask_once, peer)
+        finally:
+            done.set()
+
+    # the queries run in the node's nursery: an early answer returns at once, and the others finish by themselves
+    # (cancelling a query in the middle of its RPC broke later lookups on the same connection)
+    node.nursery.start_soon(queries)
+    await done.wait()
+    return list(values)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -20,6 +21,7 @@ from libp2p.peer.id import ID
 
 from ..errors import NetworkError, RecordError
 from .dht import providers_from_network, values_from_network
+from .dial import remember
 from .host import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
@@ -62,8 +64,11 @@ def _reachability(node: Node) -> str:
     return "direct"
 
 
-async def publish(node: Node, offer: Offer, *, seq: int) -> SignedRecord:
-    """Sign ``offer`` with the node's key and store it in the DHT, and provide the model's key."""
+async def publish(node: Node, offer: Offer, *, seq: int,
+                  on_signed: Callable[[SignedRecord], None] | None = None) -> SignedRecord:
+    """Sign ``offer`` with the node's key and store it in the DHT, and provide the model's key.
+
+    ``on_signed`` hears of the record before it travels (storing it on peers behind NATs can take seconds)."""
     if node.dht is None:
         raise NetworkError("publishing needs a DHT")
     signed = sign_record(
@@ -81,6 +86,8 @@ async def publish(node: Node, offer: Offer, *, seq: int) -> SignedRecord:
         num_layers=offer.num_layers,
         layer_hashes=offer.layer_hashes,
     )
+    if on_signed is not None:
+        on_signed(signed)
     try:
         await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
         await node.dht.provide(provider_key(offer.model_id))
@@ -104,6 +111,8 @@ class Announcer:
         self._seq = int(time.time() * 1000)
         self._wake = trio.Event()
         self.published: dict[str, SignedRecord] = {}
+        self.signed: dict[str, SignedRecord] = {}
+        """The newest record signed per model, set as its publication starts (``published``: once it finished)."""
         node.host.set_stream_handler(RECORDS_PROTOCOL, self._serve_records)
 
     async def _serve_records(self, stream: INetStream) -> None:
@@ -129,7 +138,8 @@ class Announcer:
 
     async def _publish(self, offer: Offer) -> SignedRecord:
         self._seq += 1
-        signed = await publish(self.node, offer, seq=self._seq)
+        signed = await publish(self.node, offer, seq=self._seq,
+                               on_signed=lambda r: self.signed.__setitem__(offer.model_id, r))
         self.published[offer.model_id] = signed
         return signed
 
@@ -180,6 +190,7 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
                 best = record
         if best is not None:
             found[best.peer_id] = best
+            remember(node, peer, best.addrs)  # circuit addresses too: later dials of any kind know them
 
     async with trio.open_nursery() as nursery:
         for peer in providers:

@@ -150,8 +150,9 @@ class Node:
     async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr] = ()) -> INetConn:
         """A connection to ``peer_id``: an open one, else the first of ``addrs`` (then known ones) that answers.
 
-        Addresses are dialled one by one in :func:`order_addrs` order, each bounded by the handshake timeout, then
-        the fallback dialers (relays) are tried. Raises :class:`NetworkError` naming every failure.
+        Addresses (the given ones, then the peerstore's) are raced happy-eyeballs style by :func:`.dial.race_addrs`:
+        announced public, observed public, private, then ``/p2p-circuit`` through the fallback dialers (relays),
+        each attempt bounded by its own timeout. Raises :class:`NetworkError` naming every failure.
         """
         if peer_id == self.peer_id:
             raise NetworkError("refusing to dial ourselves")
@@ -170,27 +171,17 @@ class Node:
             self._dialing.pop(peer_id).set()
 
     async def _connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> INetConn:
+        from .dial import DialPolicy, race_addrs  # local: dial imports this module
+
         peerstore = self.host.get_peerstore()
         known = list(peerstore.addrs(peer_id)) if peer_id in peerstore.peer_ids() else []
-        candidates = order_addrs(_strip_p2p(a) for a in [*addrs, *known])
+        given = [_strip_p2p(a) for a in addrs]
+        others = [_strip_p2p(a) for a in known]
+        candidates = order_addrs([*given, *others])
         if candidates:
             peerstore.add_addrs(peer_id, candidates, _ADDR_TTL)
-        failures: list[NetworkError] = []
-        for addr in (a for a in candidates if not is_relayed(a)):
-            try:
-                return await self._dial_direct(peer_id, addr)
-            except NetworkError as exc:
-                failures.append(exc)
-        for dialer in self.fallback_dialers:
-            try:
-                return await dialer(self, peer_id, candidates)
-            except NetworkError as exc:
-                failures.append(exc)
-        if not failures:
-            raise NetworkError(f"no address known for peer {peer_id}")
-        if len(failures) == 1:
-            raise failures[0]
-        raise NetworkError(f"cannot reach {peer_id}: " + "; ".join(str(f) for f in failures)) from failures[0]
+        policy = DialPolicy(direct_timeout_s=self.config.handshake_timeout + 0.5)  # _dial_direct's own error first
+        return await race_addrs(self, peer_id, given, others, policy)
 
     async def connect_multiaddr(self, addr: str | multiaddr.Multiaddr) -> ID:
         """Connect to a ``.../p2p/<id>`` address (e.g. a bootstrap node) and return the peer id."""

@@ -20,6 +20,7 @@ import trio
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError
+from .dial import dial_peer
 from .discovery import RECORDS_PROTOCOL, find_serving_peers
 from .holepunch import link_info
 from .host import Node
@@ -80,7 +81,7 @@ async def fetch_records(
 ) -> tuple[list[ServingRecord], float | None]:
     """Ask ``peer_id`` for its signed records: the valid ones and the request's round trip in ms (None: serves none)."""
     with trio.move_on_after(timeout):
-        await node.connect(peer_id)
+        await dial_peer(node, peer_id, timeout=timeout)  # record addresses found by discovery are in the peerstore
         start = time.perf_counter()
         try:
             stream = await node.host.new_stream(peer_id, [RECORDS_PROTOCOL])

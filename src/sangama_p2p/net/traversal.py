@@ -21,7 +21,7 @@ What ``run`` does, in order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -85,6 +85,8 @@ class Traversal:
         self._node: Node | None = None
         self._ready = trio.Event()
         self._warned = False
+        self.listeners: list[Callable[[], None]] = []
+        """Called when reachability or our circuit addresses changed (a stage re-publishes its record at once)."""
 
     @property
     def reachability(self) -> Reachability:
@@ -129,6 +131,7 @@ class Traversal:
         return [r for r in infos if r.peer_id != node.peer_id]
 
     async def _check(self, node: Node, relays: list[PeerInfo], serving: bool) -> None:
+        before = self.reachability
         forced = self.config.reachability
         if forced is not None or serving or not relays:
             status = Reachability(forced) if forced else (Reachability.PUBLIC if serving else Reachability.UNKNOWN)
@@ -136,6 +139,8 @@ class Traversal:
         else:
             self.report = await check_reachability(node.host, relays, connect=self._connect_to)
         logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
+        if self.report.status is not before:
+            self._changed()
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
             await self._reserve(relays[: self.config.max_reservations])
 
@@ -160,6 +165,7 @@ class Traversal:
         if node is None or client is None:
             return
         circuits = client.circuit_addrs()
+        changed = [str(a) for a in node.extra_addrs] != [str(a) for a in circuits]
         node.extra_addrs[:] = circuits
         advertised = {str(a) for a in node.advertised_addrs()}
         if not {str(c) for c in circuits} <= advertised:
@@ -167,6 +173,19 @@ class Traversal:
             if not self._warned:
                 self._warned = True
                 logger.warning("host mangles /p2p-circuit addresses; not advertising them (see traversal.py)")
+        if changed:
+            logger.info("advertising %d circuit address(es): %s", len(node.extra_addrs),
+                        [str(a) for a in node.extra_addrs])
+            self._changed()
+
+    def _changed(self) -> None:
+        for listener in list(self.listeners):
+            listener()
+
+    def reachable(self) -> bool:
+        """Whether others can reach us now: reachability is known and public, or we advertise a circuit address."""
+        return self._ready.is_set() and (self.reachability is Reachability.PUBLIC or bool(self._node and
+                                                                                         self._node.extra_addrs))
 
     def circuit_addrs(self) -> list[Multiaddr]:
         """Our ``/p2p-circuit`` addresses (empty when public or before a reservation)."""

@@ -1,8 +1,10 @@
-"""Keeps a stage's DHT record current: layer range, measured throughput, free sessions, checkpoint identity.
+"""Keeps a stage's DHT record current: layer range, measured throughput, free sessions, checkpoint identity, addresses.
 
 The record is published when the server starts, re-published by :class:`~sangama_p2p.net.discovery.Announcer`
 before it expires, and refreshed every ``StageConfig.announce_every`` seconds when the figures moved (throughput by
-more than 10 %, or free sessions changed), so routing clients see a stage's real load without flooding the DHT.
+more than 10 %, or free sessions changed), so routing clients see a stage's real load without flooding the DHT; and
+at once when :meth:`StageAnnouncer.publish_soon` is called (the peer calls it when its reachability or relay
+reservations change, so the record's ``/p2p-circuit`` addresses are never a minute late).
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ class StageAnnouncer:
         self.server = server
         self.announcer = Announcer(server.node)
         self.offer: Offer | None = None
+        self._soon = trio.Event()
+
+    def publish_soon(self) -> None:
+        """Re-publish at once from :meth:`run` (our reachability or circuit addresses changed)."""
+        self._soon.set()
+
+    def published_addrs(self) -> tuple[str, ...]:
+        """The addresses in the record last signed and sent to the DHT (empty before the first)."""
+        signed = self.announcer.signed.get(self.server.config.model_id)
+        return signed.record.addrs if signed is not None else ()
 
     def current(self) -> Offer:
         s = self.server
@@ -63,7 +75,9 @@ class StageAnnouncer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.announcer.run)
             while True:
-                await trio.sleep(self.server.config.announce_every)
+                with trio.move_on_after(self.server.config.announce_every):
+                    await self._soon.wait()
+                forced, self._soon = self._soon.is_set(), trio.Event()
                 offer = self.current()
-                if self.changed(offer):
+                if forced or self.changed(offer):
                     await self.publish()

@@ -395,8 +395,9 @@ class StageServer:
         return link
 
     async def _open_next(self, peer: str) -> FramedStream:
-        """Dial the next stage (DHT lookup when its addresses are unknown) and open the long-lived stream: a direct
-        lane where the next stage offers one, else a ``/sangama/stage/2`` stream over libp2p."""
+        """Dial the next stage (``net.dial.dial_peer``: its serving record from the DHT when no relay address is known)
+        and open the long-lived stream: a direct lane where the next stage offers one, else a ``/sangama/stage/2``
+        stream over libp2p."""
         from libp2p.peer.id import ID
 
         from ..errors import NetworkError
@@ -405,19 +406,12 @@ class StageServer:
             pid = ID.from_base58(peer)
         except Exception as exc:
             raise StageError(f"bad next hop peer id {peer!r}", ErrorCode.BAD_FRAME) from exc
+        from ..net.dial import dial_peer
+
         stream = None
         with trio.move_on_after(self.config.next_hop_timeout):
-            try:
-                await self.node.connect(pid)
-            except NetworkError:
-                dht = getattr(self.node, "dht", None)
-                try:
-                    info = await dht.find_peer(pid) if dht is not None else None
-                except Exception as exc:  # py-libp2p's lookups raise several unrelated types
-                    raise NetworkError(f"cannot find next hop {peer}: {exc}") from exc
-                if info is None:
-                    raise
-                await self.node.connect(pid, info.addrs)
+            # every address known for it, its serving record's /p2p-circuit ones included (net/dial.py)
+            await dial_peer(self.node, pid, model_id=self.config.model_id, timeout=self.config.next_hop_timeout)
             stream = await self.lanes.stage_stream(pid)
         if stream is None:
             raise NetworkError(f"next hop {peer} not reached in {self.config.next_hop_timeout} s")
