@@ -45,22 +45,14 @@ def _api(args: argparse.Namespace) -> int:
     import trio
 
     from ..api.server import ApiConfig, served_model
-    from ..client.config import ClientConfig
-    from ..errors import SangamaError
     from ..net.identity import generate_key_pair
-    from ..peer import Peer, PeerConfig, default_model_id
+    from ..peer import Peer, PeerConfig
+    from .chat_cmds import tokenizer_source
     from .peer_cmds import _quiet, _until_signal, client_peer_config
 
     _quiet()
     config, model_id = client_peer_config(args, args.model)
-    given = Path(args.model).expanduser()
-    if given.suffix == ".gguf" and given.is_file():  # a GGUF file names the model as its stem
-        model_id = default_model_id(given)
-        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
-    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
-    if source is None:
-        raise SangamaError(f"api needs the model's tokenizer, and {args.model!r} is a model id, not a checkpoint: "
-                           "pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
+    config, model_id, source = tokenizer_source(args, config, model_id, "api")
     file_config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     api = file_config.api or ApiConfig()
     flags: dict[str, Any] = {"host": args.host, "port": args.port, "api_key_file": args.api_key_file,

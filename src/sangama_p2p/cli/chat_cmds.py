@@ -127,11 +127,10 @@ def open_chat_model(path: Path) -> tuple[Any, Any, int | None]:
 def _chat(args: argparse.Namespace) -> int:
     import trio
 
-    from ..client.config import ClientConfig
     from ..errors import SangamaError
     from ..guesses import MAX_GUESSES
     from ..net.identity import generate_key_pair
-    from ..peer import Peer, default_model_id
+    from ..peer import Peer
     from .peer_cmds import _quiet, client_peer_config, default_guesses
 
     _quiet()
@@ -144,14 +143,7 @@ def _chat(args: argparse.Namespace) -> int:
     if hub_id is not None:
         model_id = hub_id
         config = dataclasses.replace(config, client=dataclasses.replace(config.client, model_id=hub_id))
-    given = Path(args.model).expanduser()
-    if given.suffix == ".gguf" and given.is_file():  # a GGUF file names the model as its stem
-        model_id = default_model_id(given)
-        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
-    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
-    if source is None:
-        raise SangamaError(f"chat needs the model's tokenizer, and {args.model!r} is a model id, not a checkpoint: "
-                           "pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
+    config, model_id, source = tokenizer_source(args, config, model_id, "chat")
     config = dataclasses.replace(config, tokenizer_path=None)  # the tokenizer is ours: read below, once
     tokenizer, template, model_context = open_chat_model(source)
     context = args.context or min(model_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
@@ -245,3 +237,21 @@ def _sangama_errors(exc: BaseException) -> list[BaseException] | None:
         if errors is not None and rest is None:
             return group_leaves(errors)
     return None
+
+
+def tokenizer_source(args: argparse.Namespace, config: Any, model_id: str, command: str) -> tuple[Any, str, Path]:
+    """(config, model id, where the tokenizer comes from) for a client command given ``--model ID|DIR|FILE.gguf``
+    and ``--tokenizer``: a GGUF file names the model as its stem; a bare id needs ``--tokenizer``."""
+    from ..client.config import ClientConfig
+    from ..errors import SangamaError
+    from ..peer import default_model_id
+
+    given = Path(args.model).expanduser()
+    if given.suffix == ".gguf" and given.is_file():
+        model_id = default_model_id(given)
+        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
+    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
+    if source is None:
+        raise SangamaError(f"{command} needs the model's tokenizer, and {args.model!r} is a model id, not a "
+                           "checkpoint: pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
+    return config, model_id, source
