@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from ..errors import ApiError, CheckpointError, SangamaError, group_leaves
+from ..errors import ApiError, SangamaError, group_leaves
 from .protocol import (ApiRequest, StopScanner, chat_chunk, chat_response, completion_chunk, completion_response,
                        error_body, error_for, new_id, parse_request, usage)
 
@@ -81,32 +81,12 @@ class ServedModel:
 
 def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
     """Tokenizer, template and eos ids of a checkpoint directory or ``.gguf`` file (the id: its name)."""
-    from ..model.chat import ChatTemplate, load_chat_template
-    from ..model.tokenizer import Tokenizer
+    from ..model.chat_model import open_chat_model
 
     p = Path(path).expanduser()
-    mid = model_id or (p.stem if p.suffix == ".gguf" else p.resolve().name)
-    if p.is_file() and p.suffix == ".gguf":
-        from ..model.gguf.reader import read_metadata
-        from ..model.gguf.tokenizer import tokenizer_from_gguf
-
-        meta = read_metadata(p)
-        tok = tokenizer_from_gguf(meta)
-        if tok is None:
-            raise CheckpointError(f"{p} carries no tokenizer (tokenizer.ggml.model)")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        ids = (int(eos),) if eos is not None else ()
-        return ServedModel(mid, Tokenizer(tok, ids), ChatTemplate.from_gguf_metadata(meta.metadata, p.name), ids)
-    if not p.is_dir():
-        raise CheckpointError(f"{p} is neither a checkpoint directory nor a .gguf file")
-    tokenizer = Tokenizer.from_dir(p)
-    try:
-        from ..model.spec import ModelSpec
-
-        eos_ids = tuple(ModelSpec.from_dir(p).eos_token_ids)
-    except SangamaError:  # a directory with only the tokenizer
-        eos_ids = tuple(tokenizer.eos_token_ids)
-    return ServedModel(mid, tokenizer, load_chat_template(p), eos_ids)
+    m = open_chat_model(p)
+    return ServedModel(model_id or (p.stem if p.suffix == ".gguf" else p.resolve().name), m.tokenizer, m.template,
+                       m.eos_ids)
 
 
 def _sangama_error(exc: BaseException) -> SangamaError | None:

@@ -97,31 +97,10 @@ class Conversation:
 
 def open_chat_model(path: Path) -> tuple[Any, Any, int | None]:
     """(tokenizer, chat template, context length or None) of a checkpoint directory or ``.gguf`` file."""
-    from ..errors import CheckpointError, SangamaError
-    from ..model.chat import ChatTemplate, load_chat_template
-    from ..model.tokenizer import Tokenizer
+    from ..model.chat_model import open_chat_model as open_model
 
-    path = Path(path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        from ..model.gguf.reader import read_metadata
-        from ..model.gguf.tokenizer import tokenizer_from_gguf
-
-        meta = read_metadata(path)
-        tok = tokenizer_from_gguf(meta)
-        if tok is None:
-            raise CheckpointError(f"{path} carries no tokenizer (tokenizer.ggml.model): pass --tokenizer DIR")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        context = meta.get(f"{meta.get('general.architecture')}.context_length")
-        template = ChatTemplate.from_gguf_metadata(meta.metadata, path.name)
-        return Tokenizer(tok, [int(eos)] if eos is not None else []), template, int(context) if context else None
-    tokenizer = Tokenizer.from_dir(path)
-    try:
-        from ..model.spec import ModelSpec
-
-        context = ModelSpec.from_dir(path).max_position_embeddings
-    except SangamaError:  # a directory with only the tokenizer
-        context = None
-    return tokenizer, load_chat_template(path), context
+    m = open_model(path)
+    return m.tokenizer, m.template, m.context
 
 
 def _chat(args: argparse.Namespace) -> int:
