@@ -29,7 +29,10 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     +-- StageError            a stage refused or failed a request (carries a code)
     +-- ApiError              an HTTP API request refused (carries the HTTP status and OpenAI's error fields)
 
-Foreign errors are re-raised ``from`` the original exception.
+Foreign errors (libp2p's, trio's, ``OSError``, a parser's) are translated where they are caught by one helper,
+:func:`translate`: an error of ours passes through unchanged (its class and wire code survive), a foreign one
+becomes the class that the catching layer names, with a message that says what failed and the foreign type, and
+is raised ``from`` the original exception.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedVersionError",
     "WireError",
+    "describe",
     "group_leaves",
+    "translate",
 ]
 
 
@@ -215,4 +220,26 @@ def group_leaves(group: BaseExceptionGroup) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
         out.extend(group_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def describe(exc: BaseException) -> str:
+    """A foreign exception in one line: its type and message (``TooSlowError`` has none: the type says it), the
+    leaves of an exception group joined, so a message never reads ``... failed: `` with nothing after it."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe(leaf) for leaf in group_leaves(exc))
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def translate(exc: BaseException, cls: type[SangamaError], what: str, *args: object) -> SangamaError:
+    """The error to raise for ``exc``, caught while doing ``what``: ours unchanged, a foreign one as
+    ``cls(f"{what}: {describe(exc)}", *args)`` with ``__cause__`` set. Use as ``raise translate(exc, ...) from exc``.
+
+    Cancellation and interpreter exits are not ours to translate: callers catch ``Exception``, never those."""
+    if isinstance(exc, SangamaError):
+        return exc
+    out = cls(f"{what}: {describe(exc)}", *args)  # type: ignore[call-arg]
+    out.__cause__ = exc
     return out
