@@ -21,7 +21,7 @@ import trio
 from ..errors import NetworkError, SangamaError
 from ..net.dial import dial_peer
 from ..net.lane import LaneDialer
-from ..streams import FramedStream
+from ..net.streams import FramedStream
 from ..wire.messages import InfoRequest, InfoResponse, Message
 
 __all__ = ["Link", "LinkLost", "LinkPool"]

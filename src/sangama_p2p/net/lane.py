@@ -36,7 +36,7 @@ so no peer can take the stage's file descriptors. With a ``budget`` (a
 :class:`~sangama_p2p.wire.framing.ByteBudget` shared with the stage's other streams), a record that does not arrive
 whole reserves its length from it first, and the lane fails when the budget cannot cover it.
 
-:class:`LaneStream` has the surface :class:`~sangama_p2p.streams.FramedStream` reads from a py-libp2p stream
+:class:`LaneStream` has the surface :class:`~sangama_p2p.net.streams.FramedStream` reads from a py-libp2p stream
 (``read``, ``write``, ``close``, ``reset``, ``muxed_conn.peer_id``), so everything above it is unchanged.
 """
 
@@ -55,7 +55,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import ErrorCode, NetworkError, WireError
-from ..streams import FramedStream, PeerConn, StreamClosed
+from .streams import FramedStream, PeerConn, StreamClosed
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
 from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
 from ..wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL

@@ -31,7 +31,7 @@ from typing import Union
 import trio
 
 from ..errors import ErrorCode, SangamaError
-from ..streams import FramedStream
+from ..net.streams import FramedStream
 from ..wire.messages import Message
 
 __all__ = ["SMALL_ITEM", "Item", "Outbox", "OutboxFull"]

@@ -42,7 +42,7 @@ import trio
 from .. import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
 from ..net.lane import LaneDialer, LaneListener, LaneStream
-from ..streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
+from ..net.streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
     ErrorMessage,

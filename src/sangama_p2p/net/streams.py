@@ -23,10 +23,10 @@ from typing import Any
 
 import trio
 
-from .errors import NetworkError
-from .wire.codec import decode, encode_message_frame
-from .wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
-from .wire.messages import Message
+from ..errors import NetworkError
+from ..wire.codec import decode, encode_message_frame
+from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
+from ..wire.messages import Message
 
 __all__ = ["FramedStream", "MemoryStream", "PeerConn", "StreamClosed", "memory_stream_pair"]
 
