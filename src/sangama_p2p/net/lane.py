@@ -54,8 +54,8 @@ import trio
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..errors import ErrorCode, NetworkError, WireError
-from .streams import FramedStream, PeerConn, StreamClosed
+from ..errors import ErrorCode, LaneError, NetworkError, StreamClosed, WireError
+from .streams import FramedStream, PeerConn
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
 from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
 from ..wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
@@ -63,23 +63,13 @@ from .holepunch import stream_link
 from .lane_handshake import (DOWN, HELLO, HELLO_BYTES, NONCE_BYTES, READY, TAG_BYTES, UP, lane_key, open_hello,
                              parse_hello, record_nonce, seal_hello)
 
-__all__ = ["HELLO", "READY", "LaneDialer", "LaneError", "LaneListener", "LaneStream", "open_lane"]
+__all__ = ["HELLO", "READY", "LaneDialer", "LaneListener", "LaneStream", "open_lane"]
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 RECV_CHUNK: Final = 256 * 1024
 _SYNC_WRITES: Final = os.name == "posix"  # os.write on a socket's fd; elsewhere try_write leaves it all to write_raw
-
-
-class LaneError(NetworkError):
-    """A lane could not be set up (the caller falls back to libp2p) or a lane's record failed authentication.
-
-    ``lasting`` is False when the reason may pass soon (the link is relayed until hole punching upgrades it)."""
-
-    def __init__(self, message: str, *, lasting: bool = True) -> None:
-        super().__init__(message)
-        self.lasting = lasting
 
 
 class LaneStream:

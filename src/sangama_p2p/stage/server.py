@@ -40,9 +40,9 @@ from typing import Any
 import trio
 
 from .. import __version__
-from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
+from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, StreamClosed, WireError
 from ..net.lane import LaneDialer, LaneListener, LaneStream
-from ..net.streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
+from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
     ErrorMessage,
