@@ -303,7 +303,7 @@ def _strip_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
     return multiaddr.Multiaddr(text[:idx]) if idx > 0 else addr
 
 
-def _build_host(config: HostConfig, key_pair: KeyPair, node_ref: list[Node]) -> IHost:
+def _build_host(config: HostConfig, key_pair: KeyPair) -> IHost:
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
     announce = parse_multiaddrs(config.announce_addrs, what="announce_addrs")
 
@@ -443,14 +443,12 @@ async def open_host(
         os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # see HostConfig.batch_window_updates
     check_fleet_transports(config.listen_addrs, fleet_secret=config.fleet_secret is not None)
     check_ports_free(config.listen_addrs)  # before any host exists: py-libp2p would share the port silently
-    node_ref: list[Node] = []
-    host = _build_host(config, key_pair, node_ref)
+    host = _build_host(config, key_pair)
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
     try:
         async with host.run(listen), trio.open_nursery() as nursery:
             check_listening(config.listen_addrs, host.get_transport_addrs())
             node = Node(host, config, key_pair, nursery)
-            node_ref.append(node)
             await nursery.start(run_dht, node)
             for service in services:
                 nursery.start_soon(service, node)

@@ -39,7 +39,7 @@ from typing import Any
 
 import trio
 
-from .. import __version__
+from .._version import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, StreamClosed, WireError
 from ..net.lane import LaneDialer, LaneListener, LaneStream
 from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
