@@ -12,7 +12,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from sangama_p2p.errors import LaneError, TruncatedFrameError
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.lane import LaneDialer, LaneListener, LaneStream, _receive_exactly, open_lane
-from sangama_p2p.net.lane_handshake import NONCE_BYTES, READY, lane_key, seal_hello
+from sangama_p2p.net.lane.handshake import NONCE_BYTES, READY, lane_key, seal_hello
 from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.codec import encode, encode_message_frame
 from sangama_p2p.wire.messages import CloseSession, InfoRequest, LaneOffer

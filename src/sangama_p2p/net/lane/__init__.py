@@ -15,7 +15,7 @@ Handshake (the upstream side, a client or the previous stage, always dials; only
     -- token + dialler nonce + record(hello) ------------->   all of it read, then checked and claimed at once
     <------------- stage nonce + record(ready) -----------   the lane now serves /sangama/stage/2 frames
 
-The bytes and the key schedule are in :mod:`sangama_p2p.net.lane_handshake`: each connection's key is derived from
+The bytes and the key schedule are in :mod:`sangama_p2p.net.lane.handshake`: each connection's key is derived from
 the offer's key and fresh nonces of both sides, and the offer is claimed without yielding between looking it up and
 removing it, so a handshake replayed on a second connection is refused and no two lanes ever share a key.
 
@@ -54,13 +54,13 @@ import trio
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..errors import ErrorCode, LaneError, NetworkError, StreamClosed, WireError
-from .streams import FramedStream, PeerConn
-from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
-from ..wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
-from ..wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
-from .holepunch import stream_link
-from .lane_handshake import (DOWN, HELLO, HELLO_BYTES, NONCE_BYTES, READY, TAG_BYTES, UP, lane_key, open_hello,
+from ...errors import ErrorCode, LaneError, NetworkError, StreamClosed, WireError
+from ..streams import FramedStream, PeerConn
+from ...wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
+from ...wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
+from ...wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
+from ..holepunch import stream_link
+from .handshake import (DOWN, HELLO, HELLO_BYTES, NONCE_BYTES, READY, TAG_BYTES, UP, lane_key, open_hello,
                              parse_hello, record_nonce, seal_hello)
 
 __all__ = ["HELLO", "READY", "LaneDialer", "LaneListener", "LaneStream", "open_lane"]
