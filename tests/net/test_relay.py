@@ -16,8 +16,9 @@ from multiaddr import Multiaddr
 
 from sangama_p2p.errors import NetworkError, RelayError, WireError
 from sangama_p2p.net.holepunch import HolePuncher, LinkInfo, stream_link
-from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.node import Node
 from sangama_p2p.net.reach import (
     MAX_ADDRS,
     DialBackReply,

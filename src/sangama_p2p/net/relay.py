@@ -44,7 +44,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
 from ..errors import NotARelayError, RelayError
-from .host import offers_protocol
+from .node import offers_protocol
 
 __all__ = [
     "ConnectFn",
