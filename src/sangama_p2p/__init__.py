@@ -7,6 +7,7 @@ torch, because a bootstrap node and ``wire/`` users import it too.
 
 from __future__ import annotations
 
+from ._version import __version__
 from .errors import (
     CapacityError,
     CheckpointError,
@@ -21,8 +22,6 @@ from .errors import (
     UnsupportedModelError,
     WireError,
 )
-
-__version__ = "0.1.0"
 
 _LAZY = {"Peer": "peer", "PeerConfig": "peer"}
 

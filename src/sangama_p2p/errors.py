@@ -25,6 +25,10 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- RecordError           a signed DHT record failed validation
     |   +-- ListenError           a listen address refused (not covered by the fleet secret) or not listened on
     |   +-- DownloadError         a Hub file that could not be fetched, or whose bytes fail the Hub's sha256/etag
+    |   +-- StreamClosed          a stream (libp2p, lane or in-process) ended or was reset
+    |   +-- LaneError             a direct lane not set up (the caller uses libp2p), or a lane record forged
+    |   +-- RelayError            a relay refused or failed a reservation or circuit (carries its status)
+    |       +-- NotARelayError        the peer offers no relay service at all
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
     +-- ApiError              an HTTP API request refused (carries the HTTP status and OpenAI's error fields)
@@ -50,16 +54,20 @@ __all__ = [
     "ErrorCode",
     "FrameTooLargeError",
     "InvalidMessageError",
+    "LaneError",
     "LayerRangeError",
     "ListenError",
     "MalformedFrameError",
     "ModelError",
     "NetworkError",
+    "NotARelayError",
     "RecordError",
+    "RelayError",
     "RouteError",
     "SangamaError",
     "SessionStateError",
     "StageError",
+    "StreamClosed",
     "TooManyGuessesError",
     "TruncatedFrameError",
     "UnsupportedModelError",
@@ -191,6 +199,32 @@ class DownloadError(NetworkError):
     """A model file from the Hugging Face Hub (``hf:`` models) could not be fetched: the repo, revision or file is
     unknown or refused, the transfer failed after its retries, offline mode has no cached copy, or the bytes do not
     match the Hub's sha256 (LFS files) / git blob id (small files). The file is then removed, never used."""
+
+
+class StreamClosed(NetworkError):
+    """The stream ended or was reset; nothing more can be sent or received on it."""
+
+
+class LaneError(NetworkError):
+    """A lane could not be set up (the caller falls back to libp2p) or a lane's record failed authentication.
+
+    ``lasting`` is False when the reason may pass soon (the link is relayed until hole punching upgrades it)."""
+
+    def __init__(self, message: str, *, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
+
+
+class RelayError(NetworkError):
+    """A relay refused or failed a reservation or a circuit; ``status`` is the circuit v2 status code (0: none)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class NotARelayError(RelayError):
+    """The peer does not offer the circuit relay v2 HOP protocol: it relays for nobody, and asking again won't help."""
 
 
 class RouteError(SangamaError):

@@ -19,8 +19,9 @@ from sangama_p2p.model.chain import LocalChain
 from sangama_p2p.model.checkpoint import Checkpoint, open_checkpoint
 from sangama_p2p.model.spec import LayerRange
 from sangama_p2p.net.config import HostConfig
-from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.node import Node
 from sangama_p2p.stage import StageConfig, StageServer
 
 MODEL = "test-org/tiny-pipeline"

@@ -26,8 +26,9 @@ from multiaddr import Multiaddr
 
 from sangama_p2p.net.config import HostConfig
 from sangama_p2p.net.holepunch import LinkInfo, stream_link
-from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair, load_key_pair
+from sangama_p2p.net.node import Node
 from sangama_p2p.net.traversal import Traversal, TraversalConfig
 from sangama_p2p.wire.framing import encode_frame, read_frame
 

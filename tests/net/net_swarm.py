@@ -9,8 +9,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from sangama_p2p.net.config import HostConfig
-from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.node import Node
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 

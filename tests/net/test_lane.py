@@ -9,11 +9,12 @@ import pytest
 import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from sangama_p2p.errors import TruncatedFrameError
+from sangama_p2p.errors import LaneError, TruncatedFrameError
 from sangama_p2p.net.host import open_host
-from sangama_p2p.net.lane import LaneDialer, LaneError, LaneListener, LaneStream, _receive_exactly, open_lane
-from sangama_p2p.net.lane_handshake import NONCE_BYTES, READY, lane_key, seal_hello
-from sangama_p2p.streams import FramedStream
+from sangama_p2p.net.lane import LaneDialer, LaneListener, LaneStream, open_lane
+from sangama_p2p.net.lane.handshake import NONCE_BYTES, READY, lane_key, seal_hello
+from sangama_p2p.net.lane.records import receive_exactly
+from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.codec import encode, encode_message_frame
 from sangama_p2p.wire.messages import CloseSession, InfoRequest, LaneOffer
 from sangama_p2p.wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
@@ -84,7 +85,7 @@ def test_lane_carries_frames_both_ways_and_belongs_to_the_dialling_peer():
 async def _ready(sock, offer, dialler_nonce: bytes, peer_id) -> LaneStream | None:
     """The dialler's side after its hello: the lane if the stage answered ready, None if it closed on us."""
     try:
-        stage_nonce = await _receive_exactly(sock, NONCE_BYTES, "ready")
+        stage_nonce = await receive_exactly(sock, NONCE_BYTES, "ready")
     except LaneError:
         return None
     lane = LaneStream(sock, lane_key(offer.key, offer.token, dialler_nonce, stage_nonce), peer_id, dialer=True)

@@ -10,7 +10,7 @@ import trio
 
 from sangama_p2p.net.lane import LaneStream
 from sangama_p2p.stage.links import Outbox
-from sangama_p2p.streams import FramedStream, PeerConn
+from sangama_p2p.net.streams import FramedStream, PeerConn
 from sangama_p2p.wire.messages import CloseSession, Step
 from sangama_p2p.wire.tensor import Tensor
 

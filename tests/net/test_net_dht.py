@@ -8,8 +8,9 @@ import trio
 from libp2p.peer.id import ID
 
 from sangama_p2p.net.dht import offers_dht, providers_from_network
-from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.node import Node
 from sangama_p2p.net.status import survey
 
 from .net_swarm import config, first_addr, swarm

@@ -15,7 +15,8 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from sangama_p2p.errors import ListenError, NetworkError
-from sangama_p2p.net.host import check_listening, open_host, order_addrs, remote_addr
+from sangama_p2p.net.addrs import order_addrs, remote_addr
+from sangama_p2p.net.host import check_listening, open_host
 from sangama_p2p.net.identity import generate_key_pair
 
 from .net_swarm import config, first_addr

@@ -14,10 +14,11 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from sangama_p2p.errors import NetworkError, WireError
+from sangama_p2p.errors import NetworkError, RelayError, WireError
 from sangama_p2p.net.holepunch import HolePuncher, LinkInfo, stream_link
-from sangama_p2p.net.host import Node, open_host
+from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.node import Node
 from sangama_p2p.net.reach import (
     MAX_ADDRS,
     DialBackReply,
@@ -27,7 +28,7 @@ from sangama_p2p.net.reach import (
     dialback_targets,
     serve_dialback,
 )
-from sangama_p2p.net.relay import RelayError, RelayServiceConfig, circuit_addr, parse_circuit_addr
+from sangama_p2p.net.relay import RelayServiceConfig, circuit_addr, parse_circuit_addr
 from sangama_p2p.net.traversal import Traversal, TraversalConfig
 
 from .net_swarm import config, first_addr

@@ -7,7 +7,7 @@ import os
 import trio
 
 from sangama_p2p.net.discovery import find_serving_peers
-from sangama_p2p.streams import FramedStream
+from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.messages import InfoRequest, InfoResponse, OpenSession, SessionOpened
 from sangama_p2p.wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 

@@ -10,8 +10,8 @@ import struct
 
 import trio
 
+from sangama_p2p.errors import StreamClosed
 from sangama_p2p.net.lane import LaneStream, open_lane
-from sangama_p2p.streams import StreamClosed
 from sangama_p2p.wire.codec import encode_message_frame
 from sangama_p2p.wire.messages import InfoRequest
 

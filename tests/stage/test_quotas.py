@@ -7,9 +7,9 @@ import os
 
 import trio
 
-from sangama_p2p.errors import ErrorCode
-from sangama_p2p.net.lane import LaneError, LaneStream, open_lane
-from sangama_p2p.streams import FramedStream
+from sangama_p2p.errors import ErrorCode, LaneError
+from sangama_p2p.net.lane import LaneStream, open_lane
+from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.messages import ErrorMessage, OpenSession, SessionOpened, Step
 from sangama_p2p.wire.protocols import STAGE_PROTOCOL
 

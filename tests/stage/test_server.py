@@ -12,7 +12,7 @@ from sangama_p2p.client import ChainClient, ClientConfig
 from sangama_p2p.errors import ErrorCode, StageError
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.stage import StageModel
-from sangama_p2p.streams import FramedStream
+from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.messages import (
     CloseSession,
     ErrorMessage,

@@ -19,9 +19,9 @@ from typing import Any
 import trio
 
 from ..errors import NetworkError, SangamaError
-from ..net.dial import dial_peer
 from ..net.lane import LaneDialer
-from ..streams import FramedStream
+from ..net.stage_stream import open_stage_stream
+from ..net.streams import FramedStream
 from ..wire.messages import InfoRequest, InfoResponse, Message
 
 __all__ = ["Link", "LinkLost", "LinkPool"]
@@ -139,23 +139,10 @@ class LinkPool:
             self._opening.pop(peer).set()
 
     async def _open(self, peer: str, addrs: tuple[str, ...]) -> FramedStream:
-        import multiaddr
-        from libp2p.peer.id import ID
-
         if self.local_stage is not None and peer == self.node.peer_id.to_base58():
             return FramedStream(await self.local_stage(), max_frame=self.max_frame)
-
-        try:
-            pid = ID.from_base58(peer)
-            maddrs = [multiaddr.Multiaddr(a) for a in addrs]
-        except Exception as exc:
-            raise NetworkError(f"bad peer id or address for {peer!r}: {exc}") from exc
-        with trio.move_on_after(self.connect_timeout) as scope:
-            await dial_peer(self.node, pid, addrs=maddrs, timeout=self.connect_timeout)
-            stream = await self.lanes.stage_stream(pid)
-        if scope.cancelled_caught:
-            raise NetworkError(f"connecting to {peer} took over {self.connect_timeout} s")
-        return FramedStream(stream, max_frame=self.max_frame)
+        return await open_stage_stream(self.node, self.lanes, peer, addrs=addrs, timeout=self.connect_timeout,
+                                       max_frame=self.max_frame)
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True), trio.move_on_after(2):

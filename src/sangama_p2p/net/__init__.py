@@ -11,8 +11,9 @@ Public surface::
 
 from .config import HostConfig, Limits
 from .discovery import Announcer, Offer, find_serving_peers
-from .host import Node, open_host
+from .host import open_host
 from .identity import default_key_path, load_or_create_key_pair, peer_id_of
+from .node import Node
 from .records import ServingRecord, decode_record, record_key, sign_record
 
 __all__ = [

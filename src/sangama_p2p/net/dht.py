@@ -36,7 +36,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from ..errors import NetworkError
-from .host import Node, offers_protocol
+from .node import Node, offers_protocol
 from .records import NAMESPACE, RecordValidator
 
 __all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]

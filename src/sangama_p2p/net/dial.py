@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import multiaddr
 import trio
@@ -37,9 +37,10 @@ from libp2p.abc import INetConn
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError
-
-if TYPE_CHECKING:
-    from .host import Node
+from .dht import values_from_network
+from .node import Node
+from .records import decode_record, record_key
+from .relay import relay_of
 
 __all__ = ["Attempt", "DialPolicy", "dial_peer", "plan", "race"]
 
@@ -197,9 +198,6 @@ def known_addrs(node: Node, peer_id: ID) -> list[str]:
 
 async def record_addrs(node: Node, peer_id: ID, model_id: str) -> list[str]:
     """The addresses in ``peer_id``'s newest serving record for ``model_id``, from the DHT servers holding it."""
-    from .dht import values_from_network
-    from .records import decode_record, record_key
-
     if node.dht is None:
         return []
     key = record_key(model_id, peer_id)
@@ -304,6 +302,4 @@ def remember(node: Node, peer_id: ID, addrs: Sequence[str]) -> None:
 
 
 def _relayed(conn: Any) -> bool:
-    from .relay import relay_of
-
     return relay_of(conn) is not None

@@ -22,7 +22,7 @@ from libp2p.peer.id import ID
 from ..errors import NetworkError, RecordError
 from .dht import providers_from_network, values_from_network
 from .dial import remember
-from .host import Node
+from .node import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
 __all__ = ["RECORDS_PROTOCOL", "Announcer", "Offer", "find_serving_peers", "publish"]

@@ -30,7 +30,7 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
-from .host import remote_addr
+from .addrs import remote_addr
 from .relay import RelayClient, relay_of
 
 __all__ = [

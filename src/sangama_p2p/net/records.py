@@ -26,6 +26,7 @@ from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
+from .._version import __version__
 from ..errors import RecordError
 
 __all__ = [
@@ -130,8 +131,6 @@ def sign_record(
     (:class:`sangama_p2p.model.fingerprint.ModelIdentity`); a malformed one raises :class:`RecordError`.
     """
     if version == "":
-        from .. import __version__
-
         version = __version__
     peer_id = ID.from_pubkey(key_pair.public_key)
     exp = (time.time() if now is None else now) + ttl

@@ -43,14 +43,12 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
-from ..errors import NetworkError
-from .host import offers_protocol
+from ..errors import NotARelayError, RelayError
+from .node import offers_protocol
 
 __all__ = [
     "ConnectFn",
-    "NotARelayError",
     "RelayClient",
-    "RelayError",
     "RelayServiceConfig",
     "Reservation",
     "circuit_addr",
@@ -69,18 +67,6 @@ ConnectFn = Callable[[PeerInfo], Awaitable[object]]
 """How to reach a relay, e.g. ``lambda info: node.connect(info.peer_id, info.addrs)``; default ``host.connect``."""
 
 MAX_RETRY_S = 60.0
-
-
-class RelayError(NetworkError):
-    """A relay refused or failed a reservation or a circuit; ``status`` is the circuit v2 status code (0: none)."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class NotARelayError(RelayError):
-    """The peer does not offer the circuit relay v2 HOP protocol: it relays for nobody, and asking again won't help."""
 
 
 @dataclass(frozen=True)

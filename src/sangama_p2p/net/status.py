@@ -23,8 +23,8 @@ from ..errors import NetworkError
 from .dial import dial_peer
 from .discovery import RECORDS_PROTOCOL, find_serving_peers
 from .holepunch import link_info
-from .host import Node
 from .lineup import Lineup, choose_lineup
+from .node import Node
 from .records import ServingRecord, decode_record, record_key
 
 __all__ = ["PeerStatus", "SwarmStatus", "fetch_records", "survey"]

@@ -31,11 +31,12 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from ..errors import NetworkError
+from ..errors import NetworkError, RelayError
+from .addrs import is_relayed
 from .holepunch import HolePuncher, LinkInfo, link_info, run_hole_puncher, wait_direct
-from .host import Node, is_relayed
+from .node import Node
 from .reach import Reachability, ReachabilityReport, check_reachability, serve_dialback
-from .relay import RelayClient, RelayError, RelayServiceConfig, open_relay_client
+from .relay import RelayClient, RelayServiceConfig, open_relay_client
 
 __all__ = ["Traversal", "TraversalConfig"]
 

@@ -11,6 +11,8 @@ queue instead.
 
 An outbox to the next stage is created at once and dials in its writer task (``opener``), so frames produced while
 the link comes up simply wait. When the link fails, every frame it still holds is handed to ``on_failed``.
+:class:`NextHops` keeps a stage's outboxes to its next stages, one per peer, and turns what they lose (and the
+errors the next stage sends back) into ``ErrorMessage`` frames for the sessions' owners.
 
 Bounded: each queued item counts its size (``put(item, nbytes)``; small frames count ``SMALL_ITEM`` bytes) against
 ``max_bytes``. Over that, :attr:`congested` is true and :meth:`wait_uncongested` blocks, which a reader of the
@@ -25,16 +27,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from typing import Union
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Union
 
 import trio
 
 from ..errors import ErrorCode, SangamaError
-from ..streams import FramedStream
-from ..wire.messages import Message
+from ..net.streams import FramedStream
+from ..wire.messages import ErrorMessage, Message
 
-__all__ = ["SMALL_ITEM", "Item", "Outbox", "OutboxFull"]
+__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "OutboxFull"]
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +183,70 @@ class Outbox:
         log.debug("link to %s failed (%s); %d frames lost", self.peer, exc, len(lost))
         if self._on_failed is not None:
             self._on_failed(self, lost, exc)
+
+
+class NextHops:
+    """A stage's links to its next stages: one :class:`Outbox` per peer, dialled in its writer task on first use.
+
+    ``open_stream(peer)`` dials and opens the stream; ``spawn(fn, *args)`` starts a task while the stage runs (and
+    does nothing once it stopped); ``report(msg)`` hands an ``ErrorMessage`` to the owner of ``msg.session_id``: every
+    error the next stage sends back, and an ``INTERNAL`` one for each frame a failed link still held.
+    """
+
+    def __init__(self, open_stream: Callable[[str], Awaitable[FramedStream]], *, spawn: Callable[..., None],
+                 report: Callable[[ErrorMessage], None], max_bytes: int) -> None:
+        self._open_stream = open_stream
+        self._spawn = spawn
+        self._report = report
+        self.max_bytes = max_bytes
+        self.links: dict[str, Outbox] = {}
+
+    def get(self, peer: str) -> Outbox:
+        """The live outbox to ``peer``, or a fresh one (dialling in its writer task) in place of a failed one."""
+        link = self.links.get(peer)
+        if link is not None and link.failed is None:
+            return link
+        link = Outbox(peer=peer, opener=lambda: self._open(peer), on_failed=self._failed, max_bytes=self.max_bytes,
+                      fail_when_full=False)
+        self.links[peer] = link
+        self._spawn(link.run)
+        return link
+
+    def streams(self) -> Iterator[FramedStream]:
+        """The streams opened so far."""
+        return (o.stream for o in self.links.values() if o.stream is not None)
+
+    def clear(self) -> None:
+        self.links.clear()
+
+    async def _open(self, peer: str) -> FramedStream:
+        fs = await self._open_stream(peer)
+        self._spawn(self._read, fs)
+        return fs
+
+    async def _read(self, fs: FramedStream) -> None:
+        """The next stage only sends errors back upstream: relay them to the sessions' owners."""
+        try:
+            while True:
+                msg = await fs.recv()
+                if msg is None:
+                    break
+                if isinstance(msg, ErrorMessage) and msg.session_id is not None:
+                    self._report(msg)
+        except (SangamaError, trio.BrokenResourceError) as exc:
+            log.debug("stream to next hop %s ended: %s", fs.peer, exc)
+        finally:
+            link = self.links.get(fs.peer)
+            if link is not None and link.stream is fs:
+                self.links.pop(fs.peer, None)
+                link.close()
+
+    def _failed(self, link: Outbox, lost: list[Item], exc: BaseException) -> None:
+        if self.links.get(link.peer) is link:
+            self.links.pop(link.peer, None)
+        for item in lost:
+            msg: Any = item() if callable(item) else item
+            sid = getattr(msg, "session_id", None)
+            if sid is not None:
+                self._report(ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.INTERNAL,
+                                          f"next hop {link.peer} failed: {exc}"))

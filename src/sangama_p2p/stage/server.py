@@ -39,10 +39,11 @@ from typing import Any
 
 import trio
 
-from .. import __version__
-from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
+from .._version import __version__
+from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, StreamClosed, WireError
 from ..net.lane import LaneDialer, LaneListener, LaneStream
-from ..streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
+from ..net.stage_stream import open_stage_stream
+from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
     ErrorMessage,
@@ -58,7 +59,7 @@ from ..wire.messages import (
 from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .config import StageConfig
 from ..wire.framing import ByteBudget
-from .links import SMALL_ITEM, Item, Outbox
+from .links import SMALL_ITEM, Item, NextHops, Outbox
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
 
@@ -88,7 +89,8 @@ class StageServer:
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._inbound: dict[FramedStream, Outbox] = {}
-        self._next: dict[str, Outbox] = {}
+        self.next_hops = NextHops(self._open_next, spawn=self._spawn, report=self._report,
+                                  max_bytes=config.outbox_bytes)
         self._measured_step_s = 0.0
         self.input_budget = ByteBudget(config.input_budget)
         self.announcer: Any = None
@@ -169,13 +171,13 @@ class StageServer:
                 pass
         if self.announcer is not None:
             self.announcer.withdraw()
-        streams = [*self._inbound, *(o.stream for o in self._next.values() if o.stream is not None)]
+        streams = [*self._inbound, *self.next_hops.streams()]
         self._inbound.clear()
         with trio.move_on_after(2):
             async with trio.open_nursery() as nursery:
                 for fs in streams:
                     nursery.start_soon(partial(fs.aclose, reset=True))
-        self._next.clear()
+        self.next_hops.clear()
         self.table.drop_all()
 
     async def _expire_idle(self) -> None:
@@ -200,7 +202,7 @@ class StageServer:
         """How many of this stage's streams (from upstream peers and to next hops) are direct lanes, libp2p
         streams or in-process streams (for status panels)."""
         kinds = {"lane": 0, "libp2p": 0, "local": 0}
-        streams = [*self._inbound, *(o.stream for o in self._next.values() if o.stream is not None)]
+        streams = [*self._inbound, *self.next_hops.streams()]
         for fs in streams:
             kind = ("lane" if isinstance(fs.stream, LaneStream) else
                     "local" if isinstance(fs.stream, MemoryStream) else "libp2p")
@@ -373,7 +375,7 @@ class StageServer:
         hidden = out.hidden
         item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731
                             (*m.trace, stamp()))
-        link = self._next_link(session.next_hop or "")
+        link = self.next_hops.get(session.next_hop or "")
         if not link.put(item, SMALL_ITEM + _nbytes(hidden)):
             why = (f"does not take its frames ({link.queued_bytes} bytes queued)" if link.failed is None
                    and link.congested else "is unreachable")
@@ -383,73 +385,22 @@ class StageServer:
     def _to_owner(self, session: StageSession, item: Item) -> None:
         session.reply.put(item)
 
-    def _next_link(self, peer: str) -> Outbox:
-        link = self._next.get(peer)
-        if link is not None and link.failed is None:
-            return link
-        link = Outbox(peer=peer, opener=lambda: self._open_next(peer), on_failed=self._next_failed,
-                      max_bytes=self.config.outbox_bytes, fail_when_full=False)
-        self._next[peer] = link
+    def _report(self, msg: ErrorMessage) -> None:
+        """An error about a session (from or about its next hop) goes to the session's owner."""
+        session = self.table.sessions.get(msg.session_id) if msg.session_id is not None else None
+        if session is not None:
+            self._to_owner(session, msg)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
         if self._nursery is not None:
-            self._nursery.start_soon(link.run)
-        return link
+            self._nursery.start_soon(fn, *args)
 
     async def _open_next(self, peer: str) -> FramedStream:
-        """Dial the next stage (``net.dial.dial_peer``: its serving record from the DHT when no relay address is known)
-        and open the long-lived stream: a direct lane where the next stage offers one, else a ``/sangama/stage/2``
-        stream over libp2p."""
-        from libp2p.peer.id import ID
-
-        from ..errors import NetworkError
-
-        try:
-            pid = ID.from_base58(peer)
-        except Exception as exc:
-            raise StageError(f"bad next hop peer id {peer!r}", ErrorCode.BAD_FRAME) from exc
-        from ..net.dial import dial_peer
-
-        stream = None
-        with trio.move_on_after(self.config.next_hop_timeout):
-            # every address known for it, its serving record's /p2p-circuit ones included (net/dial.py)
-            await dial_peer(self.node, pid, model_id=self.config.model_id, timeout=self.config.next_hop_timeout)
-            stream = await self.lanes.stage_stream(pid)
-        if stream is None:
-            raise NetworkError(f"next hop {peer} not reached in {self.config.next_hop_timeout} s")
-        fs = FramedStream(stream, max_frame=self.config.max_frame, budget=self.input_budget)
-        if self._nursery is not None:
-            self._nursery.start_soon(self._read_next, fs)
-        return fs
-
-    async def _read_next(self, fs: FramedStream) -> None:
-        """The next stage only sends errors back upstream: relay them to the sessions' owners."""
-        try:
-            while True:
-                msg = await fs.recv()
-                if msg is None:
-                    break
-                if isinstance(msg, ErrorMessage) and msg.session_id is not None:
-                    session = self.table.sessions.get(msg.session_id)
-                    if session is not None:
-                        self._to_owner(session, msg)
-        except (SangamaError, trio.BrokenResourceError) as exc:
-            log.debug("stream to next hop %s ended: %s", fs.peer, exc)
-        finally:
-            link = self._next.get(fs.peer)
-            if link is not None and link.stream is fs:
-                self._next.pop(fs.peer, None)
-                link.close()
-
-    def _next_failed(self, link: Outbox, lost: list[Item], exc: BaseException) -> None:
-        if self._next.get(link.peer) is link:
-            self._next.pop(link.peer, None)
-        for item in lost:
-            msg = item() if callable(item) else item
-            sid = getattr(msg, "session_id", None)
-            session = self.table.sessions.get(sid) if sid is not None else None
-            if session is not None:
-                self._to_owner(session, ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.INTERNAL,
-                                                     f"next hop {link.peer} failed: {exc}"))
-
+        """Reach the next stage (with its serving record's /p2p-circuit addresses from the DHT when no relay address
+        is known) and open the long-lived stream: a direct lane where it offers one, else a libp2p stream."""
+        return await open_stage_stream(self.node, self.lanes, peer, model_id=self.config.model_id,
+                                       timeout=self.config.next_hop_timeout, max_frame=self.config.max_frame,
+                                       budget=self.input_budget)
 
 
 def _nbytes(tensor: Any) -> int:

@@ -27,5 +27,5 @@ LANE_PROTOCOL: Final = "/sangama/lane/3"
 """One response: a ``LaneOffer`` for a direct, AES-GCM-protected TCP lane that then carries ``/sangama/stage/2``
 frames (see ``sangama_p2p.net.lane``). A peer that does not serve it is reached over ``/sangama/stage/2`` as before.
 Version 3 changed only the lane's own TCP handshake (per-connection keys from both sides' nonces, see
-``sangama_p2p.net.lane_handshake``), not any message, so it moved alone and ``WIRE_VERSION`` stays 2: a version 2
+``sangama_p2p.net.lane.handshake``), not any message, so it moved alone and ``WIRE_VERSION`` stays 2: a version 2
 dialler finds no ``/sangama/lane/2`` and uses a libp2p stream."""

@@ -29,8 +29,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..errors import NetworkError
-from ..wire.messages import LANE_KEY_BYTES, LANE_TOKEN_BYTES
+from ...errors import NetworkError
+from ...wire.messages import LANE_KEY_BYTES, LANE_TOKEN_BYTES
 
 __all__ = [
     "HELLO", "HELLO_BYTES", "NONCE_BYTES", "READY", "READY_BYTES", "TAG_BYTES", "Hello", "lane_key", "open_hello",

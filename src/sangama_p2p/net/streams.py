@@ -23,16 +23,12 @@ from typing import Any
 
 import trio
 
-from .errors import NetworkError
-from .wire.codec import decode, encode_message_frame
-from .wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
-from .wire.messages import Message
+from ..errors import StreamClosed
+from ..wire.codec import decode, encode_message_frame
+from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
+from ..wire.messages import Message
 
-__all__ = ["FramedStream", "MemoryStream", "PeerConn", "StreamClosed", "memory_stream_pair"]
-
-
-class StreamClosed(NetworkError):
-    """The stream ended or was reset; nothing more can be sent or received on it."""
+__all__ = ["FramedStream", "MemoryStream", "PeerConn", "memory_stream_pair"]
 
 
 class FramedStream:

@@ -1,0 +1,190 @@
+"""``Node``: a running py-libp2p host and what the rest of ``net/`` hooks into; :func:`sangama_p2p.net.host.open_host`
+builds it.
+
+Listen and announce addresses are separate. Announced addresses are advertised first and :meth:`Node.connect`
+dials a peer's addresses itself, in the order the peer advertised them (public first), raced by the dialler
+``open_host`` gives it (:func:`sangama_p2p.net.dial.race_addrs`). It does not go through py-libp2p's dialer, which
+tries at most one address per transport, drops loopback addresses once it knows any other, loses the dialled
+address from the peerstore, waits a fixed 250 ms per dial, and blocks a peer for 60 s after a failure.
+
+Extension points for relays and hole punching (``net/relay.py``, ``net/traversal.py``): ``Node.nursery`` runs
+background tasks for the node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g.
+``/p2p-circuit`` ones), ``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address
+works, and ``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets
+it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetConn
+from libp2p.crypto.keys import KeyPair
+from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
+
+from ..errors import NetworkError
+from .addrs import order_addrs, strip_p2p
+from .config import HostConfig
+from .fleet import mismatch_error
+
+if TYPE_CHECKING:
+    from libp2p.kad_dht.kad_dht import KadDHT
+
+__all__ = ["Dialer", "Node", "Race", "offers_protocol"]
+
+
+def offers_protocol(host: Any, peer_id: Any, protocol: object) -> bool | None:
+    """Whether identify lists ``protocol`` for ``peer_id``; ``None`` while nobody knows (not identified yet)."""
+    try:
+        protocols = host.get_peerstore().get_protocols(peer_id)
+    except Exception:  # not in the peerstore (yet)
+        return None
+    if not protocols:
+        return None
+    return str(protocol) in {str(p) for p in protocols}
+
+
+Dialer = Callable[["Node", ID, list[multiaddr.Multiaddr]], Awaitable[INetConn]]
+Race = Callable[["Node", ID, Sequence[multiaddr.Multiaddr], Sequence[multiaddr.Multiaddr]], Awaitable[INetConn]]
+"""How :meth:`Node.connect` races a peer's addresses: ``race(node, peer_id, given, known)``."""
+_ADDR_TTL = 3600  # seconds a peer's dialled addresses stay in our peerstore
+
+
+class Node:
+    """A running host and what other modules need from it; built by :func:`~sangama_p2p.net.host.open_host`, never
+    directly."""
+
+    def __init__(self, host: IHost, config: HostConfig, key_pair: KeyPair, nursery: trio.Nursery, race: Race) -> None:
+        self.host = host
+        self.config = config
+        self.key_pair = key_pair
+        self.nursery = nursery
+        self._race = race
+        self.dht: KadDHT | None = None
+        self.extra_addrs: list[multiaddr.Multiaddr] = []
+        self.fallback_dialers: list[Dialer] = []
+        self.dial_failed: list[Callable[[ID], None]] = []
+        self._dialing: dict[ID, trio.Event] = {}
+        self._route_library_dials()
+
+    def _route_library_dials(self) -> None:
+        """Make py-libp2p's own dials (DHT queries, identify, relays) go through :meth:`connect`.
+
+        The swarm's ``dial_peer`` waits a fixed 250 ms per dial and mishandles announced addresses (see the module
+        docstring); replacing it on this one instance gives every dial the same address order and timeouts.
+        """
+        swarm = self.host.get_network()
+
+        async def dial_peer(peer_id: ID) -> list[INetConn]:
+            try:
+                return [await self.connect(peer_id)]
+            except NetworkError as exc:
+                raise SwarmException(str(exc)) from exc
+
+        swarm.dial_peer = dial_peer  # type: ignore[method-assign]
+
+    @property
+    def peer_id(self) -> ID:
+        return self.host.get_id()
+
+    def advertised_addrs(self) -> list[multiaddr.Multiaddr]:
+        """What other peers should dial: announced (public) addresses first, then relay circuit addresses, each
+        ending in ``/p2p/<id>``."""
+        direct = list(self.host.get_addrs())
+        seen = {str(a) for a in direct}
+        return direct + [a for a in self.extra_addrs if str(a) not in seen]
+
+    def listen_addrs(self) -> list[multiaddr.Multiaddr]:
+        """Where the host actually listens (real ports, no ``/p2p``)."""
+        return list(self.host.get_transport_addrs())
+
+    def connections(self, peer_id: ID) -> list[INetConn]:
+        """Open connections to ``peer_id``."""
+        return [c for c in self.host.get_network().get_connections(peer_id) if not c.is_closed]
+
+    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr] = ()) -> INetConn:
+        """A connection to ``peer_id``: an open one, else the first of ``addrs`` (then known ones) that answers.
+
+        Addresses (the given ones, then the peerstore's) are raced happy-eyeballs style (:func:`.dial.race_addrs`):
+        announced public, observed public, private, then ``/p2p-circuit`` through the fallback dialers (relays),
+        each attempt bounded by its own timeout. Raises :class:`NetworkError` naming every failure.
+        """
+        if peer_id == self.peer_id:
+            raise NetworkError("refusing to dial ourselves")
+        while peer_id in self._dialing:  # one dial per peer at a time; later callers share its result
+            await self._dialing[peer_id].wait()
+        for conn in self.connections(peer_id):
+            return conn
+        self._dialing[peer_id] = trio.Event()
+        try:
+            return await self._connect(peer_id, addrs)
+        except NetworkError:
+            for callback in list(self.dial_failed):
+                callback(peer_id)
+            raise
+        finally:
+            self._dialing.pop(peer_id).set()
+
+    async def _connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> INetConn:
+        peerstore = self.host.get_peerstore()
+        known = list(peerstore.addrs(peer_id)) if peer_id in peerstore.peer_ids() else []
+        given = [strip_p2p(a) for a in addrs]
+        others = [strip_p2p(a) for a in known]
+        candidates = order_addrs([*given, *others])
+        if candidates:
+            peerstore.add_addrs(peer_id, candidates, _ADDR_TTL)
+        return await self._race(self, peer_id, given, others)
+
+    async def connect_multiaddr(self, addr: str | multiaddr.Multiaddr) -> ID:
+        """Connect to a ``.../p2p/<id>`` address (e.g. a bootstrap node) and return the peer id."""
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(str(addr)))
+        except Exception as exc:
+            raise NetworkError(f"bad peer address {addr!r} (it must end in /p2p/<peer id>): {exc}") from exc
+        await self.connect(info.peer_id, info.addrs)
+        return info.peer_id
+
+    async def _dial_direct(self, peer_id: ID, addr: multiaddr.Multiaddr) -> INetConn:
+        swarm = self.host.get_network()
+        timeout = self.config.handshake_timeout
+        with trio.move_on_after(timeout):
+            try:
+                conn = await swarm.dial_addr(addr, peer_id)
+                await conn.event_started.wait()
+            except Exception as exc:  # SwarmException and transport errors
+                if _security_failed(exc):  # TCP opened, Noise negotiation read garbage: a PSK mismatch
+                    have = self.config.fleet_secret is not None
+                    raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=have) from exc
+                cause = exc.__cause__ or exc
+                raise NetworkError(f"cannot connect to {peer_id} at {addr}: {cause}") from exc
+            negative_cache = getattr(swarm, "_negative_peer_cache", None)
+            if negative_cache is not None:
+                negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
+            return conn
+        raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=self.config.fleet_secret is not None)
+
+
+def _security_failed(exc: BaseException | None) -> bool:
+    """True if a dial failed after its TCP connection opened, in the security upgrade (as a wrong fleet secret does).
+
+    With different pre-shared keys the first bytes each side reads are garbage, so the failure shows up in
+    several ways (a failed negotiation, an empty read, a MemoryError from a garbage length); what they share is that the TCP connect
+    itself succeeded and the peer's identity was never checked.
+    """
+    chain = []
+    while exc is not None and len(chain) < 16:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    if any(isinstance(e, OpenConnectionError) for e in chain):
+        return False  # TCP never connected: unreachable, not a secret mismatch
+    if any("Peer ID mismatch" in str(e) for e in chain):
+        return False  # Noise completed and proved another identity
+    garbage_signs = (SecurityUpgradeFailure, MultiselectClientError, ValueError, EOFError, MemoryError)
+    return any(isinstance(e, garbage_signs) for e in chain)
