@@ -24,7 +24,7 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-_LAZY = {"Peer": "peer", "PeerConfig": "peer"}
+_LAZY = {"Peer": "peer", "PeerConfig": "config"}
 
 
 def __getattr__(name: str) -> object:
