@@ -79,9 +79,9 @@ def test_smollm2_stage_by_ranges_fetches_a_third_and_keeps_the_fingerprint(smoll
 
 
 def test_join_serves_a_stage_fetched_from_the_hub(hub_env, repos, capsys, tmp_path, monkeypatch):  # noqa: F811
-    from sangama_p2p.cli import net_cmds
+    from sangama_p2p.cli import swarm
 
-    monkeypatch.setattr(net_cmds, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
+    monkeypatch.setattr(swarm, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
     assert main(["join", "--model", "hf:org/gguf1:tiny-F32.gguf", "--layers", "2:4", "--listen", "/ip4/127.0.0.1/tcp/0",
                  "--key", str(tmp_path / "k"), "--run-for", "0.1"]) == 0
     out = capsys.readouterr().out
