@@ -78,3 +78,21 @@ def test_join_serves_on_after_its_output_pipe_closes(model: Path, tmp_path: Path
     assert "stdout closed; serving on without output" in err
     assert time.monotonic() - t0 >= 3  # it served its whole --run-for
     assert "loading layers 0:4 of llama-tiny ..." in err and "loading layers 0:4 of llama-tiny: done in" in err
+
+
+def test_a_fleet_coming_up_says_each_member_as_it_is_ready(model: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """The demo's progress (``--progress``, or stderr a terminal): the bootstrap node, then each stage, with the
+    time since the start."""
+    from sangama_p2p.cli.demo import _fleet_progress
+    from sangama_p2p.cli.local_fleet import LocalFleet
+
+    with LocalFleet(model, ["0:3", "3:6"], tmp_path, on_ready=_fleet_progress(2)) as fleet:
+        ids = fleet.stage_ids
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "starting a bootstrap node and 2 stage processes ..."
+    assert err[1].startswith("  [1/3] bootstrap node ready after ")
+    assert err[2].startswith(f"  [2/3] stage 0:3 (peer …{ids[0][-8:]}) ready after ")
+    assert err[3].startswith(f"  [3/3] stage 3:6 (peer …{ids[1][-8:]}) ready after ")
+    seconds = [float(line.rsplit(" ", 2)[-2]) for line in err[1:4]]
+    assert seconds == sorted(seconds) and seconds[0] > 0
