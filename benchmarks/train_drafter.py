@@ -174,6 +174,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=RESULTS / "train_drafter.json")
     args = ap.parse_args()
+    if args.sequences < 16:  # 8 or more of them are held out for validation; the rest train
+        ap.error(f"--sequences must be >= 16 (8 are held out for validation), got {args.sequences}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     load0, t0 = os.getloadavg(), time.perf_counter()

@@ -125,7 +125,7 @@ def test_make_model_into_a_path_that_cannot_be_created(tmp_path: Path, capsys: p
 def test_chat_with_default_settings_works_on_a_model_without_mtp(tmp_path: Path) -> None:
     # chat asked for guesses=auto whatever the model: a dense Llama refused every line (TOO_MANY_GUESSES)
     from sangama_p2p.cli.local_fleet import ThreadFleet
-    from sangama_p2p.cli.peer_cmds import default_guesses
+    from sangama_p2p.cli.swarm import default_guesses
     from sangama_p2p.model.make import make_model
 
     model = make_model(tmp_path / "llama-tiny", "llama", "tiny")
@@ -142,7 +142,7 @@ def test_chat_with_default_settings_works_on_a_model_without_mtp(tmp_path: Path)
 
 
 def test_default_guesses_for_a_model_with_mtp_or_only_a_tokenizer(tmp_path: Path) -> None:
-    from sangama_p2p.cli.peer_cmds import default_guesses
+    from sangama_p2p.cli.swarm import default_guesses
     from sangama_p2p.model.make import make_model
 
     model = make_model(tmp_path / "qwen-tiny", "qwen3_5_moe", "tiny")
@@ -190,10 +190,10 @@ def test_generate_refuses_a_flag_of_the_other_mode(argv: list[str], message: str
 def test_join_model_flag_wins_over_the_config_also_for_the_model_id(tmp_path: Path, monkeypatch,
                                                                    capsys: pytest.CaptureFixture) -> None:
     # flags win over the file: --model took the layers from the new checkpoint but announced the file's model name
-    from sangama_p2p.cli import net_cmds
+    from sangama_p2p.cli import swarm
     from sangama_p2p.model.make import make_model
 
-    monkeypatch.setattr(net_cmds, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
+    monkeypatch.setattr(swarm, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
     model = make_model(tmp_path / "flag-model", "llama", "tiny")
     conf = tmp_path / "stage.toml"
     conf.write_text('[host]\nlisten_addrs = ["/ip4/127.0.0.1/tcp/0"]\n[stage]\nmodel = "file-model"\nlayers = "0:2"\n')
@@ -218,7 +218,7 @@ def test_a_model_path_that_is_not_there_is_not_taken_for_a_model_id(command: lis
 def test_generate_with_a_checkpoint_directory_pins_its_fingerprint(tmp_path: Path) -> None:
     """``--model DIR`` chains only peers of that very checkpoint; a tokenizer-only directory or a bare id pins none."""
     from sangama_p2p.cli.main import build_parser
-    from sangama_p2p.cli.peer_cmds import client_peer_config
+    from sangama_p2p.cli.swarm import client_peer_config
     from sangama_p2p.model.fingerprint import checkpoint_identity
     from sangama_p2p.model.make import make_model
 

@@ -133,3 +133,85 @@ def test_generate_chat_flags_are_checked(argv: list[str], message: str, model: P
 
     assert main(["generate", *[str(model) if a == "M" else a for a in argv]]) == 2
     assert message in capsys.readouterr().err
+
+
+class _Reader:
+    """A child's stdout read in a thread: wait for the next ``> `` prompt of an interactive chat."""
+
+    def __init__(self, stream) -> None:
+        import threading
+
+        self.data = b""
+        self.cond = threading.Condition()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        while chunk := stream.read1(4096):
+            with self.cond:
+                self.data += chunk
+                self.cond.notify_all()
+
+    def prompts(self, n: int, timeout: float) -> bytes:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.data.count(b"> ") >= n, timeout), self.data
+            return self.data
+
+
+@pytest.mark.slow
+def test_chat_on_a_terminal_survives_a_killed_stage_and_goes_on_once_the_swarm_is_whole(model: Path,
+                                                                                        tmp_path: Path) -> None:
+    """A stage killed (no spare): the turn's error is printed, the prompt comes back, the question is taken back; a
+    new peer for the range joins, and the next turn is answered in the same conversation."""
+    import pty
+    import time
+
+    from sangama_p2p.cli.local_fleet import READY_PREFIX, LocalFleet
+    from sangama_p2p.client.config import ClientConfig
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"), OMP_NUM_THREADS="1")
+    cli = [sys.executable, "-m", "sangama_p2p.cli.main"]
+    primary, secondary = pty.openpty()  # stdin a terminal: chat is interactive and prints its "> " prompt
+    chat = rejoin = None
+    try:
+        with LocalFleet(model, ["0:3", "3:6"], tmp_path / "fleet") as fleet:
+            chat = subprocess.Popen([*cli, "chat", "--model", str(model), "--bootstrap", fleet.bootstrap_addr,
+                                     "--json", "--max-new-tokens", "4"], stdin=secondary, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=env)
+            out = _Reader(chat.stdout)
+            out.prompts(1, 60)
+            os.write(primary, b"hello\n")
+            out.prompts(2, 60)
+            fleet.children[2].proc.kill()  # the only 3:6 stage
+            fleet.children[2].proc.wait()
+            os.write(primary, b"again\n")
+            out.prompts(3, 90)  # the error came back as a turn, and the prompt with it
+            failed_at = time.monotonic()
+            rejoin = subprocess.Popen([*cli, "join", "--model", str(model), "--layers", "3:6", "--bootstrap",
+                                       fleet.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key",
+                                       str(tmp_path / "rejoin.key")], stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, env=env, text=True)
+            assert rejoin.stdout is not None
+            assert any(line.startswith(READY_PREFIX) for line in rejoin.stdout)
+            # a new generation re-uses a survey of the swarm younger than ClientConfig.survey_max_age (10 s)
+            time.sleep(max(0.0, ClientConfig("m").survey_max_age + 0.5 - (time.monotonic() - failed_at)))
+            os.write(primary, b"third\n")
+            data = out.prompts(4, 90)
+            os.write(primary, b"\x04")  # Ctrl-D: end of the conversation
+            assert chat.wait(timeout=30) == 0
+    finally:
+        for proc in (chat, rejoin):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        os.close(primary)
+        os.close(secondary)
+    err = chat.stderr.read().decode() if chat.stderr else ""
+    docs = [json.loads(line.removeprefix("> ")) for line in data.decode().split("\n") if line.strip("> ").strip()]
+    assert len(docs) == 3, data
+    first, failed, third = docs
+    assert "error" not in first and "error" not in third and failed["error"]
+    assert f"error: {failed['error']}" in err and "Traceback" not in err
+    tok = Tokenizer.from_dir(model)
+    history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first["text"]},
+               {"role": "user", "content": "third"}]  # "again" was taken back
+    assert third["prompt_ids"] == list(render_chat(load_chat_template(model), tok, history).ids)

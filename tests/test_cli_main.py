@@ -55,7 +55,7 @@ def test_quiet_libp2p_holds_when_libp2p_is_imported_later() -> None:
 
     code = ("import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
             "assert 'libp2p' not in sys.modules\n"
-            "from sangama_p2p.cli.net_cmds import _quiet_libp2p; _quiet_libp2p()\n"
+            "from sangama_p2p.cli.process import quiet_libp2p; quiet_libp2p()\n"
             "import libp2p.network.swarm as swarm; swarm.logger.error('fail to upgrade mux for peer X')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

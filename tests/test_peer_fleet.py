@@ -18,7 +18,7 @@ import trio
 
 from sangama_p2p import Peer, PeerConfig
 from sangama_p2p.cli.local_fleet import LocalFleet
-from sangama_p2p.cli.model_cmds import _variant
+from sangama_p2p.cli.generate_cmds import prompt_variants
 from sangama_p2p.client.config import ClientConfig
 from sangama_p2p.model.chain import LocalChain
 from sangama_p2p.model.chat import load_chat_template, render_chat
@@ -91,7 +91,7 @@ def test_cli_batch_of_8_equals_each_solo_run(fleet) -> None:
     out = cli(*net_args(model, f, "--json", "--batch", "8"))
     chain = local_chain(model)
     vocab = chain.spec.vocab_size
-    prompts = [PROMPT] + [_variant(PROMPT, i, vocab) for i in range(1, 8)]
+    prompts = prompt_variants(PROMPT, 8, vocab)
     requests = out["json"]["requests"]
     assert len(requests) == 8
     for req, prompt in zip(requests, prompts):

@@ -23,7 +23,7 @@ from .errors import (
     WireError,
 )
 
-_LAZY = {"Peer": "peer", "PeerConfig": "peer"}
+_LAZY = {"Peer": "peer", "PeerConfig": "config"}
 
 
 def __getattr__(name: str) -> object:

@@ -23,12 +23,17 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
+from .api.server import ApiConfig
+from .config import PeerConfig
 from .errors import SangamaError
-from .peer import Generation, Peer as TrioPeer, PeerConfig
+from .model.tokenizer import Tokenizer
+from .net.identity import KeyPair
+from .peer import Generation, Peer as TrioPeer
 
 __all__ = ["Peer"]
 
@@ -42,7 +47,7 @@ class Peer:
     ``async with aio.Peer(config) as peer: text = (await peer.generate("hello", 16)).text``
     """
 
-    def __init__(self, config: PeerConfig | None = None, *, key_pair: Any = None) -> None:
+    def __init__(self, config: PeerConfig | None = None, *, key_pair: KeyPair | None = None) -> None:
         self.config = config or PeerConfig()
         self._key_pair = key_pair
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -210,7 +215,7 @@ class Peer:
         return self._peer.addrs
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         """The tokenizer of the served model or of ``config.tokenizer_path`` (None when neither is known)."""
         return None if self._peer is None else self._peer.tokenizer
 
@@ -218,7 +223,8 @@ class Peer:
         """Serve ``layers`` of ``model`` (see :meth:`sangama_p2p.Peer.serve`)."""
         return await self._call(lambda p: p.serve(model, layers, **kwargs))
 
-    async def serve_api(self, model: Any = None, config: Any = None, **kwargs: Any) -> str:
+    async def serve_api(self, model: str | Path | None = None, config: ApiConfig | None = None,
+                        **kwargs: Any) -> str:
         """Serve the OpenAI-compatible HTTP API until the peer closes; its base URL (see
         :meth:`sangama_p2p.Peer.serve_api`)."""
         return await self._call(lambda p: p.serve_api(model, config, **kwargs))

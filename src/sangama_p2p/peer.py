@@ -17,10 +17,8 @@ Each server and client lives in a task of the peer's own nursery, whichever task
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import tomllib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,122 +26,27 @@ from typing import Any
 
 import trio
 
+from .api.server import ApiConfig, ApiServer, ServedModel, served_model
 from .client.config import ClientConfig
+from .client.generate import ChainClient, GenerationResult
+from .config import PeerConfig, default_model_id
 from .errors import LayerRangeError, ModelError, SangamaError, StageError
-from .net.config import HostConfig, check_toml_types
+from .model.checkpoint import Checkpoint, open_checkpoint
+from .model.fingerprint import stage_identity
+from .model.spec import ModelSpec, parse_layer_range
+from .model.tokenizer import Tokenizer
+from .net.discovery import find_serving_peers
+from .net.host import Node, open_host
+from .net.identity import KeyPair
+from .net.traversal import Traversal, TraversalConfig
 from .stage.config import StageConfig
+from .stage.server import StageServer
 
+# PeerConfig and default_model_id live in sangama_p2p.config; they are named here too because the peer is built on
+# them (``from sangama_p2p.peer import PeerConfig`` keeps working)
 __all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_id"]
 
 log = logging.getLogger(__name__)
-
-
-def default_model_id(model_path: str | Path) -> str:
-    """The swarm-wide name of a checkpoint when none is given: its directory (or file stem) name."""
-    p = Path(model_path)
-    return p.stem if p.suffix == ".gguf" else p.resolve().name
-
-
-@dataclass(frozen=True)
-class PeerConfig:
-    """Everything a peer needs, grouped: how to join (``host``), what to serve (``stage``), how to generate.
-
-    ``model_path`` and ``layers`` (``"A:B"`` or ``"auto"``/``"auto:N"``) say what to serve when the peer starts
-    (``None``: serve nothing until :meth:`Peer.serve`). ``stage`` holds the stage settings, a template: each
-    ``serve`` call sets ``start`` and ``end`` (and ``model_id`` when it passes one). ``client`` holds those of
-    generation (its ``model_id`` is the default model that ``generate`` asks for). ``tokenizer_path`` (a checkpoint
-    directory) lets a client-only peer take text prompts and stop at the model's end-of-sequence tokens.
-    """
-
-    host: HostConfig = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/0",))
-    stage: StageConfig | None = None
-    client: ClientConfig | None = None
-    model_path: Path | None = None
-    layers: str = "auto"
-    tokenizer_path: Path | None = None
-    api: Any = None  # api.ApiConfig from an [api] table: ``sangama-peer api`` listens with it
-
-    def replace(self, **changes: Any) -> PeerConfig:
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_toml(cls, path: str | Path) -> PeerConfig:
-        """Read ``[host]`` (as :meth:`HostConfig.from_toml`), ``[stage]`` and ``[client]`` tables.
-
-        ``[stage]``: ``model`` (checkpoint path, relative to the file), ``layers`` (``"0:20"`` or ``"auto"``),
-        optional ``model_id`` (default: the checkpoint's directory name) and any :class:`StageConfig` field.
-        ``[client]``: any :class:`ClientConfig` field, plus ``tokenizer`` (a checkpoint directory).
-        ``[api]``: any :class:`~sangama_p2p.api.ApiConfig` field (``host``, ``port``, ``api_key_file`` relative to
-        the file, ``max_tokens``, ``guesses``), for ``sangama-peer api``.
-        """
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SangamaError(f"cannot read peer config {path}: {exc}") from exc
-        unknown = set(data) - {"host", "stage", "client", "api"}
-        if unknown:
-            raise SangamaError(f"unknown tables in {path}: {sorted(unknown)} (expected host, stage, client, api)")
-        host = HostConfig.from_toml(path) if "host" in data else cls.host
-        stage, model_path, layers = None, None, "auto"
-        if "stage" in data:
-            table = dict(data["stage"])
-            model = table.pop("model", None)
-            if model is None:
-                raise SangamaError(f"[stage] of {path} needs `model` (a checkpoint path)")
-            model_path = (path.parent / Path(model).expanduser()).resolve()
-            layers = str(table.pop("layers", "auto"))
-            table.setdefault("model_id", default_model_id(model_path))
-            start, end = _template_range(layers)
-            stage = _build(StageConfig, {"start": start, "end": end, **table}, f"[stage] of {path}")
-        client, tokenizer = None, None
-        if "client" in data:
-            table = dict(data["client"])
-            tok = table.pop("tokenizer", None)
-            if tok is not None:
-                tokenizer = (path.parent / Path(tok).expanduser()).resolve()
-            if "model_id" not in table and stage is not None:
-                table["model_id"] = stage.model_id
-            client = _build(ClientConfig, table, f"[client] of {path}")
-        api = None
-        if "api" in data:
-            from .api.server import ApiConfig
-
-            table = dict(data["api"])
-            if "api_key_file" in table:
-                if not isinstance(table["api_key_file"], str):
-                    raise SangamaError(f"[api] of {path}: api_key_file must be a path string")
-                table["api_key_file"] = (path.parent / Path(table["api_key_file"]).expanduser()).resolve()
-            guesses = table.pop("guesses", "auto")
-            try:
-                from .guesses import parse_guesses
-
-                parse_guesses(guesses)
-            except ModelError as exc:
-                raise SangamaError(f"[api] of {path}: {exc}") from exc
-            api = _build(ApiConfig, table, f"[api] of {path}").replace(guesses=guesses)
-        return cls(host, stage, client, model_path, layers, tokenizer, api)
-
-
-def _template_range(layers: str) -> tuple[int, int]:
-    if layers.startswith("auto"):
-        return 0, 1  # replaced when the peer has seen the swarm
-    from .model.spec import parse_layer_range
-
-    r = parse_layer_range(layers)
-    return r.start, r.end
-
-
-def _build(cls: Any, table: dict[str, Any], where: str) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(table) - known
-    if unknown:
-        raise SangamaError(f"unknown keys in {where}: {sorted(unknown)}")
-    check_toml_types(table, cls, where, SangamaError)
-    try:
-        return cls(**table)
-    except TypeError as exc:
-        raise SangamaError(f"bad {where}: {exc}") from exc
 
 
 def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None) -> tuple[int, int]:
@@ -190,32 +93,30 @@ class Generation:
 
     tokens: tuple[int, ...]
     text: str | None
-    result: Any  # client.GenerationResult
+    result: GenerationResult
 
 
 class Peer:
     """A Sangama peer under trio: ``async with Peer(config) as peer`` (see the module docstring)."""
 
-    def __init__(self, config: PeerConfig | None = None, *, key_pair: Any = None) -> None:
+    def __init__(self, config: PeerConfig | None = None, *, key_pair: KeyPair | None = None) -> None:
         """``key_pair``: a libp2p key pair to use instead of ``config.host.key_path`` (e.g. a throwaway identity)."""
         self.config = config or PeerConfig()
         self._key_pair = key_pair
-        self.traversal: Any = None  # net.traversal.Traversal when the peer has bootstrap nodes
-        self.node: Any = None
-        self.servers: list[Any] = []  # StageServer, in the order served
-        self._clients: dict[str, tuple[Any, trio.CancelScope]] = {}
+        self.traversal: Traversal | None = None  # when the peer has bootstrap nodes
+        self.node: Node | None = None
+        self.servers: list[StageServer] = []  # in the order served
+        self._clients: dict[str, tuple[ChainClient, trio.CancelScope]] = {}
         self._client_lock = trio.Lock()
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._eos: tuple[int, ...] = ()
         self._spec_num_layers: int | None = None
 
     # lifetime ---------------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Peer:
-        from .net.host import open_host
-
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -223,8 +124,6 @@ class Peer:
             if self.config.host.bootstrap_addrs:
                 # learn reachability from the bootstrap nodes; if private, hold relay reservations, advertise the
                 # /p2p-circuit addresses, and hole-punch relayed links (net/traversal.py)
-                from .net.traversal import Traversal, TraversalConfig
-
                 self.traversal = Traversal(TraversalConfig())
                 services.append(self.traversal.run)
             self.node = await stack.enter_async_context(
@@ -291,9 +190,6 @@ class Peer:
         ``"auto:N"`` (N layers). Loading reads only this range's tensors, off the trio thread. The stage announces
         itself in the DHT and serves until the peer closes.
         """
-        from .model.checkpoint import open_checkpoint
-        from .stage.server import StageServer
-
         nursery = self._running()
         if self.servers:
             s = self.servers[0].config
@@ -342,13 +238,11 @@ class Peer:
                         "reservation", waited, t.reachability.value, [str(a) for a in self.node.extra_addrs])
 
     async def _resolve_layers(self, layers: str | tuple[int, int], model_id: str, num_layers: int,
-                              ckpt: Any = None) -> tuple[int, int]:
+                              ckpt: Checkpoint | None = None) -> tuple[int, int]:
         if isinstance(layers, tuple):
             return int(layers[0]), int(layers[1])
         text = str(layers)
         if not text.startswith("auto"):
-            from .model.spec import parse_layer_range
-
             r = parse_layer_range(text)
             return r.start, r.end
         span = None
@@ -360,18 +254,14 @@ class Peer:
             if not 0 < span <= num_layers:
                 raise LayerRangeError(f"bad layers {text!r}: N in auto:N must be in 1..{num_layers} (the model's "
                                       "layers)")
-        from .net.discovery import find_serving_peers
-
         records = await find_serving_peers(self.node, model_id, include_self=False)
         if ckpt is not None:  # only peers of our own checkpoint count: others will never be chained with us
-            from .model.fingerprint import stage_identity
-
             mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint
             records = [r for r in records if r.fingerprint == mine]
         return choose_layers([(r.start, r.end) for r in records], num_layers, span)
 
     @staticmethod
-    async def _run_server(server: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_server(server: StageServer, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with server:
             task_status.started()
             await trio.sleep_forever()
@@ -379,9 +269,6 @@ class Peer:
     # generating -------------------------------------------------------------------------------------------------
 
     def _load_tokenizer(self, path: Path) -> None:
-        from .model.spec import ModelSpec
-        from .model.tokenizer import Tokenizer
-
         self._tokenizer = Tokenizer.from_dir(path)
         try:
             self._eos = tuple(ModelSpec.from_dir(path).eos_token_ids)
@@ -389,7 +276,7 @@ class Peer:
             self._eos = ()
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         """The tokenizer of the served model or of ``config.tokenizer_path`` (None when neither is known)."""
         return self._tokenizer
 
@@ -409,14 +296,12 @@ class Peer:
             return self.servers[0].config.model_id
         raise ModelError("which model? pass model_id=, or set PeerConfig.client, or serve one")
 
-    async def client(self, model_id: str | None = None) -> Any:
+    async def client(self, model_id: str | None = None) -> ChainClient:
         """The chain client for ``model_id`` (created on first use, closed with the peer)."""
         model_id = model_id or self._default_model_id()
         nursery = self._running()
         async with self._client_lock:
             if model_id not in self._clients:
-                from .client.generate import ChainClient
-
                 base = self.config.client or ClientConfig(model_id=model_id)
                 config = base.replace(model_id=model_id)
                 own = [s for s in self.servers if s.config.model_id == model_id]
@@ -432,7 +317,8 @@ class Peer:
         return self._clients[model_id][0]
 
     @staticmethod
-    async def _run_client(client: Any, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_client(client: ChainClient,
+                          task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as scope:
             async with client:
                 task_status.started(scope)
@@ -461,7 +347,7 @@ class Peer:
         top_p: float = 1.0,
         seed: int = 0,
         stop_at_eos: bool = True,
-        on_tokens: Any = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
         """Generate through the swarm; greedy at ``temperature`` 0 gives the same tokens as ``generate --local``.
 
@@ -477,8 +363,8 @@ class Peer:
         text = self._tokenizer.decode(result.tokens) if self._tokenizer is not None else None
         return Generation(tuple(result.tokens), text, result)
 
-    async def serve_api(self, model: str | Path | None = None, config: Any = None, *,
-                        model_id: str | None = None, served: Any = None) -> str:
+    async def serve_api(self, model: str | Path | None = None, config: ApiConfig | None = None, *,
+                        model_id: str | None = None, served: ServedModel | None = None) -> str:
         """Serve the OpenAI-compatible HTTP API (:mod:`sangama_p2p.api`) for one model until the peer closes;
         returns its base URL (``http://127.0.0.1:8000``; the ``/v1`` routes are under it).
 
@@ -486,8 +372,6 @@ class Peer:
         (``served``: an :class:`~sangama_p2p.api.ServedModel` instead); ``config``: an
         :class:`~sangama_p2p.api.ApiConfig` (default: ``PeerConfig.api``, else port 8000 on 127.0.0.1).
         """
-        from .api.server import ApiConfig, ApiServer, served_model
-
         nursery = self._running()
         if served is None:
             if model is None:

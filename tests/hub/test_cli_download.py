@@ -79,9 +79,9 @@ def test_smollm2_stage_by_ranges_fetches_a_third_and_keeps_the_fingerprint(smoll
 
 
 def test_join_serves_a_stage_fetched_from_the_hub(hub_env, repos, capsys, tmp_path, monkeypatch):  # noqa: F811
-    from sangama_p2p.cli import net_cmds
+    from sangama_p2p.cli import swarm
 
-    monkeypatch.setattr(net_cmds, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
+    monkeypatch.setattr(swarm, "default_bootstrap_addrs", lambda: ())  # the swarm's first peer: dial nobody
     assert main(["join", "--model", "hf:org/gguf1:tiny-F32.gguf", "--layers", "2:4", "--listen", "/ip4/127.0.0.1/tcp/0",
                  "--key", str(tmp_path / "k"), "--run-for", "0.1"]) == 0
     out = capsys.readouterr().out
@@ -99,3 +99,44 @@ def test_hf_hub_offline_uses_the_cache_or_exits_2(hub_env, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == first and not hub_env.ranges
     assert main(["download", "hf:org/gguf1:tiny-F32.gguf", "--layers", "0:3", "--no-progress"]) == 2
     assert "offline" in capsys.readouterr().err
+
+
+def test_api_takes_its_tokenizer_from_the_hub_and_answers_as_generate_local(hub_env, repos, capsys,  # noqa: F811
+                                                                            tmp_path):
+    """``api --model hf:ORG/REPO:FILE.gguf`` fetches the tokenizer, template and config only (the weights stay with
+    the stages) and names the model as ``join`` does; its greedy tokens equal ``generate --local``'s."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    from sangama_p2p.cli.local_fleet import ThreadFleet
+
+    args = ["--prompt-ids", "5,17,42", "--max-new-tokens", "6", "--threads", "1", "--json"]
+    assert main(["generate", "--local", str(repos["one"]), *args]) == 0
+    want = json.loads(_out(capsys))["tokens"]
+    hub_env.reset_counts()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), OMP_NUM_THREADS="1")
+    with ThreadFleet(repos["one"], [(0, 3), (3, 6)], tmp_path) as fleet:
+        proc = subprocess.Popen([sys.executable, "-m", "sangama_p2p.cli.main", "api", "--model",
+                                 "hf:org/gguf1:tiny-F32.gguf", "--bootstrap", fleet.bootstrap_addr, "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("api listening "), proc.stderr.read() if proc.stderr else ""
+            url = line.split()[2]
+            assert line.split()[-1] == "tiny-F32)"
+            with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+                assert [m["id"] for m in json.load(r)["data"]] == ["tiny-F32"]
+            body = json.dumps({"model": "tiny-F32", "prompt": [5, 17, 42], "max_tokens": 6, "temperature": 0}).encode()
+            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got = json.load(r)["choices"][0]["token_ids"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert got == want
+    weights = hub_env.served.get("tiny-F32.gguf", 0)
+    assert weights < repos["one"].stat().st_size // 4  # the header's metadata, not the tensors

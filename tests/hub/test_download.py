@@ -211,11 +211,10 @@ def test_progress_bars_draw_on_stderr(hub, settings, capsys):
 
 @pytest.mark.parametrize("repo", ["hf:org/gguf1:tiny-F32.gguf", "hf:org/sharded"])
 def test_metadata_only_gives_the_tokenizer_and_template_without_weights(hub, settings, repos, repo):
-    from sangama_p2p.cli.chat_cmds import open_chat_model
+    from sangama_p2p.model.chat_model import open_chat_model
 
     path = resolve_model(repo, settings=settings, progress=False, metadata_only=True)
-    tokenizer, template, _context = open_chat_model(path)
-    assert tokenizer.encode("hello world")
+    assert open_chat_model(path).tokenizer.encode("hello world")
     weights = sum(n for k, n in hub.served.items() if k.endswith((".safetensors", ".gguf")))
     assert weights < 300_000  # a GGUF's header probe at most; no shard
 

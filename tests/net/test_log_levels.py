@@ -1,4 +1,4 @@
-"""-v shows Sangama's INFO lines and libp2p's warnings; no -v shows neither libp2p noise nor our INFO (cli/net_cmds)."""
+"""-v shows Sangama's INFO lines and libp2p's warnings; no -v shows neither libp2p noise nor our INFO (cli/process.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 CODE = ("import logging, sys; logging.basicConfig(level=int(sys.argv[1]))\n"
-        "from sangama_p2p.cli.net_cmds import _quiet_libp2p; _quiet_libp2p()\n"
+        "from sangama_p2p.cli.process import quiet_libp2p; quiet_libp2p()\n"
         "import libp2p.network.swarm as swarm\n"
         "swarm.logger.warning('LIBP2P-WARN'); swarm.logger.info('LIBP2P-INFO')\n"
         "logging.getLogger('sangama_p2p.net.dial').info('OUR-INFO')\n"

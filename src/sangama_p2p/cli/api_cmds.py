@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import guesses, positive_int
-from .peer_cmds import add_host_args
+from .hub_cmds import from_hub
+from .process import quiet_libp2p, until_signal
+from .swarm import add_host_args, client_peer_config, tokenizer_source
+
+# the API server, trio and the peer (3-4 s to import: torch and libp2p) are imported in the handler: cli/main.py
+# imports every command module to build its parser (`sangama-peer --help` takes 0.1 s).
 
 READY = "api listening "
 
@@ -21,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streamed with "
                        "server-sent events) for a model served by the swarm; prompts are tokenized and chats "
                        "formatted with the checkpoint's own tokenizer and chat template.")
-    p.add_argument("--model", required=True, metavar="ID|DIR|FILE.gguf",
-                   help="checkpoint directory or .gguf file (its name is the model id), or a model id with "
-                   "--tokenizer")
+    p.add_argument("--model", required=True, metavar="ID|DIR|FILE.gguf|hf:ORG/REPO",
+                   help="checkpoint directory or .gguf file (its name is the model id), hf:ORG/REPO[@REV][:FILE.gguf] "
+                   "(only its tokenizer, template and config are fetched), or a model id with --tokenizer")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR|FILE.gguf",
                    help="checkpoint directory or .gguf file with the tokenizer and chat template (for --model ID)")
     p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [client], [api])")
@@ -45,13 +50,18 @@ def _api(args: argparse.Namespace) -> int:
     import trio
 
     from ..api.server import ApiConfig, served_model
+    from ..config import PeerConfig
     from ..net.identity import generate_key_pair
-    from ..peer import Peer, PeerConfig
-    from .chat_cmds import tokenizer_source
-    from .peer_cmds import _quiet, _until_signal, client_peer_config
+    from ..peer import Peer
 
-    _quiet()
+    quiet_libp2p()
+    hub_path, hub_id = from_hub(args.model, metadata_only=True)  # hf:...: the tokenizer, template and config
+    if hub_id is not None:
+        args.model = str(hub_path)
     config, model_id = client_peer_config(args, args.model)
+    if hub_id is not None:
+        model_id = hub_id
+        config = config.replace(client=config.client.replace(model_id=hub_id))
     config, model_id, source = tokenizer_source(args, config, model_id, "api")
     file_config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     api = file_config.api or ApiConfig()
@@ -69,7 +79,7 @@ def _api(args: argparse.Namespace) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 url = await peer.serve_api(served=served, config=api)
                 print(f"{READY}{url} (model {model_id})", flush=True)
-                await _until_signal(signals, None)
+                await until_signal(signals, None)
                 print("stopping", flush=True)
 
     trio.run(main)

@@ -16,10 +16,24 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from ..errors import SangamaError
+from ..guesses import MAX_GUESSES
+from ..model.chat import ChatPrompt, ChatTemplate, trim_to_fit
+from ..model.chat_model import open_chat_model
+from ..model.tokenizer import IncrementalDecoder, Tokenizer
 from .argtypes import guesses, non_negative_int, positive_int
-from .peer_cmds import add_host_args
+from .hub_cmds import from_hub
+from .process import quiet_libp2p, sangama_errors
+from .swarm import add_host_args, client_peer_config, default_guesses, tokenizer_source
+from .tables import print_where_time_goes
+
+if TYPE_CHECKING:
+    from ..peer import Peer
+
+# trio (0.07-0.2 s to import) and the peer (3-4 s: torch and libp2p) are imported in the handler: cli/main.py imports
+# every command module to build its parser (`sangama-peer --help` takes 0.1 s).
 
 DEFAULT_CONTEXT = 8192  # a stage's default max_session_length (StageConfig), when the checkpoint does not say
 RESET = "/reset"
@@ -29,9 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a model served by the swarm",
                        description="Read user messages from stdin (one per line; /reset starts over) and stream "
                        "each answer as the swarm generates it, in the checkpoint's own chat template.")
-    p.add_argument("--model", required=True, metavar="ID|DIR|FILE.gguf",
-                   help="model id, or a checkpoint directory or .gguf file (its name is the id; its tokenizer and "
-                   "chat template format the conversation)")
+    p.add_argument("--model", required=True, metavar="ID|DIR|FILE.gguf|hf:ORG/REPO",
+                   help="model id, or a checkpoint directory, .gguf file or hf:ORG/REPO[@REV][:FILE.gguf] (its name is "
+                   "the id; its tokenizer and chat template format the conversation; from the Hub only those are "
+                   "fetched)")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR|FILE.gguf",
                    help="checkpoint directory or .gguf file with the tokenizer and chat template")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message that opens the conversation")
@@ -39,12 +54,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens a turn may use, prompt + answer (default: the model's context length, at most "
                    f"{DEFAULT_CONTEXT}); older turns are dropped to fit")
     add_host_args(p, listen=False)
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=128,
+                   help="new tokens per answer at most (default %(default)s)")
     p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
                    help="MTP guesses per trip (default: auto when the checkpoint has an MTP layer, else 0)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first answer (the next ones: +1 each)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed of the first answer, the next ones +1 each (default %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object per answer instead of streamed text")
     p.add_argument("--timings", action="store_true", help="print where the time goes after each answer (stderr)")
     p.set_defaults(handler=_chat)
@@ -54,8 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 class Conversation:
     """The messages so far, and the rendering of the next prompt within a token budget (no I/O)."""
 
-    template: Any  # model.chat.ChatTemplate
-    tokenizer: Any  # model.tokenizer.Tokenizer
+    template: ChatTemplate
+    tokenizer: Tokenizer
     system: str | None
     budget: int  # ids the prompt may have: the context minus the answer's reserve
     messages: list[dict[str, str]] = field(default_factory=list)
@@ -67,13 +85,11 @@ class Conversation:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
 
-    def ask(self, text: str) -> tuple[Any, int]:
+    def ask(self, text: str) -> tuple[ChatPrompt, int]:
         """The prompt for a new user message (added to the history); ``(ChatPrompt, messages dropped to fit)``.
 
         On an error (the template fails, or the message alone does not fit) the history is as before.
         """
-        from ..model.chat import trim_to_fit
-
         self.messages.append({"role": "user", "content": text})
         try:
             prompt, dropped = trim_to_fit(self.template, self.tokenizer, self.messages, self.budget)
@@ -95,26 +111,13 @@ class Conversation:
             self.messages.pop()
 
 
-def open_chat_model(path: Path) -> tuple[Any, Any, int | None]:
-    """(tokenizer, chat template, context length or None) of a checkpoint directory or ``.gguf`` file."""
-    from ..model.chat_model import open_chat_model as open_model
-
-    m = open_model(path)
-    return m.tokenizer, m.template, m.context
-
-
 def _chat(args: argparse.Namespace) -> int:
     import trio
 
-    from ..errors import SangamaError
-    from ..guesses import MAX_GUESSES
     from ..net.identity import generate_key_pair
     from ..peer import Peer
-    from .peer_cmds import _quiet, client_peer_config, default_guesses
 
-    _quiet()
-    from .hub_cmds import from_hub
-
+    quiet_libp2p()
     hub_path, hub_id = from_hub(args.model, metadata_only=True)  # hf:...: the tokenizer, template and config
     if hub_id is not None:
         args.model = str(hub_path)
@@ -124,8 +127,9 @@ def _chat(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, client=dataclasses.replace(config.client, model_id=hub_id))
     config, model_id, source = tokenizer_source(args, config, model_id, "chat")
     config = dataclasses.replace(config, tokenizer_path=None)  # the tokenizer is ours: read below, once
-    tokenizer, template, model_context = open_chat_model(source)
-    context = args.context or min(model_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+    model = open_chat_model(source)
+    tokenizer, template = model.tokenizer, model.template
+    context = args.context or min(model.context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     reserve = args.max_new_tokens + MAX_GUESSES + 1  # what the stages hold beyond the prompt (see ChainClient)
     if context <= reserve:
         raise SangamaError(f"--context {context} leaves no room for a prompt: the answer alone needs {reserve} "
@@ -156,7 +160,7 @@ def _chat(args: argparse.Namespace) -> int:
                 try:
                     await _turn(peer, model_id, talk, text, args, k, turn)
                 except BaseException as exc:
-                    errors = _sangama_errors(exc)
+                    errors = sangama_errors(exc)
                     if errors is None:
                         raise
                     talk.failed()
@@ -170,11 +174,9 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _turn(peer: Any, model_id: str, talk: Conversation, text: str, args: argparse.Namespace, k: int | str,
+async def _turn(peer: Peer, model_id: str, talk: Conversation, text: str, args: argparse.Namespace, k: int | str,
                 turn: int) -> None:
     """One question and its streamed answer."""
-    from ..model.tokenizer import IncrementalDecoder
-
     before = talk.trimmed
     prompt, dropped = talk.ask(text)
     if dropped and not before:
@@ -200,37 +202,4 @@ async def _turn(peer: Any, model_id: str, talk: Conversation, text: str, args: a
     else:
         print(decoder.flush(), flush=True)
     if args.timings:
-        from .tables import print_where_time_goes
-
         print_where_time_goes(result.trips)
-
-
-def _sangama_errors(exc: BaseException) -> list[BaseException] | None:
-    """The typed errors that ``exc`` is (trio may wrap them in groups), or None when it holds anything else."""
-    from ..errors import SangamaError, group_leaves
-
-    if isinstance(exc, SangamaError):
-        return [exc]
-    if isinstance(exc, BaseExceptionGroup):
-        errors, rest = exc.split(SangamaError)
-        if errors is not None and rest is None:
-            return group_leaves(errors)
-    return None
-
-
-def tokenizer_source(args: argparse.Namespace, config: Any, model_id: str, command: str) -> tuple[Any, str, Path]:
-    """(config, model id, where the tokenizer comes from) for a client command given ``--model ID|DIR|FILE.gguf``
-    and ``--tokenizer``: a GGUF file names the model as its stem; a bare id needs ``--tokenizer``."""
-    from ..client.config import ClientConfig
-    from ..errors import SangamaError
-    from ..peer import default_model_id
-
-    given = Path(args.model).expanduser()
-    if given.suffix == ".gguf" and given.is_file():
-        model_id = default_model_id(given)
-        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
-    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
-    if source is None:
-        raise SangamaError(f"{command} needs the model's tokenizer, and {args.model!r} is a model id, not a "
-                           "checkpoint: pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
-    return config, model_id, source

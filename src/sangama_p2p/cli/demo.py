@@ -14,10 +14,24 @@ import argparse
 import json
 import shutil
 import signal
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..errors import ModelError, SangamaError
+from ..guesses import MAX_GUESSES
+from ..model.spec import LayerRange
+from .generate_cmds import prompt_variants
+from .local_fleet import LocalFleet
+from .process import show_progress
+from .tables import guesses_table, print_tables, requests_table, where_time_goes_table
+from .threads import available_cores
+
+# torch (1.4-2.6 s to import), trio and libp2p (0.8-1.4 s) and the modules that import them (model, peer, client,
+# net) are imported in the functions: cli/main.py imports every command module to build its parser.
 
 __all__ = ["DEMO_SPLIT", "demo_split", "local_references", "measure_network", "run_demo"]
 
@@ -28,8 +42,6 @@ TINY_LABEL = "qwen3_5_moe/tiny"  # the made model's name in the results
 
 def _int_list(text: str, flag: str, low: int, high: int | None = None) -> list[int]:
     """``--guesses``/``--requests``: comma-separated integers in ``low..high``, checked before anything starts."""
-    from ..errors import SangamaError
-
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError as exc:
@@ -43,8 +55,6 @@ def _int_list(text: str, flag: str, low: int, high: int | None = None) -> list[i
 def demo_split(num_layers: int) -> tuple[str, ...]:
     """Three contiguous stages over ``num_layers`` layers, the earlier ones one layer longer where it does not divide
     (8 layers: 0:3, 3:6, 6:8, the tiny model's :data:`DEMO_SPLIT`)."""
-    from ..errors import ModelError
-
     if num_layers < 3:
         raise ModelError(f"the demo runs three stages and needs a model of at least 3 layers; this one has "
                          f"{num_layers}")
@@ -58,7 +68,6 @@ def demo_split(num_layers: int) -> tuple[str, ...]:
 def _own_model_split(path: Path, guesses: list[int]) -> tuple[str, ...]:
     """Check a ``--model`` checkpoint before any process starts (it opens, has 3+ layers, drafts if asked to) and
     split it into the demo's three stages."""
-    from ..errors import ModelError
     from ..model.checkpoint import open_checkpoint
 
     spec = open_checkpoint(path).spec
@@ -72,8 +81,6 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from ..guesses import MAX_GUESSES
-
     guesses = _int_list(args.guesses, "--guesses", 0, MAX_GUESSES)
     requests = _int_list(args.requests, "--requests", 1)
     if args.device:
@@ -84,9 +91,6 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from ..model.make import make_model
-    from .local_fleet import LocalFleet
-    from .threads import available_cores
-    from .tables import guesses_table, print_tables, requests_table, where_time_goes_table
 
     torch.set_grad_enabled(False)
     own_dir = args.workdir is None
@@ -108,7 +112,8 @@ def run_demo(args: argparse.Namespace) -> int:
         threads = getattr(args, "threads", None) or max(1, available_cores() // len(split))  # stages share the cores
         placement = (["--device", args.device] if args.device else []) + (["--dtype", args.dtype] if args.dtype else [])
         join_args = ["--threads", str(threads), *placement]
-        with LocalFleet(model_dir, split, workdir / "fleet", join_args=join_args) as fleet:
+        on_ready = _fleet_progress(len(split)) if show_progress(args.progress) else None
+        with LocalFleet(model_dir, split, workdir / "fleet", join_args=join_args, on_ready=on_ready) as fleet:
             print(f"fleet up in {time.monotonic() - t0:.1f} s: bootstrap + stages {', '.join(split)} "
                   f"(pids {', '.join(map(str, fleet.pids()))})", flush=True)
             results = measure_network(model_dir, fleet.bootstrap_addr, refs, guesses=guesses, requests=requests,
@@ -130,14 +135,20 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _fleet_progress(stages: int) -> Callable[[str, float], None]:
+    """The fleet coming up, on stderr: a line as the bootstrap node and then each stage is ready."""
+    print(f"starting a bootstrap node and {stages} stage processes ...", file=sys.stderr, flush=True)
+    seen = [0]
+
+    def on_ready(what: str, seconds: float) -> None:
+        seen[0] += 1
+        print(f"  [{seen[0]}/{stages + 1}] {what} ready after {seconds:.1f} s", file=sys.stderr, flush=True)
+
+    return on_ready
+
+
 def _progress(text: str) -> None:
     print(f"  {text}", flush=True)
-
-
-def _variants(base: list[int], n: int, vocab: int) -> list[list[int]]:
-    from .model_cmds import _variant
-
-    return [base] + [_variant(base, i, vocab) for i in range(1, n)]
 
 
 def local_references(model_dir: Path, *, guesses: list[int | str], requests: list[int], new_tokens: int) -> dict:
@@ -147,7 +158,6 @@ def local_references(model_dir: Path, *, guesses: list[int | str], requests: lis
     """
     from ..model.chain import LocalChain
     from ..model.checkpoint import open_checkpoint
-    from ..model.spec import LayerRange
 
     ckpt = open_checkpoint(model_dir)
     local = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])
@@ -157,7 +167,7 @@ def local_references(model_dir: Path, *, guesses: list[int | str], requests: lis
     for g in guesses:
         r = local.generate(prompt, new_tokens, guesses=g, stop_at_eos=False)
         by_guesses[g] = {"tokens": r.tokens, "tokens_per_s": r.decode_tokens_per_s}
-    prompts = _variants(prompt, max(requests, default=1), ckpt.spec.vocab_size)
+    prompts = prompt_variants(prompt, max(requests, default=1), ckpt.spec.vocab_size)
     solo = [local.generate(p, new_tokens, stop_at_eos=False).tokens for p in prompts]
     return {"prompt": prompt, "guesses": by_guesses, "prompts": prompts, "solo": solo}
 
@@ -180,7 +190,8 @@ def measure_network(
     from ..client.timing import summarize_trips
     from ..net.config import HostConfig
     from ..net.identity import generate_key_pair
-    from ..peer import Peer, PeerConfig, default_model_id
+    from ..config import PeerConfig, default_model_id
+    from ..peer import Peer
 
     prompt = refs["prompt"]
     config = PeerConfig(

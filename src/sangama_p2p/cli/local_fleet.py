@@ -25,7 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 from ..errors import NetworkError
 
@@ -95,7 +96,10 @@ class LocalFleet:
         bootstrap_args: Sequence[str] = (),
         start_timeout: float = 120.0,
         python: str = sys.executable,
+        on_ready: Callable[[str, float], None] | None = None,
     ) -> None:
+        """``on_ready(what, seconds)``: called as the bootstrap node and then each stage is up (the demo's progress),
+        ``what`` e.g. ``"stage 0:3 (peer …x2Ab9cQe)"``, ``seconds`` since the fleet started."""
         self.model_dir = Path(model_dir)
         self.layers = list(layers)
         self.workdir = Path(workdir)
@@ -103,6 +107,7 @@ class LocalFleet:
         self.bootstrap_args = list(bootstrap_args)
         self.start_timeout = start_timeout
         self.python = python
+        self.on_ready = on_ready
         self.children: list[Child] = []
         self.bootstrap_addr = ""
         self.stage_ids: list[str] = []
@@ -140,11 +145,14 @@ class LocalFleet:
         return child
 
     def start(self) -> None:
+        t0 = time.monotonic()
         boot = self._spawn("bootstrap", [
             "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(self.workdir / "bootstrap.key"),
             *self.bootstrap_args,
         ])
         self.bootstrap_addr = boot.wait_for("--bootstrap", self.start_timeout).split()[-1]
+        if self.on_ready is not None:
+            self.on_ready("bootstrap node", time.monotonic() - t0)
         joins = []
         for i, layers in enumerate(self.layers):
             joins.append(self._spawn(f"stage{i}", [
@@ -152,7 +160,11 @@ class LocalFleet:
                 "--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
                 "--key", str(self.workdir / f"stage{i}.key"), *self.join_args,
             ]))
-        self.stage_ids = [c.wait_for(READY_PREFIX, self.start_timeout).split()[1] for c in joins]
+        for layers, child in zip(self.layers, joins):  # they load at once; we see each as it is ready
+            peer_id = child.wait_for(READY_PREFIX, self.start_timeout).split()[1]
+            self.stage_ids.append(peer_id)
+            if self.on_ready is not None:
+                self.on_ready(f"stage {layers} (peer …{peer_id[-8:]})", time.monotonic() - t0)
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGINT each child, then SIGTERM, then SIGKILL its process group; reap them all."""

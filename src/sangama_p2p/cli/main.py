@@ -1,8 +1,11 @@
 """``sangama-peer``: one command with subcommands.
 
-Each ``cli/*_cmds.py`` module adds its subcommands with ``register(subparsers)``. Registration imports nothing
-heavy: torch, trio and libp2p are imported inside the handlers, so that e.g. ``sangama-peer bootstrap`` never
-imports torch.
+Each ``cli/*_cmds.py`` module adds its subcommands with ``register(subparsers)``; the parser imports them all.
+Registration imports nothing heavy: torch (1.4-2.6 s to import on the 2-core CI machine), libp2p (0.8-1.4 s), trio
+(0.07-0.2 s) and the project modules that pull them in (``sangama_p2p.peer``: 3-4 s) are imported inside the
+handlers, measured with ``python -X importtime``: ``sangama-peer --help`` takes 0.1 s, and ``sangama-peer
+bootstrap`` never imports torch. Everything else is imported at the top of each module (tests/test_cli_main.py
+pins both).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import signal
 import sys
 import threading
 
+from .. import __version__
 from ..errors import SangamaError, group_leaves
 
-_COMMAND_MODULES = ("model_cmds", "net_cmds", "make_cmds", "peer_cmds", "chat_cmds", "hub_cmds", "api_cmds")
+_COMMAND_MODULES = ("generate_cmds", "net_cmds", "make_cmds", "peer_cmds", "chat_cmds", "hub_cmds", "api_cmds")
+_VERBOSE_HELP = "more logging (-v info, -vv debug)"
 _WITHOUT_TORCH = frozenset({"id", "bootstrap", "status"})  # these run on machines without torch (net_cmds)
 _TORCH = "torch"  # a name, so that tests can stand in a module of their own
 
@@ -27,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sangama-peer",
         description="Sangama: run language models too large for one machine across a peer-to-peer pipeline.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"sangama-peer {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _COMMAND_MODULES:
@@ -38,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # a command group that this build does not ship
             raise
         module.register(sub)
+    for command in sub.choices.values():  # -v after the subcommand too; both places add up
+        command.add_argument("-v", "--verbose", dest="sub_verbose", action="count", default=0, help=_VERBOSE_HELP)
     return parser
 
 
@@ -70,7 +78,8 @@ def import_keeping_interrupts(name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+        verbose = args.verbose + getattr(args, "sub_verbose", 0)
+        level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if getattr(args, "command", None) not in _WITHOUT_TORCH:
             import_keeping_interrupts(_TORCH)
@@ -87,17 +96,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed by its reader (`generate ... | head -1`): nothing more to say
+        return _stdout_closed()
     except BaseExceptionGroup as group:
         # trio raises Ctrl-C in whichever task runs when it lands: from a background task it crosses nurseries
         # wrapped in a group (alone, or beside the errors it caused), and it is still an interrupt
         if group.subgroup(KeyboardInterrupt) is not None:
             return 130
+        if group.subgroup(BrokenPipeError) is not None:
+            return _stdout_closed()
         errors, rest = group.split(SangamaError)
         if errors is not None and rest is None:  # only typed errors: report them like a single one
             for exc in group_leaves(errors):
                 print(f"sangama-peer: error: {exc}", file=sys.stderr)
             return 2
         raise
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout has gone: point stdout at /dev/null (the interpreter's last flush would fail again) and
+    exit as a process killed by SIGPIPE does, 128 + 13."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def entry() -> None:

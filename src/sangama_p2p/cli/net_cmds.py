@@ -10,9 +10,14 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import NetworkError
 from .argtypes import positive_float
+from .process import quiet_libp2p
+from .swarm import BOOTSTRAP_DIR, default_bootstrap_addrs
+from .tables import peer_label
 
-_BOOTSTRAP_DIR = Path(__file__).resolve().parents[3] / "bootstrap"
+# trio and libp2p (0.8-1.4 s to import) and the net modules that import them are imported in the handlers: cli/main.py
+# imports every command module to build its parser (`sangama-peer --help` takes 0.1 s).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "With --fleet-secret-file only peers holding the same secret can connect.",
     )
     p.add_argument("--config", type=Path, default=None,
-                   help=f"host config TOML with a [host] table (see {_BOOTSTRAP_DIR / 'bootstrap.toml'})")
+                   help=f"host config TOML with a [host] table (see {BOOTSTRAP_DIR / 'bootstrap.toml'})")
     p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
                    help="listen address (repeatable; default /ip4/0.0.0.0/tcp/4001)")
     p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
@@ -47,37 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_status)
 
 
-def default_bootstrap_addrs() -> tuple[str, ...]:
-    """The public bootstrap list shipped in ``bootstrap/public.txt`` (one multiaddr a line, ``#`` comments)."""
-    path = _BOOTSTRAP_DIR / "public.txt"
-    if not path.exists():
-        return ()
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return tuple(line for line in lines if line)
-
-
 def _id(args: argparse.Namespace) -> int:
     from ..net.identity import load_or_create_key_pair, peer_id_of
 
     print(peer_id_of(load_or_create_key_pair(args.key)).to_base58())
     return 0
-
-
-def _quiet_libp2p() -> None:
-    import logging
-
-    import libp2p  # noqa: F401  its import resets the "libp2p" logger to WARNING: let that happen before, not after
-
-    level = logging.getLogger().level
-    if level > logging.INFO:  # no -v: py-libp2p logs routine stream resets as warnings, some on the root logger
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-        logging.getLogger().setLevel(logging.CRITICAL)
-        logging.getLogger("sangama_p2p").setLevel(level)  # our own warnings still show
-        return
-    # libp2p's import gave its logger no handler and propagate=False: its lines reached only logging's last resort
-    libp2p_log = logging.getLogger("libp2p")
-    libp2p_log.propagate = True
-    libp2p_log.setLevel(logging.WARNING if level > logging.DEBUG else level)  # -v: its warnings; -vv: everything
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
@@ -88,7 +67,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from ..net.host import open_host
     from ..net.traversal import Traversal, TraversalConfig
 
-    _quiet_libp2p()
+    quiet_libp2p()
     overrides = {
         "listen_addrs": tuple(args.listen) if args.listen else None,
         "announce_addrs": tuple(args.announce) if args.announce else None,
@@ -121,14 +100,13 @@ def _bootstrap(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import trio
 
-    from ..errors import NetworkError
     from ..net.config import HostConfig
     from ..net.fleet import read_fleet_secret
     from ..net.host import open_host
     from ..net.identity import generate_key_pair
     from ..net.status import survey
 
-    _quiet_libp2p()
+    quiet_libp2p()
     bootstrap = tuple(args.bootstrap or default_bootstrap_addrs())
     if not bootstrap:
         raise NetworkError("no bootstrap address: pass --bootstrap MULTIADDR (bootstrap/public.txt is empty)")
@@ -149,34 +127,70 @@ def _status(args: argparse.Namespace) -> int:
         json.dump(status.to_json(), sys.stdout, indent=2)
         print()
     else:
-        _print_table(status)
+        _print_table(status, bootstrap_peer_ids(bootstrap))
     return 0
 
 
-def _print_table(status) -> None:
+def _print_table(status, bootstrap_ids: frozenset[str] = frozenset(), console=None) -> None:
+    """The swarm within 80 columns: per model, what a client would chain and a row per peer serving it; then the
+    peers serving nothing (``bootstrap`` for the nodes we bootstrapped from); then every peer's full id and
+    addresses. Peers are named by a unique id suffix in the tables."""
+    from rich import box  # rich: 0.02-0.05 s to import, only when a table is printed
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Sangama swarm: {len(status.peers)} peers")
-    for column in ("peer", "model", "layers", "fingerprint", "tok/s", "free", "link", "rtt ms", "reach", "addresses"):
-        table.add_column(column, overflow="fold")
-    for peer in status.peers:
-        short = peer.peer_id[:8] + "…" + peer.peer_id[-6:]
-        rtt = f"{peer.rtt_ms:.1f}" if peer.rtt_ms is not None else "-"
-        if not peer.records:
-            table.add_row(short, "-", "-", "-", "-", "-", peer.link, rtt, "-", peer.error or "")
-        for rec in peer.records:
-            table.add_row(short, rec.model_id, f"{rec.start}:{rec.end}", f"{rec.fingerprint[:12]} ({rec.num_layers})",
-                          f"{rec.throughput:.1f}",
-                          str(rec.free_cache), peer.link, rtt, rec.reachability[:14], "\n".join(rec.addrs[:3]))
-    console = Console()
-    console.print(table)
+    console = console or Console()
+    console.print(f"[bold]Sangama swarm: {len(status.peers)} peers[/bold]")
     lineups = status.lineups()
+    by_model: dict[str, list[tuple[object, object]]] = {}
+    for peer in status.peers:
+        for rec in peer.records:
+            by_model.setdefault(rec.model_id, []).append((peer, rec))
     for model, spans in status.models().items():
-        covered = _coverage(spans)
-        console.print(f"[bold]{model}[/bold]: layers covered {covered}")
+        table = Table(title=f"{model}: layers covered {_coverage(spans)}", title_justify="left",
+                      box=box.SIMPLE_HEAD)
+        for column in ("peer", "layers", "tok/s", "free", "link", "rtt ms", "reach"):
+            table.add_column(column, no_wrap=column != "link")
+        for peer, rec in sorted(by_model[model], key=lambda pr: (pr[1].start, pr[1].end)):
+            table.add_row(peer_label(peer.peer_id), f"{rec.start}:{rec.end}", f"{rec.throughput:.1f}",
+                          str(rec.free_cache), _short_link(peer.link), _rtt(peer), _short_link(rec.reachability))
+        console.print(table)
         for line in lineup_lines(lineups[model]):
             console.print(line, markup=False, soft_wrap=True)
+    others = [p for p in status.peers if not p.records]
+    if others:
+        table = Table(title="Peers serving no model", title_justify="left", box=box.SIMPLE_HEAD)
+        for column in ("peer", "role", "link", "rtt ms"):
+            table.add_column(column)
+        for peer in others:
+            role = "bootstrap" if peer.peer_id in bootstrap_ids else (peer.error or "-")
+            table.add_row(peer_label(peer.peer_id), role, _short_link(peer.link), _rtt(peer))
+        console.print(table)
+    console.print("tok/s: measured throughput; free: sessions it can still open; link: how this peer reached it; "
+                  "reach: what it announces (direct, or the relay it is reached through)", soft_wrap=False)
+    console.print("peers (full ids, announced addresses without their /p2p/<id>):")
+    for peer in status.peers:
+        addrs = sorted({a.removesuffix(f"/p2p/{peer.peer_id}") for rec in peer.records for a in rec.addrs})
+        role = " (bootstrap)" if peer.peer_id in bootstrap_ids else ""
+        console.print(f"  {peer.peer_id}{role}", markup=False, soft_wrap=True)
+        for addr in addrs[:3]:
+            console.print(f"    {addr}", markup=False, soft_wrap=True)
+
+
+def _rtt(peer) -> str:
+    return f"{peer.rtt_ms:.1f}" if peer.rtt_ms is not None else "-"
+
+
+def _short_link(link: str) -> str:
+    """``relayed via <id>`` / a relay's id, by its unique suffix."""
+    if link.startswith("relayed via "):
+        return "relay " + peer_label(link.removeprefix("relayed via "))
+    return link if len(link) <= 14 else peer_label(link)
+
+
+def bootstrap_peer_ids(addrs: tuple[str, ...]) -> frozenset[str]:
+    """The peer ids that bootstrap multiaddrs end in (``.../p2p/<id>``)."""
+    return frozenset(a.rsplit("/p2p/", 1)[1].split("/", 1)[0] for a in addrs if "/p2p/" in a)
 
 
 def lineup_lines(lineup) -> list[str]:
@@ -188,9 +202,9 @@ def lineup_lines(lineup) -> list[str]:
         lines = [f"  chained: fingerprint {lineup.fingerprint[:12]}, {lineup.num_layers} layers, "
                  f"{len(lineup.members)} peers, layers covered {_coverage(spans)}"]
     for out in lineup.left_out:
-        lines.append(f"  left out {out.peer_id[:8]}…{out.peer_id[-6:]} {out.start}:{out.end}: {out.reason}")
+        lines.append(f"  left out {peer_label(out.peer_id)} {out.start}:{out.end}: {out.reason}")
     for c in lineup.conflicts:
-        held = "; ".join(f"{h[:12]} by {', '.join(p[:8] + '…' for p in peers)}" for h, peers in c.hashes)
+        held = "; ".join(f"{h[:12]} by {', '.join(peer_label(p) for p in peers)}" for h, peers in c.hashes)
         lines.append(f"  part {c.part} differs between peers of one fingerprint: {held}")
     return lines
 

@@ -1,33 +1,29 @@
-"""``sangama-peer join | demo`` and the network mode of ``generate`` (``chat`` is in :mod:`.chat_cmds`).
+"""``sangama-peer join | demo``.
 
-``join`` serves a layer range until interrupted (a live panel on a terminal; a ``ready ...`` line for scripts).
-``generate`` without ``--local`` drives generations through the swarm from a throwaway identity.
-``demo`` starts a whole fleet on loopback (see :mod:`.demo`). Heavy modules load inside the handlers only.
+``join`` serves a layer range until interrupted (a live panel on a terminal; a ``ready ...`` line for scripts; a
+closed output pipe, as ``join ... | head -1`` leaves, ends its output, not the stage). ``demo`` starts a whole
+fleet on loopback (see :mod:`.demo`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..errors import SangamaError
 from .argtypes import positive_int
-from .threads import set_threads
+from .demo import run_demo
 from .local_fleet import READY_PREFIX
+from .process import add_progress_arg, progress, quiet_libp2p, show_progress, until_signal
+from .swarm import add_host_args, host_config
+from .threads import set_threads
 
-
-def add_host_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
-    """The flags every networked command shares."""
-    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
-                   help="bootstrap node address ending in /p2p/<id> (repeatable; default: bootstrap/public.txt)")
-    if listen:
-        p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
-                       help="listen address (repeatable; default /ip4/0.0.0.0/tcp/0)")
-        p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
-                       help="public address to advertise instead of the listen addresses (repeatable)")
-    p.add_argument("--fleet-secret-file", type=Path, default=None, help="file holding the private fleet's secret")
+# torch (1.4-2.6 s to import), trio with libp2p (0.8-1.4 s) and the modules that import them (peer, model, hub) are
+# imported in the handlers: cli/main.py imports every command module to build its parser (`--help` takes 0.1 s).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default=None, metavar="A:B|auto[:N]",
                    help="layer range to serve; auto = the third of the model the swarm covers worst")
     p.add_argument("--model-id", default=None, help="swarm-wide model name (default: the checkpoint's name)")
-    p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [stage], [client])")
+    p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [stage], [client], [api])")
     add_host_args(p)
     p.add_argument("--key", type=Path, default=None, help="key file (default ~/.sangama/peer.key)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -59,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="TCP port for direct lanes (stage traffic off libp2p; default: any free port)")
     p.add_argument("--no-lanes", action="store_true",
                    help="carry all stage traffic over libp2p streams (no direct lanes)")
+    add_progress_arg(p, "loading the stage")
     p.add_argument("--run-for", type=float, default=None, help=argparse.SUPPRESS)  # tests: stop after N seconds
     p.set_defaults(handler=_join)
 
@@ -79,61 +76,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="each stage's device: cpu (default), cuda or cuda:N (passed to join)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="each stage's compute dtype (default: float32 on the CPU, bfloat16 on CUDA)")
+    add_progress_arg(p, "the fleet coming up, stage by stage")
     p.set_defaults(handler=_demo)
 
 
-def host_config(args: argparse.Namespace, *, serving: bool) -> Any:
-    """A HostConfig from ``--config``/flags (flags win); clients get a DHT-client host."""
-    from ..net.config import HostConfig
-    from ..net.fleet import read_fleet_secret
-    from .net_cmds import default_bootstrap_addrs
-
-    overrides = {
-        "listen_addrs": tuple(args.listen) if getattr(args, "listen", None) else None,
-        "announce_addrs": tuple(args.announce) if getattr(args, "announce", None) else None,
-        "bootstrap_addrs": tuple(args.bootstrap) if args.bootstrap else None,
-        "key_path": getattr(args, "key", None),
-        "fleet_secret": read_fleet_secret(args.fleet_secret_file) if args.fleet_secret_file else None,
-    }
-    if getattr(args, "config", None) is not None:
-        config = HostConfig.from_toml(args.config, **overrides)
-    else:
-        config = HostConfig().replace(**{k: v for k, v in overrides.items() if v is not None})
-    if not config.bootstrap_addrs:
-        config = config.replace(bootstrap_addrs=default_bootstrap_addrs())
-    if not serving and not config.bootstrap_addrs:  # a serving peer may be a swarm's first; a client needs one
-        from ..errors import NetworkError
-
-        raise NetworkError("no bootstrap address: pass --bootstrap MULTIADDR (bootstrap/public.txt is empty), "
-                           "or run in this process with --local")
-    return config if serving else config.replace(dht_server=False)
-
-
-def _quiet() -> None:
-    from .net_cmds import _quiet_libp2p
-
-    _quiet_libp2p()
-
-
-async def _until_signal(signals: Any, seconds: float | None) -> None:
-    """Return on SIGINT/SIGTERM (or after ``seconds``), so that every ``async with`` unwinds cleanly."""
-    import trio
-
-    with trio.move_on_after(seconds if seconds is not None else float("inf")):
-        async for _ in signals:
-            return
-
-
 def _join(args: argparse.Namespace) -> int:
-    import signal
-
     import torch
     import trio
 
-    from ..errors import SangamaError
-    from ..peer import Peer, PeerConfig, default_model_id
+    from ..config import PeerConfig, default_model_id
+    from ..peer import Peer
+    from .hub_cmds import from_hub
 
-    _quiet()
+    quiet_libp2p()
     torch.set_grad_enabled(False)
     set_threads(args.threads)
     config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
@@ -146,8 +101,6 @@ def _join(args: argparse.Namespace) -> int:
     if (model_id is None and args.model is not None and config.stage is not None and config.model_path is not None
             and config.stage.model_id == default_model_id(config.model_path)):
         model_id = default_model_id(args.model)  # the id the file took from its own model follows --model
-    from .hub_cmds import from_hub
-
     model, hub_id = from_hub(model, layers)  # hf:...: only the files (or byte ranges) of the layers served
     model_id = model_id or hub_id
     options: dict[str, Any] = {}
@@ -168,26 +121,31 @@ def _join(args: argparse.Namespace) -> int:
     if args.no_lanes:
         options["lanes"] = False
 
+    show = show_progress(args.progress)
+    what = f"layers {layers}" if not str(layers).startswith("auto") else "the layers the swarm lacks"
+
     async def main() -> None:
         async with Peer(config.replace(model_path=None)) as peer:
-            start, end = await peer.serve(model, layers, model_id=model_id, **options)
+            with progress(f"loading {what} of {Path(model).name}", show=show):
+                start, end = await peer.serve(model, layers, model_id=model_id, **options)
             server = peer.servers[-1]
             # `ready` means reachable: public, or with a relay circuit address in the published record
-            reach = await peer.wait_reachable()
+            with progress("waiting until other peers can reach this one", show=show):
+                reach = await peer.wait_reachable()
             # from here on a signal stops us through the normal exit path: install the handler before saying ready
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                print(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}", flush=True)
+                _say(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}")
                 for addr in peer.addrs:
-                    print(f"  listening {addr}", flush=True)
-                print(f"  reachable {reach}", flush=True)
+                    _say(f"  listening {addr}")
+                _say(f"  reachable {reach}")
                 if sys.stdout.isatty():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_live_panel, peer)
-                        await _until_signal(signals, args.run_for)
+                        await until_signal(signals, args.run_for)
                         nursery.cancel_scope.cancel()
                 else:
-                    await _until_signal(signals, args.run_for)
-                print("stopping", flush=True)
+                    await until_signal(signals, args.run_for)
+                _say("stopping")
 
     trio.run(main)
     return 0
@@ -196,7 +154,7 @@ def _join(args: argparse.Namespace) -> int:
 def _panel(peer: Any) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"sangama peer {peer.peer_id[:12]}…", title_justify="left")
+    table = Table(title=f"sangama peer {peer.peer_id}", title_justify="left")
     for col in ("model", "layers", "fingerprint", "sessions", "free", "queue", "steps/s (measured)", "links"):
         table.add_column(col)
     for server in peer.servers:
@@ -224,174 +182,17 @@ async def _live_panel(peer: Any) -> None:
             live.update(_panel(peer))
 
 
-def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
-    """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory (name + tokenizer)."""
-    from ..client.config import ClientConfig
-    from ..peer import PeerConfig, default_model_id
-
-    tokenizer = getattr(args, "tokenizer", None)
-    model_id = model
-    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
-        from ..errors import CheckpointError  # a path that is not there, not a model id (those have no such start)
-
-        raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
-                              "id such as the directory's name)")
-    model = str(Path(model).expanduser())
-    fingerprint = None
-    if Path(model).is_dir():
-        model_id = default_model_id(model)
-        tokenizer = tokenizer or Path(model)
-        weights = ("model.safetensors", "model.safetensors.index.json")
-        if (Path(model) / "config.json").is_file() and any((Path(model) / w).is_file() for w in weights):
-            # a checkpoint, not just its tokenizer: chain only peers serving this very checkpoint
-            from ..model.fingerprint import checkpoint_identity
-
-            fingerprint = checkpoint_identity(model).fingerprint
-    config = PeerConfig(host=host_config(args, serving=False),
-                        client=ClientConfig(model_id=model_id, fingerprint=fingerprint), tokenizer_path=tokenizer)
-    return config, model_id
-
-
-def _need_tokenizer(config: Any, model: str, what: str) -> None:
-    """Text needs the model's tokenizer: say so before joining the swarm, in flags the user can pass."""
-    from ..errors import SangamaError
-
-    if config.tokenizer_path is None:
-        raise SangamaError(f"{what} needs the model's tokenizer, and {model!r} is a model id, not a checkpoint "
-                           "directory: pass --model DIR (the checkpoint) or --tokenizer DIR"
-                           + (", or give token ids with --prompt-ids" if what == "a text prompt" else ""))
-
-
-def generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:
-    """``generate`` over the swarm: ``prompts`` as ids, or None to take the text prompt through the tokenizer."""
-    import trio
-
-    from ..errors import SangamaError
-    from ..net.identity import generate_key_pair
-    from ..peer import Peer
-
-    _quiet()
-    if not args.model:
-        raise SangamaError("give the model: --model ID (or a checkpoint directory), or run in-process with --local")
-    config, model_id = client_peer_config(args, args.model)
-    text = args.prompt if args.prompt is not None else args.text
-    if prompts is None:
-        if text is None:
-            raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
-        _need_tokenizer(config, args.model, "a text prompt")
-
-    if args.batch == 1:
-        return _generate_streamed(args, config, prompts[0] if prompts is not None else None, text)
-
-    async def main() -> list[Any]:
-        async with Peer(config, key_pair=generate_key_pair()) as peer:
-            todo = prompts if prompts is not None else [peer.encode(text)]
-            from .model_cmds import _variant
-
-            if args.batch > 1:  # the same prompt set as `generate --local --batch N`, so the two compare
-                base = todo[0]
-                todo = [base] + [_variant(base, i, _vocab_size(args.model, peer)) for i in range(1, args.batch)]
-            results: list[Any] = [None] * len(todo)
-
-            async def one(i: int, ids: list[int]) -> None:
-                results[i] = await peer.generate(ids, args.max_new_tokens, guesses=args.guesses,
-                                                 temperature=args.temperature, top_p=args.top_p,
-                                                 seed=args.seed + i, stop_at_eos=not args.ignore_eos)
-
-            async with trio.open_nursery() as nursery:
-                for i, ids in enumerate(todo):
-                    nursery.start_soon(one, i, ids)
-            return results
-
-    results = trio.run(main)
-    if args.timings:  # on stderr: stdout stays the text (or the JSON)
-        from .tables import print_where_time_goes
-
-        print_where_time_goes(results[0].result.trips)
-    if args.json or args.jsonl:
-        dicts = [dict(g.result.as_dict(), text=g.text) for g in results]
-        print(json.dumps(dicts[0] if len(dicts) == 1 else {"requests": dicts}))
-        return 0
-    for g in results:
-        print(g.text if g.text is not None else " ".join(map(str, g.tokens)))
-        _network_stats(g.result)
-    return 0
-
-
-def _network_stats(r: Any) -> None:
-    print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
-          f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
-          f"route {' -> '.join(p[:8] for p in r.route)}]", file=sys.stderr)
-
-
-def _generate_streamed(args: argparse.Namespace, config: Any, ids: list[int] | None, text: str | None) -> int:
-    """One request over the swarm, printed token by token (``--json``: one document at the end); on a failure
-    the tokens produced so far stay printed, then the error (exit code 2, from ``main``)."""
-    import trio
-
-    from ..errors import SangamaError
-    from ..model.emit import TokenPrinter
-    from ..net.identity import generate_key_pair
-    from ..peer import Peer
-    from .model_cmds import output_mode
-
-    printer: Any = None
-
-    async def main() -> Any:
-        nonlocal printer
-        async with Peer(config, key_pair=generate_key_pair()) as peer:
-            printer = TokenPrinter(peer.tokenizer, output_mode(args))
-            prompt = ids if ids is not None else peer.encode(text or "")
-            return await peer.generate(prompt, args.max_new_tokens, guesses=args.guesses,
-                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                       stop_at_eos=not args.ignore_eos, on_tokens=printer.push)
-
+def _say(line: str) -> None:
+    """A line on stdout; once nobody reads it (``join ... | head -1``) the stage serves on without output."""
     try:
-        g = trio.run(main)
-    except BaseException as exc:
-        from .chat_cmds import _sangama_errors
-
-        errors = _sangama_errors(exc)
-        if errors is None or printer is None:
-            raise
-        printer.fail(errors[0])
-        raise errors[0] from exc
-    printer.done(dict(g.result.as_dict(), text=g.text))
-    if args.timings:
-        from .tables import print_where_time_goes
-
-        print_where_time_goes(g.result.trips)
-    if printer.mode == "text":
-        _network_stats(g.result)
-    return 0
-
-
-def _vocab_size(model: str, peer: Any) -> int:
-    from ..errors import SangamaError
-
-    if Path(model).is_dir():
-        from ..model.spec import ModelSpec
-
-        return ModelSpec.from_dir(model).vocab_size
-    if peer.tokenizer is not None:
-        return int(peer.tokenizer.vocab_size)
-    raise SangamaError("--batch over the network needs the model's vocabulary: pass --model as a checkpoint dir")
-
-
-def default_guesses(checkpoint: Path) -> int | str:
-    """``auto`` for a model that drafts with an MTP layer, 0 for one without (a dense Llama refuses any guess)."""
-    from ..errors import SangamaError
-    from ..model.spec import ModelSpec
-
-    try:
-        spec = ModelSpec.from_dir(checkpoint)
-    except SangamaError:  # a directory with only the tokenizer: ask for guesses and let the swarm say
-        return "auto"
-    return "auto" if spec.mtp_num_layers else 0
+        print(line, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the rest of our output, and the interpreter's last flush
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        print("sangama-peer: stdout closed; serving on without output", file=sys.stderr, flush=True)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    _quiet()  # the demo's client sees routine churn too (dials to departed peers) that py-libp2p logs as errors
+    quiet_libp2p()  # the demo's client sees routine churn too (dials to departed peers) that py-libp2p logs as errors
     return run_demo(args)

@@ -9,20 +9,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["guesses_table", "print_tables", "requests_table", "where_time_goes_table", "print_where_time_goes"]
+__all__ = ["guesses_table", "peer_label", "print_tables", "requests_table", "where_time_goes_table",
+           "print_where_time_goes"]
+
+# rich (0.02-0.05 s to import) is imported where a table is drawn: every command module imports this one.
+
+
+def peer_label(peer_id: str) -> str:
+    """A peer id cut to its last 8 characters, ``…x2Ab9cQe``: unique in any swarm (58^8 values), where every id's
+    first characters are the same multihash prefix (``12D3KooW``)."""
+    return "…" + peer_id[-8:] if len(peer_id) > 8 else peer_id
 
 
 def where_time_goes_table(summary: dict[str, Any], title: str = "Where the time goes (mean per trip)") -> Any:
     """``summary``: :func:`sangama_p2p.client.timing.summarize_trips` output."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", caption_justify="left",
+                  caption="queue: received until its step starts; compute: the stage's layers; send: encoding the "
+                  "output and waiting for the link; batch: requests in the step; share: of the trip; network: "
+                  "the trip minus the stages' time")
     for col in ("part", "queue ms", "compute ms", "send ms", "batch", "share"):
         table.add_column(col, justify="right" if col != "part" else "left")
     trip = summary.get("trip_ms") or 0.0
     for i, st in enumerate(summary.get("stages", [])):
         total = st["queue_ms"] + st["compute_ms"] + st["send_ms"]
-        table.add_row(f"stage {i + 1} ({st['peer'][:8]}…)", f"{st['queue_ms']:.2f}", f"{st['compute_ms']:.2f}",
+        table.add_row(f"stage {i + 1} ({peer_label(st['peer'])})", f"{st['queue_ms']:.2f}", f"{st['compute_ms']:.2f}",
                       f"{st['send_ms']:.2f}", f"{st['mean_batch']:.1f}", _share(total, trip))
     net = summary.get("network_ms", 0.0)
     hops = len(summary.get("stages", [])) + 1
@@ -48,7 +60,11 @@ def guesses_table(rows: Sequence[dict[str, Any]], title: str = "One request: tok
     "same_tokens"?}``."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", caption_justify="left",
+                  caption="guesses: MTP guesses checked per trip; tokens/s: decode over the network; tokens/trip: "
+                  "new tokens per trip through the chain; accepted/trip: guesses kept per trip; one process "
+                  "tokens/s: the same model in one process; ratio: network / one process; tokens: the network's "
+                  "greedy tokens against the one-process run's")
     for col in ("guesses", "tokens/s", "tokens/trip", "accepted/trip", "one process tokens/s", "ratio", "tokens"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -66,7 +82,10 @@ def requests_table(rows: Sequence[dict[str, Any]], title: str = "Many requests a
     "same_tokens"?}``."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", caption_justify="left",
+                  caption="requests: sent at once; aggregate tokens/s: all their tokens over the wall time; per "
+                  "request tokens/s: each one's decode rate, averaged; mean batch: requests per stage step; "
+                  "tokens = solo: each request's tokens equal its run alone")
     for col in ("requests", "aggregate tokens/s", "per request tokens/s", "mean batch", "tokens = solo"):
         table.add_column(col, justify="right")
     for r in rows:

@@ -1,15 +1,35 @@
-"""``sangama-peer generate``: through the swarm, or with ``--local`` through a chain of stages in this process."""
+"""``sangama-peer generate``: through the swarm (``--model ID|DIR``), or with ``--local MODEL`` through a chain of
+stages in this process, chained through the same per-stage API that peers use over the network.
+
+One request streams its tokens as they come (text, or ``--jsonl`` lines; ``--json`` prints one document at the end);
+on a failure the tokens produced so far stay printed, then the error (exit code 2, from ``main``). ``--batch N`` runs
+N requests at once and prints them at the end.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelError, SangamaError
+from ..model.chat import load_chat_template, render_chat
+from ..model.emit import TokenPrinter
+from ..model.spec import LayerRange, ModelSpec, parse_stages
 from .argtypes import guesses, non_negative_int, positive_int
+from .process import add_progress_arg, progress, quiet_libp2p, sangama_errors, show_progress
+from .swarm import client_peer_config, need_tokenizer
+from .tables import peer_label, print_where_time_goes
 from .threads import set_threads
+
+# torch (1.4-2.6 s to import), libp2p (0.8-1.4 s) and the modules that import them (model.chain, model.checkpoint,
+# peer, hub, net) are imported in the handlers: cli/main.py imports every command module to build its parser, and
+# `sangama-peer --help` takes 0.1 s (3-4 s with them here).
+
+LONG_PREFILL = 256  # prompt tokens from which --local reports its prefill (with --progress, or on a terminal)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,10 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--local: the prompt is one user message in the checkpoint's chat template (the answer ends "
                    "at the template's end-of-turn tokens)")
     p.add_argument("--system", default=None, metavar="TEXT", help="--local --chat: a system message before it")
-    p.add_argument("--max-new-tokens", type=non_negative_int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=32,
+                   help="new tokens at most (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="--local: compute dtype (default: float32 on the CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default=None, metavar="DEV",
@@ -68,6 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object at the end instead of text")
     out.add_argument("--jsonl", action="store_true",
                      help="stream one JSON line per token ({\"token\", \"text\"}), then a {\"done\": true, ...} line")
+    add_progress_arg(p, "loading the model and a long prefill")
     p.set_defaults(handler=_generate)
 
 
@@ -111,21 +134,21 @@ def _generate(args: argparse.Namespace) -> int:
     _check_one_prompt(args)
     _check_mode(args)
     if args.local is None:
-        from .peer_cmds import generate_network
-
         ids = _prompt_ids(args, None) if args.prompt_ids is not None else None
-        return generate_network(args, [ids] if ids is not None else None)
-    from ..model.chain import LocalChain  # heavy imports only when the command runs
-    from ..model.checkpoint import open_checkpoint
-    from ..model.sampling import SamplingParams
-    from ..model.spec import LayerRange, parse_stages
+        return _generate_network(args, [ids] if ids is not None else None)
+    return _generate_local(args)
 
+
+def _generate_local(args: argparse.Namespace) -> int:
+    from ..model.chain import LocalChain
+    from ..model.checkpoint import open_checkpoint
     from ..model.device import default_dtype, resolve_device
+    from ..model.sampling import SamplingParams
+    from .hub_cmds import from_hub
 
     device = resolve_device(args.device or "cpu")  # before the checkpoint is read
     set_threads(args.threads)
-    from .hub_cmds import from_hub
-
+    show = show_progress(args.progress)
     args.local = str(from_hub(args.local)[0])  # hf:...: fetched whole (a local run holds every layer)
     ckpt = open_checkpoint(args.local, mtp_from=args.mtp_from, need_tokenizer=args.prompt_ids is None)
     spec = ckpt.spec
@@ -141,19 +164,22 @@ def _generate(args: argparse.Namespace) -> int:
         ids = _prompt_ids(args, ckpt.tokenizer)
     if any(i < 0 or i >= spec.vocab_size for i in ids):
         raise ModelError(f"prompt token ids must be in 0..{spec.vocab_size - 1}")
-    chain = LocalChain.load(ckpt, ranges, dtype=default_dtype(device, args.dtype), device=device,
-                            batch_invariant=args.batch_invariant,
-                            fused=not args.dequantize_per_use)
+    with progress(f"loading {spec.num_layers} layers of {Path(args.local).name}", show=show):
+        chain = LocalChain.load(ckpt, ranges, dtype=default_dtype(device, args.dtype), device=device,
+                                batch_invariant=args.batch_invariant, fused=not args.dequantize_per_use)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    prompts = [ids] + [_variant(ids, i, spec.vocab_size) for i in range(1, args.batch)]
     if args.batch == 1:  # one request: its tokens print as they come
-        from ..model.emit import TokenPrinter
-
         printer = TokenPrinter(ckpt.tokenizer, output_mode(args), hide=stops or ())
+        prefill = _PrefillNote(len(ids), show=show and len(ids) >= LONG_PREFILL)
+
+        def push(i: int, new: list[int]) -> None:
+            prefill.over()
+            printer.push(new)
+
         try:
+            prefill.start()
             r = chain.generate(ids, args.max_new_tokens, sampling, guesses=args.guesses,
-                               stop_at_eos=not args.ignore_eos, stop_tokens=stops,
-                               on_tokens=lambda i, new: printer.push(new))
+                               stop_at_eos=not args.ignore_eos, stop_tokens=stops, on_tokens=push)
         except SangamaError as exc:
             printer.fail(exc)
             raise
@@ -161,17 +187,139 @@ def _generate(args: argparse.Namespace) -> int:
         if printer.mode == "text":
             _local_stats(r)
         return 0
+    prompts = prompt_variants(ids, args.batch, spec.vocab_size)
     results = chain.generate_many(prompts, args.max_new_tokens, sampling, guesses=args.guesses,
                                   stop_at_eos=not args.ignore_eos, stop_tokens=stops)
     texts = [_answer_text(r, stops, ckpt.tokenizer) for r in results]
     if args.json or args.jsonl:
-        dicts = [dict(r.as_dict(), text=t) for r, t in zip(results, texts)]
-        print(json.dumps(dicts[0] if args.batch == 1 else {"requests": dicts}))
+        print(json.dumps({"requests": [dict(r.as_dict(), text=t) for r, t in zip(results, texts)]}))
         return 0
     for r, text in zip(results, texts):
         print(text if text is not None else " ".join(map(str, r.tokens)))
         _local_stats(r)
     return 0
+
+
+class _PrefillNote:
+    """A long prompt's prefill said on stderr: ``prefill of N prompt tokens ...``, then its time once the first new
+    token arrives."""
+
+    def __init__(self, n: int, *, show: bool) -> None:
+        self.n, self.show, self.t = n, show, 0.0
+
+    def start(self) -> None:
+        if self.show:
+            print(f"prefill of {self.n:,} prompt tokens ...", file=sys.stderr, flush=True)
+            self.t = time.perf_counter()
+
+    def over(self) -> None:
+        if self.show:
+            dt = time.perf_counter() - self.t
+            print(f"prefill: done in {dt:.1f} s ({self.n / max(dt, 1e-9):,.0f} tokens/s)", file=sys.stderr,
+                  flush=True)
+            self.show = False
+
+
+def _generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:
+    """``generate`` over the swarm: ``prompts`` as ids, or None to take the text prompt through the tokenizer."""
+    import trio
+
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer
+
+    quiet_libp2p()
+    if not args.model:
+        raise SangamaError("give the model: --model ID (or a checkpoint directory), or run in-process with --local")
+    config, model_id = client_peer_config(args, args.model)
+    text = args.prompt if args.prompt is not None else args.text
+    if prompts is None:
+        if text is None:
+            raise SangamaError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")
+        need_tokenizer(config, args.model, "a text prompt")
+
+    if args.batch == 1:
+        return _generate_streamed(args, config, prompts[0] if prompts is not None else None, text)
+
+    async def main() -> list[Any]:
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            base = prompts[0] if prompts is not None else peer.encode(text or "")
+            # the same prompt set as `generate --local --batch N`, so the two compare
+            todo = prompt_variants(base, args.batch, _vocab_size(args.model, peer))
+            results: list[Any] = [None] * len(todo)
+
+            async def one(i: int, ids: list[int]) -> None:
+                results[i] = await peer.generate(ids, args.max_new_tokens, guesses=args.guesses,
+                                                 temperature=args.temperature, top_p=args.top_p,
+                                                 seed=args.seed + i, stop_at_eos=not args.ignore_eos)
+
+            async with trio.open_nursery() as nursery:
+                for i, ids in enumerate(todo):
+                    nursery.start_soon(one, i, ids)
+            return results
+
+    results = trio.run(main)
+    if args.timings:  # on stderr: stdout stays the text (or the JSON)
+        print_where_time_goes(results[0].result.trips)
+    if args.json or args.jsonl:
+        print(json.dumps({"requests": [dict(g.result.as_dict(), text=g.text) for g in results]}))
+        return 0
+    for g in results:
+        print(g.text if g.text is not None else " ".join(map(str, g.tokens)))
+        _network_stats(g.result)
+    return 0
+
+
+def _network_stats(r: Any) -> None:
+    """The text mode's summary on stderr, the route by unique peer-id suffixes, and any failover said."""
+    print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
+          f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
+          f"route {' -> '.join(peer_label(p) for p in r.route)}]", file=sys.stderr)
+    if r.failovers:
+        print(f"[the chain failed {r.failovers} time{'s' if r.failovers != 1 else ''} during this generation: "
+              "re-routed and replayed, the tokens are the same]", file=sys.stderr)
+
+
+def _generate_streamed(args: argparse.Namespace, config: Any, ids: list[int] | None, text: str | None) -> int:
+    """One request over the swarm, printed token by token (``--json``: one document at the end); on a failure
+    the tokens produced so far stay printed, then the error (exit code 2, from ``main``)."""
+    import trio
+
+    from ..net.identity import generate_key_pair
+    from ..peer import Peer
+
+    printer: TokenPrinter | None = None
+
+    async def main() -> Any:
+        nonlocal printer
+        async with Peer(config, key_pair=generate_key_pair()) as peer:
+            printer = TokenPrinter(peer.tokenizer, output_mode(args))
+            prompt = ids if ids is not None else peer.encode(text or "")
+            return await peer.generate(prompt, args.max_new_tokens, guesses=args.guesses,
+                                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                       stop_at_eos=not args.ignore_eos, on_tokens=printer.push)
+
+    try:
+        g = trio.run(main)
+    except BaseException as exc:
+        errors = sangama_errors(exc)
+        if errors is None or printer is None:
+            raise
+        printer.fail(errors[0])
+        raise errors[0] from exc
+    printer.done(dict(g.result.as_dict(), text=g.text))
+    if args.timings:
+        print_where_time_goes(g.result.trips)
+    if printer.mode == "text":
+        _network_stats(g.result)
+    return 0
+
+
+def _vocab_size(model: str, peer: Any) -> int:
+    if Path(model).is_dir():
+        return ModelSpec.from_dir(model).vocab_size
+    if peer.tokenizer is not None:
+        return int(peer.tokenizer.vocab_size)
+    raise SangamaError("--batch over the network needs the model's vocabulary: pass --model as a checkpoint dir")
 
 
 def output_mode(args: argparse.Namespace) -> str:
@@ -195,8 +343,6 @@ def _answer_text(result, stops: tuple[int, ...] | None, tokenizer) -> str | None
 
 def _chat_prompt(args: argparse.Namespace, ckpt) -> tuple[list[int], tuple[int, ...]]:
     """``--chat``: the text prompt as a user message (after ``--system``) in the checkpoint's template."""
-    from ..model.chat import load_chat_template, render_chat
-
     text = args.prompt if args.prompt is not None else args.text
     if text is None:
         raise ModelError("--chat needs a text prompt (TEXT or --prompt), not --prompt-ids")
@@ -210,6 +356,8 @@ def _chat_prompt(args: argparse.Namespace, ckpt) -> tuple[list[int], tuple[int, 
     return list(prompt.ids), prompt.stop_ids
 
 
-def _variant(ids: list[int], i: int, vocab: int) -> list[int]:
-    """A different prompt for concurrent request ``i``: the prompt with a few ids rotated (deterministic)."""
-    return [(t + 7 * i) % vocab if j % 3 == 0 else t for j, t in enumerate(ids)] + [(11 * i) % vocab]
+def prompt_variants(ids: list[int], n: int, vocab: int) -> list[list[int]]:
+    """``n`` prompts for concurrent requests (``--batch N``, the demo): ``ids``, then ``ids`` with a few ids rotated
+    (deterministic, so a local and a network run of the same set compare)."""
+    return [ids] + [[(t + 7 * i) % vocab if j % 3 == 0 else t for j, t in enumerate(ids)] + [(11 * i) % vocab]
+                    for i in range(1, n)]

@@ -1,0 +1,91 @@
+"""What a networked command does around its work: quiet py-libp2p's routine noise, wait for a signal, tell typed
+errors out of trio's exception groups, and report progress on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import SangamaError, group_leaves
+
+__all__ = ["add_progress_arg", "progress", "quiet_libp2p", "sangama_errors", "show_progress", "until_signal"]
+
+
+def quiet_libp2p() -> None:
+    """No ``-v``: hide py-libp2p's routine warnings (stream resets); ``-v``: its warnings; ``-vv``: everything."""
+    import libp2p  # noqa: F401  its import (0.8-1.4 s) resets the "libp2p" logger: let that happen before, not after
+
+    level = logging.getLogger().level
+    if level > logging.INFO:  # no -v: py-libp2p logs routine stream resets as warnings, some on the root logger
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+        logging.getLogger().setLevel(logging.CRITICAL)
+        logging.getLogger("sangama_p2p").setLevel(level)  # our own warnings still show
+        return
+    # libp2p's import gave its logger no handler and propagate=False: its lines reached only logging's last resort
+    libp2p_log = logging.getLogger("libp2p")
+    libp2p_log.propagate = True
+    libp2p_log.setLevel(logging.WARNING if level > logging.DEBUG else level)  # -v: its warnings; -vv: everything
+
+
+async def until_signal(signals: AsyncIterator[Any], seconds: float | None) -> None:
+    """Return on the first signal from ``signals`` (or after ``seconds``), so that every ``async with`` unwinds."""
+    import trio  # 0.07-0.2 s: only for the commands that run a node
+
+    with trio.move_on_after(seconds if seconds is not None else float("inf")):
+        async for _ in signals:
+            return
+
+
+def sangama_errors(exc: BaseException) -> list[BaseException] | None:
+    """The typed errors that ``exc`` is (trio may wrap them in groups), or None when it holds anything else."""
+    if isinstance(exc, SangamaError):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        errors, rest = exc.split(SangamaError)
+        if errors is not None and rest is None:
+            return group_leaves(errors)
+    return None
+
+
+def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """``--progress`` / ``--no-progress``: report ``what`` on stderr (default: when stderr is a terminal)."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"report {what} on stderr (default: when stderr is a terminal)")
+
+
+def show_progress(flag: bool | None = None) -> bool:
+    """Whether to report progress: ``--progress``/``--no-progress`` when given, else when stderr is a terminal."""
+    return flag if flag is not None else sys.stderr.isatty()
+
+
+@contextmanager
+def progress(what: str, *, show: bool) -> Iterator[None]:
+    """``what ...`` on stderr (a spinner with the time so far on a terminal), then ``what: done in 1.2 s`` (or
+    ``what: failed after 1.2 s``); nothing unless ``show``. stdout (the text, the JSON) never carries it."""
+    if not show:
+        yield
+        return
+    from rich.console import Console  # 0.03 s, only when progress is shown
+
+    console = Console(stderr=True)
+    t = time.perf_counter()
+    try:
+        if console.is_terminal:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                          transient=True) as bar:
+                bar.add_task(f"{what} ...", total=None)
+                yield
+        else:
+            print(f"{what} ...", file=sys.stderr, flush=True)
+            yield
+    except BaseException:
+        print(f"{what}: failed after {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        raise
+    print(f"{what}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)

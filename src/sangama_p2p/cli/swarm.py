@@ -1,0 +1,133 @@
+"""How a command reaches the swarm: the host flags every networked command shares, the bootstrap list shipped in
+``bootstrap/public.txt``, a client peer's config from ``--model ID|DIR|FILE.gguf``, and where its tokenizer comes
+from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointError, NetworkError, SangamaError
+from ..model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ..net.config import HostConfig
+    from ..config import PeerConfig
+
+# Imports of the host, peer and client modules stay inside the functions below: each pulls in libp2p (0.8-1.4 s) or
+# torch (1.4-2.6 s), and every command module imports this one to build the parser (cli/main.py).
+
+__all__ = ["BOOTSTRAP_DIR", "add_host_args", "client_peer_config", "default_bootstrap_addrs", "default_guesses",
+           "host_config", "need_tokenizer", "tokenizer_source"]
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parents[3] / "bootstrap"
+
+
+def default_bootstrap_addrs() -> tuple[str, ...]:
+    """The public bootstrap list shipped in ``bootstrap/public.txt`` (one multiaddr a line, ``#`` comments)."""
+    path = BOOTSTRAP_DIR / "public.txt"
+    if not path.exists():
+        return ()
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return tuple(line for line in lines if line)
+
+
+def add_host_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
+    """The flags every networked command shares."""
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
+                   help="bootstrap node address ending in /p2p/<id> (repeatable; default: bootstrap/public.txt)")
+    if listen:
+        p.add_argument("--listen", action="append", default=None, metavar="MULTIADDR",
+                       help="listen address (repeatable; default /ip4/0.0.0.0/tcp/0)")
+        p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
+                       help="public address to advertise instead of the listen addresses (repeatable)")
+    p.add_argument("--fleet-secret-file", type=Path, default=None, help="file holding the private fleet's secret")
+
+
+def host_config(args: argparse.Namespace, *, serving: bool) -> HostConfig:
+    """A HostConfig from ``--config``/flags (flags win); clients get a DHT-client host."""
+    from ..net.config import HostConfig
+    from ..net.fleet import read_fleet_secret
+
+    overrides = {
+        "listen_addrs": tuple(args.listen) if getattr(args, "listen", None) else None,
+        "announce_addrs": tuple(args.announce) if getattr(args, "announce", None) else None,
+        "bootstrap_addrs": tuple(args.bootstrap) if args.bootstrap else None,
+        "key_path": getattr(args, "key", None),
+        "fleet_secret": read_fleet_secret(args.fleet_secret_file) if args.fleet_secret_file else None,
+    }
+    if getattr(args, "config", None) is not None:
+        config = HostConfig.from_toml(args.config, **overrides)
+    else:
+        config = HostConfig().replace(**{k: v for k, v in overrides.items() if v is not None})
+    if not config.bootstrap_addrs:
+        config = config.replace(bootstrap_addrs=default_bootstrap_addrs())
+    if not serving and not config.bootstrap_addrs:  # a serving peer may be a swarm's first; a client needs one
+        raise NetworkError("no bootstrap address: pass --bootstrap MULTIADDR (bootstrap/public.txt is empty), "
+                           "or run in this process with --local")
+    return config if serving else config.replace(dht_server=False)
+
+
+def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig, str]:
+    """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory (name + tokenizer)."""
+    from ..client.config import ClientConfig
+    from ..config import PeerConfig, default_model_id
+
+    tokenizer = getattr(args, "tokenizer", None)
+    model_id = model
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+        # a path that is not there, not a model id (those have no such start)
+        raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
+                              "id such as the directory's name)")
+    model = str(Path(model).expanduser())
+    fingerprint = None
+    if Path(model).is_dir():
+        model_id = default_model_id(model)
+        tokenizer = tokenizer or Path(model)
+        weights = ("model.safetensors", "model.safetensors.index.json")
+        if (Path(model) / "config.json").is_file() and any((Path(model) / w).is_file() for w in weights):
+            # a checkpoint, not just its tokenizer: chain only peers serving this very checkpoint
+            from ..model.fingerprint import checkpoint_identity
+
+            fingerprint = checkpoint_identity(model).fingerprint
+    config = PeerConfig(host=host_config(args, serving=False),
+                        client=ClientConfig(model_id=model_id, fingerprint=fingerprint), tokenizer_path=tokenizer)
+    return config, model_id
+
+
+def need_tokenizer(config: PeerConfig, model: str, what: str) -> None:
+    """Text needs the model's tokenizer: say so before joining the swarm, in flags the user can pass."""
+    if config.tokenizer_path is None:
+        raise SangamaError(f"{what} needs the model's tokenizer, and {model!r} is a model id, not a checkpoint "
+                           "directory: pass --model DIR (the checkpoint) or --tokenizer DIR"
+                           + (", or give token ids with --prompt-ids" if what == "a text prompt" else ""))
+
+
+def tokenizer_source(args: argparse.Namespace, config: PeerConfig, model_id: str,
+                     command: str) -> tuple[PeerConfig, str, Path]:
+    """(config, model id, where the tokenizer comes from) for a client command given ``--model ID|DIR|FILE.gguf``
+    and ``--tokenizer``: a GGUF file names the model as its stem; a bare id needs ``--tokenizer``."""
+    from ..client.config import ClientConfig
+    from ..config import default_model_id
+
+    given = Path(args.model).expanduser()
+    if given.suffix == ".gguf" and given.is_file():
+        model_id = default_model_id(given)
+        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
+    source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
+    if source is None:
+        raise SangamaError(f"{command} needs the model's tokenizer, and {args.model!r} is a model id, not a "
+                           "checkpoint: pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR")
+    return config, model_id, source
+
+
+def default_guesses(checkpoint: Path) -> int | str:
+    """``auto`` for a model that drafts with an MTP layer, 0 for one without (a dense Llama refuses any guess)."""
+    try:
+        spec = ModelSpec.from_dir(checkpoint)
+    except SangamaError:  # a directory with only the tokenizer: ask for guesses and let the swarm say
+        return "auto"
+    return "auto" if spec.mtp_num_layers else 0
