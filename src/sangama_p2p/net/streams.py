@@ -57,6 +57,11 @@ class FramedStream:
             raise StreamClosed(f"stream from {self.peer} failed: {type(exc).__name__}: {exc}") from exc
 
     @property
+    def link_kind(self) -> str:
+        """What carries the stream: ``"lane"`` (a direct lane), ``"local"`` (in-process) or ``"libp2p"``."""
+        return getattr(self.stream, "link_kind", "libp2p")
+
+    @property
     def has_frames(self) -> bool:
         """More frames were already received (or, on a lane, decrypted) and wait to be read: a caller deciding
         whether to act on a frame at once or to wait for the ones behind it asks this."""
@@ -167,6 +172,8 @@ class PeerConn:
 
 class MemoryStream:
     """One end of an in-process stream with py-libp2p's stream surface: ``read``, ``write``, ``close``, ``reset``."""
+
+    link_kind = "local"
 
     def __init__(self, remote: Any, send: trio.MemorySendChannel[bytes], recv: trio.MemoryReceiveChannel[bytes]):
         self.muxed_conn = PeerConn(remote)

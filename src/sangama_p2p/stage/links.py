@@ -36,13 +36,27 @@ from ..errors import ErrorCode, SangamaError
 from ..net.streams import FramedStream
 from ..wire.messages import ErrorMessage, Message
 
-__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "OutboxFull"]
+__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "OutboxFull", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
 Item = Union[Message, Callable[[], Message]]
 _FLUSH = object()  # queued after a frame the socket took only in part: the writer sends its rest
 SMALL_ITEM = 1024  # what a frame without tensors counts in the queue (its Python objects, roughly)
+
+
+def tensor_bytes(tensor: Any) -> int:
+    """Bytes of a tensor (or anything with ``nbytes``) to be sent; 0 for none (what a queued frame counts beyond
+    ``SMALL_ITEM``)."""
+    if tensor is None:
+        return 0
+    n = getattr(tensor, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    try:
+        return int(tensor.numel() * tensor.element_size())
+    except AttributeError:
+        return 0
 
 
 class OutboxFull(SangamaError):

@@ -41,7 +41,10 @@ import trio
 
 from .._version import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, StreamClosed, WireError
-from ..net.lane import LaneDialer, LaneListener, LaneStream
+from ..model.device import resolve_device
+from ..model.fingerprint import parts_of, stage_identity
+from ..model.stage import StageModel
+from ..net.lane import LaneDialer, LaneListener
 from ..net.stage_stream import open_stage_stream
 from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
 from ..wire.messages import (
@@ -56,10 +59,11 @@ from ..wire.messages import (
     StepResult,
     TraceStamp,
 )
-from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
-from .config import StageConfig
 from ..wire.framing import ByteBudget
-from .links import SMALL_ITEM, Item, NextHops, Outbox
+from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
+from .announce import StageAnnouncer
+from .config import StageConfig
+from .links import SMALL_ITEM, Item, NextHops, Outbox, tensor_bytes
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
 
@@ -101,11 +105,6 @@ class StageServer:
     def load(cls, node: Any, checkpoint: Any, config: StageConfig) -> StageServer:
         """Load only this stage's tensors from ``checkpoint`` (a ``model.checkpoint.Checkpoint``) and fingerprint
         the checkpoint (metadata, content samples, and the full bytes of the parts loaded); blocking."""
-        from ..model.fingerprint import parts_of, stage_identity
-        from ..model.stage import StageModel
-
-        from ..model.device import resolve_device
-
         model = StageModel.load(checkpoint.spec, checkpoint.source, config.start, config.end, dtype=config.dtype,
                                 device=resolve_device(config.device), batch_invariant=config.batch_invariant,
                                 fused=config.fused)
@@ -132,8 +131,6 @@ class StageServer:
             self._nursery.start_soon(self.scheduler.run)
             self._nursery.start_soon(self._expire_idle)
             if self.config.announce and getattr(self.node, "dht", None) is not None:
-                from .announce import StageAnnouncer
-
                 self.announcer = StageAnnouncer(self)
                 await self.announcer.publish()
                 self._nursery.start_soon(self.announcer.run)
@@ -202,11 +199,8 @@ class StageServer:
         """How many of this stage's streams (from upstream peers and to next hops) are direct lanes, libp2p
         streams or in-process streams (for status panels)."""
         kinds = {"lane": 0, "libp2p": 0, "local": 0}
-        streams = [*self._inbound, *self.next_hops.streams()]
-        for fs in streams:
-            kind = ("lane" if isinstance(fs.stream, LaneStream) else
-                    "local" if isinstance(fs.stream, MemoryStream) else "libp2p")
-            kinds[kind] += 1
+        for fs in [*self._inbound, *self.next_hops.streams()]:
+            kinds[fs.link_kind] += 1
         return kinds
 
     @property
@@ -376,7 +370,7 @@ class StageServer:
         item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731
                             (*m.trace, stamp()))
         link = self.next_hops.get(session.next_hop or "")
-        if not link.put(item, SMALL_ITEM + _nbytes(hidden)):
+        if not link.put(item, SMALL_ITEM + tensor_bytes(hidden)):
             why = (f"does not take its frames ({link.queued_bytes} bytes queued)" if link.failed is None
                    and link.congested else "is unreachable")
             self._to_owner(session, ErrorMessage(m.session_id, m.step, ErrorCode.INTERNAL,
@@ -401,16 +395,3 @@ class StageServer:
         return await open_stage_stream(self.node, self.lanes, peer, model_id=self.config.model_id,
                                        timeout=self.config.next_hop_timeout, max_frame=self.config.max_frame,
                                        budget=self.input_budget)
-
-
-def _nbytes(tensor: Any) -> int:
-    """Bytes of a tensor (or anything with ``nbytes``) to be sent; 0 for none."""
-    if tensor is None:
-        return 0
-    n = getattr(tensor, "nbytes", None)
-    if isinstance(n, int):
-        return n
-    try:
-        return int(tensor.numel() * tensor.element_size())
-    except AttributeError:
-        return 0

@@ -26,6 +26,8 @@ _SYNC_WRITES: Final = os.name == "posix"  # os.write on a socket's fd; elsewhere
 class LaneStream:
     """One end of a lane: plaintext ``read``/``write`` over AES-GCM records on a trio TCP stream."""
 
+    link_kind = "lane"
+
     def __init__(self, sock: trio.SocketStream, key: bytes, peer_id: Any, *, dialer: bool,
                  max_frame: int = DEFAULT_MAX_FRAME, decoder: FrameDecoder | None = None,
                  budget: ByteBudget | None = None) -> None:
