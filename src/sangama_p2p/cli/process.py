@@ -4,7 +4,6 @@ errors out of trio's exception groups, and report progress on stderr."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,18 +17,9 @@ __all__ = ["add_progress_arg", "progress", "quiet_libp2p", "sangama_errors", "sh
 
 def quiet_libp2p() -> None:
     """No ``-v``: hide py-libp2p's routine warnings (stream resets); ``-v``: its warnings; ``-vv``: everything."""
-    import libp2p  # noqa: F401  its import (0.8-1.4 s) resets the "libp2p" logger: let that happen before, not after
+    from ..net.logs import quiet_libp2p as quiet  # py-libp2p (0.8-1.4 s to import): only for networked commands
 
-    level = logging.getLogger().level
-    if level > logging.INFO:  # no -v: py-libp2p logs routine stream resets as warnings, some on the root logger
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-        logging.getLogger().setLevel(logging.CRITICAL)
-        logging.getLogger("sangama_p2p").setLevel(level)  # our own warnings still show
-        return
-    # libp2p's import gave its logger no handler and propagate=False: its lines reached only logging's last resort
-    libp2p_log = logging.getLogger("libp2p")
-    libp2p_log.propagate = True
-    libp2p_log.setLevel(logging.WARNING if level > logging.DEBUG else level)  # -v: its warnings; -vv: everything
+    quiet()
 
 
 async def until_signal(signals: AsyncIterator[Any], seconds: float | None) -> None:
