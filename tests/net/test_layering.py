@@ -86,5 +86,5 @@ def test_net_has_no_import_circle() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name)
-    assert "sangama_p2p.net.dial" in graph and "sangama_p2p.net.node" in graph["sangama_p2p.net.dial"]
+    assert graph["sangama_p2p.net.dial"]  # imports were resolved (relative ones included)
     assert not circles, "\n".join(circles)
