@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
-from libp2p.abc import IHost, INetConn
+from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
@@ -104,6 +104,17 @@ class Node:
     def listen_addrs(self) -> list[multiaddr.Multiaddr]:
         """Where the host actually listens (real ports, no ``/p2p``)."""
         return list(self.host.get_transport_addrs())
+
+    def serve(self, protocol: str, handler: Callable[[INetStream], Awaitable[None]]) -> None:
+        """Answer every stream of ``protocol`` a peer opens with ``handler(stream)``."""
+        self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
+
+    def stop_serving(self, protocol: str) -> None:
+        """Stop answering ``protocol``; never raises."""
+        try:
+            self.host.remove_stream_handler(protocol)  # type: ignore[arg-type]
+        except Exception:  # the host may already be gone
+            pass
 
     def connections(self, peer_id: ID) -> list[INetConn]:
         """Open connections to ``peer_id``."""

@@ -121,8 +121,8 @@ class StageServer:
         try:
             if self.config.measure_on_start:
                 self._measured_step_s = await trio.to_thread.run_sync(measure_step, self.model)
-            self.node.host.set_stream_handler(STAGE_PROTOCOL, self._on_stage_stream)
-            self.node.host.set_stream_handler(INFO_PROTOCOL, self._on_info_stream)
+            self.node.serve(STAGE_PROTOCOL, self._on_stage_stream)
+            self.node.serve(INFO_PROTOCOL, self._on_info_stream)
             if self.config.lanes:
                 self.lane_listener = LaneListener(self.node, self._on_stage_stream, port=self.config.lane_port,
                                                   max_frame=self.config.max_frame, budget=self.input_budget,
@@ -162,10 +162,7 @@ class StageServer:
         if self.lane_listener is not None:
             self.lane_listener.stop()
         for proto in (STAGE_PROTOCOL, INFO_PROTOCOL):
-            try:
-                self.node.host.remove_stream_handler(proto)
-            except Exception:  # the host may already be gone
-                pass
+            self.node.stop_serving(proto)
         if self.announcer is not None:
             self.announcer.withdraw()
         streams = [*self._inbound, *self.next_hops.streams()]

@@ -80,7 +80,7 @@ class LaneListener:
                 self._nursery = nursery
                 for listener in self._listeners:
                     nursery.start_soon(self._accept_loop, listener)
-                self.node.host.set_stream_handler(LANE_PROTOCOL, self._on_offer_stream)
+                self.node.serve(LANE_PROTOCOL, self._on_offer_stream)
                 task_status.started()
         finally:
             self.stop()
@@ -90,10 +90,7 @@ class LaneListener:
 
     def stop(self) -> None:
         """Stop offering and accepting lanes (lanes already handed over are not affected)."""
-        try:
-            self.node.host.remove_stream_handler(LANE_PROTOCOL)
-        except Exception:  # the host may already be gone
-            pass
+        self.node.stop_serving(LANE_PROTOCOL)
         self._offers.clear()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
