@@ -29,6 +29,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- LaneError             a direct lane not set up (the caller uses libp2p), or a lane record forged
     |   +-- RelayError            a relay refused or failed a reservation or circuit (carries its status)
     |       +-- NotARelayError        the peer offers no relay service at all
+    |   +-- OutboxFull            a stream's queue of outgoing frames at its bound while its writes do not drain
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
     +-- ApiError              an HTTP API request refused (carries the HTTP status and OpenAI's error fields)
@@ -61,6 +62,7 @@ __all__ = [
     "ModelError",
     "NetworkError",
     "NotARelayError",
+    "OutboxFull",
     "RecordError",
     "RelayError",
     "RouteError",
@@ -225,6 +227,13 @@ class RelayError(NetworkError):
 
 class NotARelayError(RelayError):
     """The peer does not offer the circuit relay v2 HOP protocol: it relays for nobody, and asking again won't help."""
+
+
+class OutboxFull(NetworkError):
+    """A stream's queue of outgoing frames reached its hard bound while its writes were stuck (the peer does not
+    read)."""
+
+    code = ErrorCode.OVERLOADED
 
 
 class RouteError(SangamaError):

@@ -128,7 +128,8 @@ def test_replies_that_are_never_read_stay_within_the_outbox_bound_and_memory_ret
 
 
 def test_an_outbox_bounds_its_queue_and_a_shared_link_refuses_only_the_item_over_it():
-    from sangama_p2p.stage.links import Outbox, OutboxFull
+    from sangama_p2p.errors import OutboxFull
+    from sangama_p2p.stage.links import Outbox
     from sangama_p2p.wire.messages import InfoRequest as Req
 
     async def main():

@@ -32,11 +32,11 @@ from typing import Any, Union
 
 import trio
 
-from ..errors import ErrorCode, SangamaError
+from ..errors import ErrorCode, OutboxFull, SangamaError
 from ..net.streams import FramedStream
 from ..wire.messages import ErrorMessage, Message
 
-__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "OutboxFull", "tensor_bytes"]
+__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,6 @@ def tensor_bytes(tensor: Any) -> int:
         return int(tensor.numel() * tensor.element_size())
     except AttributeError:
         return 0
-
-
-class OutboxFull(SangamaError):
-    """A stream's queue of outgoing frames reached its hard bound while its writes were stuck."""
-
-    code = ErrorCode.OVERLOADED
 
 
 class Outbox:
