@@ -20,6 +20,7 @@ from ..model.chat import load_chat_template, render_chat
 from ..model.emit import TokenPrinter
 from ..model.spec import LayerRange, ModelSpec, parse_stages
 from .argtypes import guesses, non_negative_int, positive_int
+from .hub_cmds import from_hub
 from .process import add_progress_arg, progress, quiet_libp2p, sangama_errors, show_progress
 from .swarm import client_peer_config, need_tokenizer
 from .tables import peer_label, print_where_time_goes
@@ -144,7 +145,6 @@ def _generate_local(args: argparse.Namespace) -> int:
     from ..model.checkpoint import open_checkpoint
     from ..model.device import default_dtype, resolve_device
     from ..model.sampling import SamplingParams
-    from .hub_cmds import from_hub
 
     device = resolve_device(args.device or "cpu")  # before the checkpoint is read
     set_threads(args.threads)
