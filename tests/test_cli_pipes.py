@@ -35,7 +35,7 @@ def test_progress_is_on_stderr_only_with_the_flag_and_never_in_the_json(model: P
     assert len(doc["tokens"]) == 4
     assert f"loading 6 layers of {model.name} ..." in shown.stderr
     assert "prefill of 300 prompt tokens ..." in shown.stderr
-    assert "prefill: done in" in shown.stderr and "tokens/s)" in shown.stderr
+    assert "prefill of 300 prompt tokens: done in" in shown.stderr and "tokens/s)" in shown.stderr
     quiet = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=120)  # stderr is no terminal here
     assert quiet.returncode == 0 and json.loads(quiet.stdout)["tokens"] == doc["tokens"]
     assert "prefill" not in quiet.stderr and "loading" not in quiet.stderr
@@ -96,3 +96,39 @@ def test_a_fleet_coming_up_says_each_member_as_it_is_ready(model: Path, tmp_path
     assert err[3].startswith(f"  [3/3] stage 3:6 (peer …{ids[1][-8:]}) ready after ")
     seconds = [float(line.rsplit(" ", 2)[-2]) for line in err[1:4]]
     assert seconds == sorted(seconds) and seconds[0] > 0
+
+
+def test_on_a_terminal_progress_shows_by_default(model: Path) -> None:
+    """stderr a terminal (a pseudo-terminal here): the spinner and the done lines, without --progress; the JSON on
+    stdout is as without them."""
+    import pty
+    import threading
+
+    primary, secondary = pty.openpty()
+    seen = bytearray()
+
+    def pump() -> None:
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        out = subprocess.run([*CLI, "generate", "--local", str(model), "--prompt-ids", _ids(300), "--max-new-tokens",
+                              "3", "--json"], stdout=subprocess.PIPE, stderr=secondary, text=True, env=ENV,
+                             timeout=120)
+    finally:
+        os.close(secondary)
+        reader.join(timeout=10)
+        os.close(primary)
+    assert out.returncode == 0
+    assert len(json.loads(out.stdout)["tokens"]) == 3
+    text = seen.decode(errors="replace")
+    assert "loading 6 layers of llama-tiny: done in" in text
+    assert "prefill of 300 prompt tokens: done in" in text

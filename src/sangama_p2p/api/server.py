@@ -17,6 +17,7 @@ or simply ``url = await peer.serve_api("/models/smol")``.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -31,12 +32,18 @@ from typing import Any
 import trio
 
 from ..errors import ApiError, SangamaError, group_leaves
+from ..model.chat import render_chat
+from ..model.chat_model import open_chat_model
+from ..model.tokenizer import IncrementalDecoder
 from .protocol import (ApiRequest, StopScanner, chat_chunk, chat_response, completion_chunk, completion_response,
                        error_body, error_for, new_id, parse_request, usage)
 
 __all__ = ["ApiConfig", "ApiServer", "ServedModel", "served_model"]
 
 log = logging.getLogger(__name__)
+
+# starlette and hypercorn are imported where the server starts and answers: they come with the optional `api` extra,
+# and take 0.5 s to import (the package and `sangama-peer` work without them)
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,6 @@ class ApiConfig:
     guesses: int | str = "auto"
 
     def replace(self, **changes: Any) -> ApiConfig:
-        import dataclasses
-
         return dataclasses.replace(self, **changes)
 
     def api_key(self) -> str | None:
@@ -81,8 +86,6 @@ class ServedModel:
 
 def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
     """Tokenizer, template and eos ids of a checkpoint directory or ``.gguf`` file (the id: its name)."""
-    from ..model.chat_model import open_chat_model
-
     p = Path(path).expanduser()
     m = open_chat_model(p)
     return ServedModel(model_id or (p.stem if p.suffix == ".gguf" else p.resolve().name), m.tokenizer, m.template,
@@ -216,8 +219,6 @@ class ApiServer:
     # ---- one request --------------------------------------------------------------------------------------------
     def _prompt(self, model: ServedModel, req: ApiRequest) -> tuple[list[int], tuple[int, ...]]:
         if req.chat:
-            from ..model.chat import render_chat
-
             prompt = render_chat(model.template, model.tokenizer, list(req.messages))
             return list(prompt.ids), tuple(prompt.stop_ids)
         if isinstance(req.prompt, str):
@@ -272,8 +273,6 @@ class ApiServer:
 
         The generation runs in a task of the server's own (:meth:`_produce`), so that the next trip leaves as soon
         as a token is in, while this one is still being decoded and written to the HTTP client."""
-        from ..model.tokenizer import IncrementalDecoder
-
         if self._nursery is None:
             raise ApiError("the server is not running (ApiServer.serve)", 503, "service_unavailable")
         client = await self.clients(model.model_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _api(args: argparse.Namespace) -> int:
-    import signal
-
     import trio
 
     from ..api.server import ApiConfig, served_model

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import ModelError
+from ..guesses import parse_guesses
+
 __all__ = ["guesses", "non_negative_int", "positive_float", "positive_int"]
 
 
@@ -44,9 +47,6 @@ def positive_float(text: str) -> float:
 
 def guesses(text: str) -> int | str:
     """``auto`` or a number of guesses per trip in 0..MAX_GUESSES."""
-    from ..errors import ModelError
-    from ..guesses import parse_guesses
-
     try:
         parse_guesses(text)
     except ModelError as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from ..model.chat import load_chat_template, render_chat
 from ..model.emit import TokenPrinter
 from ..model.spec import LayerRange, ModelSpec, parse_stages
 from .argtypes import guesses, non_negative_int, positive_int
+from .hub_cmds import from_hub
 from .process import add_progress_arg, progress, quiet_libp2p, sangama_errors, show_progress
 from .swarm import client_peer_config, need_tokenizer
 from .tables import peer_label, print_where_time_goes
@@ -144,7 +145,6 @@ def _generate_local(args: argparse.Namespace) -> int:
     from ..model.checkpoint import open_checkpoint
     from ..model.device import default_dtype, resolve_device
     from ..model.sampling import SamplingParams
-    from .hub_cmds import from_hub
 
     device = resolve_device(args.device or "cpu")  # before the checkpoint is read
     set_threads(args.threads)
@@ -177,9 +177,9 @@ def _generate_local(args: argparse.Namespace) -> int:
             printer.push(new)
 
         try:
-            prefill.start()
-            r = chain.generate(ids, args.max_new_tokens, sampling, guesses=args.guesses,
-                               stop_at_eos=not args.ignore_eos, stop_tokens=stops, on_tokens=push)
+            with prefill:
+                r = chain.generate(ids, args.max_new_tokens, sampling, guesses=args.guesses,
+                                   stop_at_eos=not args.ignore_eos, stop_tokens=stops, on_tokens=push)
         except SangamaError as exc:
             printer.fail(exc)
             raise
@@ -201,23 +201,24 @@ def _generate_local(args: argparse.Namespace) -> int:
 
 
 class _PrefillNote:
-    """A long prompt's prefill said on stderr: ``prefill of N prompt tokens ...``, then its time once the first new
-    token arrives."""
+    """``with`` a generation: a long prompt's prefill as :func:`.process.progress` reports it, from the start until
+    the first new token arrives (:meth:`over`), or until the generation fails before it."""
 
     def __init__(self, n: int, *, show: bool) -> None:
-        self.n, self.show, self.t = n, show, 0.0
+        self.n, self.show = n, show
+        self._stack = ExitStack()
 
-    def start(self) -> None:
+    def __enter__(self) -> _PrefillNote:
         if self.show:
-            print(f"prefill of {self.n:,} prompt tokens ...", file=sys.stderr, flush=True)
-            self.t = time.perf_counter()
+            self._stack.enter_context(progress(f"prefill of {self.n:,} prompt tokens", show=True, count=self.n,
+                                               unit="tokens"))
+        return self
 
     def over(self) -> None:
-        if self.show:
-            dt = time.perf_counter() - self.t
-            print(f"prefill: done in {dt:.1f} s ({self.n / max(dt, 1e-9):,.0f} tokens/s)", file=sys.stderr,
-                  flush=True)
-            self.show = False
+        self._stack.close()  # once: later calls find it empty
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self._stack.__exit__(*exc_info)
 
 
 def _generate_network(args: argparse.Namespace, prompts: list[list[int]] | None) -> int:

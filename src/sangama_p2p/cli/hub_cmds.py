@@ -7,7 +7,11 @@ import argparse
 import re
 from pathlib import Path
 
+from ..errors import LayerRangeError
 from .argtypes import positive_int
+
+# the hub package is imported where a model is fetched: it reads GGUF and safetensors headers with the model
+# package's parsers, which import torch (1.4-2.6 s), and cli/main.py imports this module to build its parser
 
 _RANGE = re.compile(r"^(\d+):(\d+)$")
 
@@ -31,8 +35,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def parse_layers(value: str | None) -> tuple[int, int] | None:
     """``"A:B"`` -> (A, B); None or ``auto...`` -> None (the whole model)."""
-    from ..errors import LayerRangeError
-
     if value is None or str(value).startswith("auto"):
         return None
     m = _RANGE.match(str(value))

@@ -23,12 +23,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from ..errors import NetworkError
+
+# trio (0.07-0.2 s to import) and the peer (3-4 s: torch and libp2p) are imported by ThreadFleet only: the CLI imports
+# this module for LocalFleet (processes) to build its parser
 
 __all__ = ["Child", "LocalFleet", "READY_PREFIX", "ThreadFleet"]
 
@@ -250,8 +254,6 @@ class ThreadFleet:
             self._ready.set()
 
     async def _main(self) -> None:
-        from contextlib import AsyncExitStack
-
         import trio
 
         from ..net.config import HostConfig

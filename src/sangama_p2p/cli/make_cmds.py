@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import CheckpointError
+
+# model.make and model.gguf import torch (1.4-2.6 s): imported in the handlers, as cli/main.py imports this module
+# to build its parser
+
 _ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_moe")
 _PRESETS = ("tiny", "small", "micro", "mid")
 _DTYPES = ("float32", "bfloat16")
@@ -74,8 +79,6 @@ def _make_model(args: argparse.Namespace) -> int:
                          tie_word_embeddings=getattr(args, "tie", None),
                          rope_scaling=getattr(args, "rope_scaling", None))
     except OSError as exc:  # a path that cannot be created or written: the user's to fix, not a crash
-        from ..errors import CheckpointError
-
         raise CheckpointError(f"cannot write the model to {args.out}: {exc}") from exc
     n = checkpoint_num_params(out)
     print(f"{out}  {args.arch}/{args.preset}  {n:,} parameters ({args.dtype}, seed {args.seed})")

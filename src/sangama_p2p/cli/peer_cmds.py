@@ -17,13 +17,15 @@ from typing import Any
 from ..errors import SangamaError
 from .argtypes import positive_int
 from .demo import run_demo
+from .hub_cmds import from_hub
 from .local_fleet import READY_PREFIX
 from .process import add_progress_arg, progress, quiet_libp2p, show_progress, until_signal
 from .swarm import add_host_args, host_config
 from .threads import set_threads
 
 # torch (1.4-2.6 s to import), trio with libp2p (0.8-1.4 s) and the modules that import them (peer, model, hub) are
-# imported in the handlers: cli/main.py imports every command module to build its parser (`--help` takes 0.1 s).
+# imported in the handlers, and rich (0.02-0.05 s) where the live panel draws: cli/main.py imports every command
+# module to build its parser (`--help` takes 0.1 s).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -86,7 +88,6 @@ def _join(args: argparse.Namespace) -> int:
 
     from ..config import PeerConfig, default_model_id
     from ..peer import Peer
-    from .hub_cmds import from_hub
 
     quiet_libp2p()
     torch.set_grad_enabled(False)

@@ -54,9 +54,10 @@ def show_progress(flag: bool | None = None) -> bool:
 
 
 @contextmanager
-def progress(what: str, *, show: bool) -> Iterator[None]:
-    """``what ...`` on stderr (a spinner with the time so far on a terminal), then ``what: done in 1.2 s`` (or
-    ``what: failed after 1.2 s``); nothing unless ``show``. stdout (the text, the JSON) never carries it."""
+def progress(what: str, *, show: bool, count: int | None = None, unit: str = "") -> Iterator[None]:
+    """``what ...`` on stderr (a spinner with the time so far on a terminal), then ``what: done in 1.2 s`` (with
+    ``count``: and its rate, ``(250 tokens/s)``) or ``what: failed after 1.2 s``; nothing unless ``show``. stdout (the
+    text, the JSON) never carries it."""
     if not show:
         yield
         return
@@ -78,4 +79,6 @@ def progress(what: str, *, show: bool) -> Iterator[None]:
     except BaseException:
         print(f"{what}: failed after {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         raise
-    print(f"{what}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    dt = time.perf_counter() - t
+    rate = f" ({count / max(dt, 1e-9):,.0f} {unit}/s)" if count is not None else ""
+    print(f"{what}: done in {dt:.1f} s{rate}", file=sys.stderr, flush=True)

@@ -6,13 +6,15 @@ never disagree.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["guesses_table", "peer_label", "print_tables", "requests_table", "where_time_goes_table",
            "print_where_time_goes"]
 
-# rich (0.02-0.05 s to import) is imported where a table is drawn: every command module imports this one.
+# rich (0.02-0.05 s to import) is imported where a table is drawn, and client.timing (libp2p, 0.8-1.4 s, through the
+# client package) where trips are summarised: every command module imports this one.
 
 
 def peer_label(peer_id: str) -> str:
@@ -97,8 +99,6 @@ def requests_table(rows: Sequence[dict[str, Any]], title: str = "Many requests a
 
 
 def print_tables(*tables: Any) -> None:
-    import sys
-
     from rich.console import Console
 
     console = Console() if sys.stdout.isatty() else Console(width=110)  # logs and pipes: no wrapped headers

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 
+# torch (1.4-2.6 s to import) is imported where the threads are set: cli/main.py imports the command modules, and
+# they this one, to build its parser
+
 __all__ = ["available_cores", "set_threads"]
 
 

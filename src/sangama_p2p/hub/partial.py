@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, DownloadError
+from ..model.gguf.quants import row_bytes
+from ..model.gguf.reader import _parse
 from .fetch import HubSettings, Progress, fetch_spans
 from .plan import Span, covers, merge_spans
 
@@ -117,9 +119,6 @@ def safetensors_header(part: PartialFile, ctx: Fetcher) -> tuple[dict[str, Any],
 def gguf_header(part: PartialFile, ctx: Fetcher) -> tuple[dict[str, Any], list[tuple[str, int, int]], int]:
     """(metadata, [(tensor name, absolute offset, nbytes)], data start) of a GGUF file, fetching its header: the
     first 256 KiB, doubled until the header parses (the reader raises on a header cut short)."""
-    from ..model.gguf.quants import row_bytes
-    from ..model.gguf.reader import _parse
-
     n = min(_FIRST_PROBE, part.size)
     while True:
         part.ensure([(0, n)], ctx)

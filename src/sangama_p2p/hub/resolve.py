@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckpointError, DownloadError, LayerRangeError
+from ..model.spec import ModelSpec
 from .fetch import HubSettings, Progress, Sibling, download_file, repo_files
 from .partial import Fetcher, PartialFile, gguf_header, safetensors_header
 from .plan import gguf_stage_tensors, merge_spans, safetensors_stage_tensors, sample_spans
@@ -106,8 +107,6 @@ class _Job:
         shards = sorted(n for n in self.files if n.endswith(".safetensors"))
         if not shards:
             raise DownloadError(f"{self.hs}: the repo holds no .safetensors file")
-        from ..model.spec import ModelSpec
-
         mspec = ModelSpec.from_dir(snapshot)
         if layers is None or tuple(layers) == (0, mspec.num_layers):
             used = _index_files(snapshot) or shards
