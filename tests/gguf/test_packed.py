@@ -15,7 +15,7 @@ from sangama_p2p.errors import UnsupportedModelError
 from sangama_p2p.model.gguf.packed import Q4_1, Q5_1, FloatLinear, Int4Weight, int4_codes, repack
 from sangama_p2p.model.gguf.quantizer import quantize
 from sangama_p2p.model.gguf.quants import QType, QuantTensor
-from sangama_p2p.model.layers import FusedLinear
+from sangama_p2p.model.linear import FusedLinear
 
 # max |fused - x @ dequantize(w).T| / max |x @ dequantize(w).T| over 7 rows of N(0, 1) activations. The error comes
 # from bfloat16: activations, scales and zeros, and the kernel's output are rounded to it (2^-9 relative); two-plane
