@@ -13,7 +13,8 @@ from sangama_p2p.errors import ErrorCode
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.stage import StageModel, StepInput
 from sangama_p2p.stage.config import StageConfig
-from sangama_p2p.stage.scheduler import ComputeThread, Job, Scheduler
+from sangama_p2p.stage.compute import ComputeThread
+from sangama_p2p.stage.scheduler import Job, Scheduler
 from sangama_p2p.stage.sessions import SessionTable
 from sangama_p2p.tensors import from_wire
 from sangama_p2p.wire.messages import OpenSession, Step

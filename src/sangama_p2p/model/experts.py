@@ -13,13 +13,10 @@ and ``[E, I, H]`` (the experts' own weights become transposed views of them: no 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .layers import DenseMLP
+from .linear import DenseMLP
 
 __all__ = ["StackedExperts"]
 
@@ -40,7 +37,7 @@ class StackedExperts:
         self.dense_ok = self.per_row <= DENSE_MAX_PER_ROW
 
     @classmethod
-    def build(cls, experts: list["DenseMLP"]) -> "StackedExperts | None":
+    def build(cls, experts: list[DenseMLP]) -> "StackedExperts | None":
         """Stack dense, bias-free experts (re-pointing their weights at transposed views of the stack); None if they
         are not."""
         ws = [(e.gate_up.parts, e.down) for e in experts]

@@ -16,7 +16,8 @@ from typing import Iterator
 
 import torch
 
-from .layers import DecoderLayer, Loader, linear, norm_weight
+from .layers import DecoderLayer
+from .linear import Loader, linear, norm_weight
 from .ops import rms_norm
 from .spec import FULL, ModelSpec
 from .state import Segment

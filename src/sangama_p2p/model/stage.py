@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import CapacityError, CheckpointError, ModelError, SessionStateError, UnsupportedModelError
-from .layers import MIN_ROWS, DecoderLayer, linear, norm_weight, pad_rows
+from .layers import DecoderLayer
+from .linear import MIN_ROWS, linear, norm_weight, pad_rows
 from .mtp import MTPLayer
 from .ops import rms_norm, rope_inv_freq, rope_tables
 from .spec import ModelSpec
@@ -63,7 +64,7 @@ class StageModel:
         self.final_norm: torch.Tensor | None = None
         self.head: Weight | None = None
         self.mtp: MTPLayer | None = None
-        # pad dense products to this many rows so that results do not depend on batch composition (layers.MIN_ROWS)
+        # pad dense products to this many rows so that results do not depend on batch composition (linear.MIN_ROWS)
         self.min_rows = 0
         self.inv_freq = rope_inv_freq(spec).to(device)
         self._rope: torch.Tensor | None = None  # cos and sin of positions 0..L-1: [2, L, 1, head_dim] (rope_rows)
@@ -90,7 +91,7 @@ class StageModel:
         ``fused``: repack quantized (and narrower float) weights once, at load, for fused kernels when the source can
         (``GGUFSource.repack``); False keeps them as stored and dequantizes them on every use.
         ``batch_invariant``: make every session's numbers independent of what it is batched with (costs speed on
-        CPU for small batches, see ``layers.MIN_ROWS``).
+        CPU for small batches, see ``linear.MIN_ROWS``).
         """
         dt = resolve_dtype(dtype)
         stage = cls(spec, start, end, dt, torch.device(device))

@@ -27,13 +27,11 @@ queues frames on the right stream).
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import trio
@@ -44,67 +42,16 @@ from ..model.stage import StageModel, StepInput
 from ..tensors import from_wire, to_wire
 from ..wire.messages import Step
 from ..wire.tensor import Tensor
+from .compute import ComputeThread
 from .sessions import StageSession
 
-__all__ = ["ComputeThread", "Job", "Outcome", "Scheduler", "measure_step"]
+__all__ = ["Job", "Outcome", "Scheduler", "measure_step"]
 
-T = TypeVar("T")
 _DECODE_TOKENS = 16  # a step with at most this many tokens per job is decode-like (a prefill has more)
 
 
 def _decode_like(jobs: list[Job]) -> bool:
     return sum(len(j.msg.token_ids) for j in jobs) <= _DECODE_TOKENS * len(jobs)
-
-
-class ComputeThread:
-    """One long-lived thread that runs a stage's compute calls in order, off the trio thread.
-
-    Why not ``trio.to_thread.run_sync``: measured on the 2-core dev machine with a 1 ms torch call, its hand-off
-    took ~95 us there and 0.4-3 ms back (trio 0.3x's thread cache), against ~20 us and ~150 us for a dedicated thread
-    fed by a queue that reports back with ``TrioToken.run_sync_soon``; a pipeline trip pays both at every stage.
-    Like ``to_thread.run_sync``, a call is not abandoned when the caller is cancelled: it finishes first (session
-    state must never be left half-updated), then the cancellation proceeds.
-    """
-
-    def __init__(self, name: str = "sangama-compute") -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, args, done = job
-            try:
-                result: tuple[bool, Any] = (True, fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
-                result = (False, exc)
-            try:
-                self._token.run_sync_soon(done, result)
-            except trio.RunFinishedError:  # the trio run ended while we computed: nobody is waiting
-                return
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the compute thread; returns its result or raises its exception."""
-        finished = trio.Event()
-        box: list[tuple[bool, Any]] = []
-
-        def done(result: tuple[bool, Any]) -> None:
-            box.append(result)
-            finished.set()
-
-        self._jobs.put((fn, args, done))
-        with trio.CancelScope(shield=True):
-            await finished.wait()
-        await trio.lowlevel.checkpoint_if_cancelled()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def stop(self) -> None:
-        """Let the thread end after the call it is running (if any)."""
-        self._jobs.put(None)
 
 
 @dataclass(eq=False)

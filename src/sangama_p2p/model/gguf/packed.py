@@ -6,16 +6,17 @@ without ever being dequantized again:
 - **Int4** (torch's ``_weight_int4pack_mm_for_cpu``, group size 32): every type whose weights are affine per
   32-element group, ``w = s * q + c``. Torch's kernel computes ``w = (q - 8) * s + z`` with ``scales_and_zeros``
   ``[K/32, N, 2]`` (checked numerically in the tests), so z = c + 8 s. One plane (4-bit codes) holds Q4_0 (z = 0),
-  Q4_1 (z = m + 8d) and Q4_K (s = d*sc, z = 8 d*sc - dmin*m). Two planes, stacked along N and summed after the
-  product, hold the 5- and 8-bit types exactly: Q5_0/Q5_1/Q5_K as the low nibble plus the fifth bit (codes 8/9 at
-  scale 16 s, zero -8 s), Q8_0 as ``q = 16 hi + lo`` (hi in [-8, 7] at scale 16d, zero 8d; lo in [0, 15] at scale
-  d, zero 0).
+  Q4_1 (z = m + 8d) and Q4_K (s = d*sc, z = 8 d*sc - dmin*m). Two planes, stacked along K (the activations go
+  in twice, side by side, and the kernel sums both planes' products in fp32 in one call), hold the 5- and 8-bit
+  types exactly: Q5_0/Q5_1/Q5_K as the low nibble plus the fifth bit (codes 8/9 at scale 16 s, zero -8 s), Q8_0 as
+  ``q = 16 hi + lo`` (hi in [-8, 7] at scale 16d, zero 8d; lo in [0, 15] at scale d, zero 0).
   The kernel is fast only with bfloat16 activations (fp32 and fp16 take a reference path 30x slower, measured), so
   scales and zeros are rounded to **bfloat16** and the activations are cast to bfloat16 per call; the kernel
-  accumulates in fp32 and rounds its output to bfloat16. N must be a multiple of 16 (rows of zeros pad it; the
-  padding is cut from the output), K a multiple of 32 (always true of these block types).
+  accumulates in fp32 and rounds its output to bfloat16 (once, also for two planes). N must be a multiple of 16
+  (rows of zeros pad it; the padding is cut from the output), K a multiple of 32 (always true of these block types).
 - **Dense** (:class:`FloatLinear`): Q6_K (groups of 16, which the int4 kernel cannot take) is dequantized once into
-  bfloat16; F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products accumulate in fp32; the
+  float16 (11 significant bits against bfloat16's 8, and torch's one-row fp16 product ran 1.7x faster than bf16's
+  here), or bfloat16 where a weight exceeds fp16's range; F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products accumulate in fp32; the
   activations are scaled into fp16's range first), never upcast whole. An fp16 weight times 16 rows or more (prefill)
   is multiplied in fp32 instead, a chunk of its rows upcast at a time: torch's fp16 GEMM on the CPU is 3-4x slower
   than fp32's there.
@@ -48,7 +49,7 @@ Q4_1, Q5_1 = QType.Q4_1, QType.Q5_1  # d, m fp16 + codes; w = d*q + m
 _PLANES = {QType.Q4_0: 1, Q4_1: 1, QType.Q4_K: 1, QType.Q5_0: 2, Q5_1: 2, QType.Q5_K: 2, QType.Q8_0: 2}
 INT4_TYPES = frozenset(_PLANES)
 _TYPE_SIZE = {QType.Q4_0: 18, Q4_1: 20, QType.Q4_K: 144, QType.Q5_0: 22, Q5_1: 24, QType.Q5_K: 176, QType.Q8_0: 34}
-_BF16_TYPES = frozenset({QType.Q6_K})  # dequantized once into bfloat16
+_DENSE_TYPES = frozenset({QType.Q6_K})  # dequantized once into float16 (bfloat16 beyond fp16's range)
 _FP16_MAX = 60000.0  # activations scaled below this before an fp16 product
 _WIDE_ROWS = 16  # an fp16 weight multiplies this many activation rows or more in fp32 (torch's fp16 GEMM is slow)
 
@@ -121,8 +122,9 @@ def int4_codes(qtype: int, data: torch.Tensor, n_cols: int) -> tuple[torch.Tenso
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Int4Weight(FusedWeight):
-    """``W [n, k]`` as ``planes`` int4 planes in torch's packed CPU layout (``packed`` uint8 [planes*N, k/2], N = n
-    padded to a multiple of 16) with bfloat16 ``scales_zeros`` [k/32, planes*N, 2]; ``y = sum over planes``."""
+    """``W [n, k]`` as ``planes`` int4 planes side by side along K, in torch's packed CPU layout (``packed`` uint8
+    [N, planes*k/2], N = n padded to a multiple of 16) with bfloat16 ``scales_zeros`` [planes*k/32, N, 2]:
+    ``y = [x, x, ...] @ [plane_0, plane_1, ...].T``."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
@@ -138,7 +140,7 @@ class Int4Weight(FusedWeight):
 
     @property
     def padded(self) -> int:
-        return self.packed.shape[0] // self.planes
+        return self.packed.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -146,23 +148,23 @@ class Int4Weight(FusedWeight):
 
     @property
     def type_name(self) -> str:
-        return f"{type_name(self.qtype)} as int4x{self.planes}"
+        name = "mixed" if self.qtype < 0 else type_name(self.qtype)
+        return f"{name} as int4x{self.planes}"
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.k).to(torch.bfloat16)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.k)
+        xb = x2.to(torch.bfloat16)
         if self.in_perm is not None:
-            x2 = x2.index_select(1, self.in_perm)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, planes*N]
-        big = self.padded
-        if self.planes == 2:
-            y = y[:, :big].float() + y[:, big:]
-        if big != self.n:
+            xb = xb.index_select(1, self.in_perm)
+        if self.planes > 1:
+            xb = torch.cat((xb,) * self.planes, dim=1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scales_zeros)  # [M, N]
+        if self.padded != self.n:
             y = y[:, : self.n]
         y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
-        return y.reshape(*lead, self.n)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.n)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the kernel multiplies by (bfloat16 products of the identity, 1024 columns at a time; for tests
@@ -183,7 +185,8 @@ class Int4Weight(FusedWeight):
     @staticmethod
     def concat(parts: list[FusedWeight]) -> "Int4Weight | None":
         """The parts stacked along N (one product for q/k/v or gate/up), or None where the layout does not allow it:
-        every part but the last must fill whole 64-row tiles of the packed layout."""
+        the same K and number of planes, and every part but the last filling whole 64-row tiles of the packed
+        layout."""
         if not all(isinstance(p, Int4Weight) for p in parts):
             return None
         ps: list[Int4Weight] = parts  # type: ignore[assignment]
@@ -192,11 +195,10 @@ class Int4Weight(FusedWeight):
             return None
         if any(p.padded != p.n or p.n % _ROW_TILE for p in ps[:-1]):
             return None
-        planes = first.planes
-        packed = torch.cat([p.packed.view(planes, p.padded, -1) for p in ps], dim=1).view(-1, first.k // 2)
-        sz = torch.cat([p.scales_zeros.view(first.k // GROUP, planes, p.padded, 2) for p in ps], dim=2)
-        return Int4Weight(packed, sz.view(first.k // GROUP, -1, 2), sum(p.n for p in ps[:-1]) + ps[-1].n,
-                          first.k, planes, first.qtype if len({p.qtype for p in ps}) == 1 else -1)
+        packed = torch.cat([p.packed for p in ps])
+        sz = torch.cat([p.scales_zeros for p in ps], dim=1)
+        return Int4Weight(packed, sz, sum(p.n for p in ps[:-1]) + ps[-1].n, first.k, first.planes,
+                          first.qtype if len({p.qtype for p in ps}) == 1 else -1)
 
 
 def chunk_rows(k: int, planes: int) -> int:
@@ -212,33 +214,28 @@ def pack_int4(qt: QuantTensor, release: Callable[[torch.Tensor], None] | None = 
     reordered are packed as stored; the activations are reordered instead."""
     n, k = qt.shape
     planes = _PLANES[qt.qtype]
-    tile = 16 if planes == 1 else _ROW_TILE  # the second plane must start on a whole tile of the packed layout
-    big = -(-n // tile) * tile
-    packed = torch.empty(planes, big, k // 2, dtype=torch.uint8)
-    sz = torch.empty(k // GROUP, planes, big, 2, dtype=torch.bfloat16)
+    big = -(-n // 16) * 16
+    packed = torch.empty(big, planes * k // 2, dtype=torch.uint8)
+    sz = torch.empty(planes, k // GROUP, big, 2, dtype=torch.bfloat16)
     step = chunk_rows(k, planes)
     for r0 in range(0, big, step):
         r1 = min(r0 + step, big)
         real = max(0, min(r1, n) - r0)
+        codes = torch.full((r1 - r0, planes, k), 8, dtype=torch.int32)  # pad rows: codes 8 at scale 0, zero 0 -> 0
         if real:
             blocks = qt.data[r0 : r0 + real]
-            codes, scale, zero = int4_codes(qt.qtype, blocks, k)
+            c, scale, zero = int4_codes(qt.qtype, blocks, k)
             if release is not None:
                 release(blocks)
-            sz[:, :, r0 : r0 + real, 0] = scale.permute(2, 0, 1)
-            sz[:, :, r0 : r0 + real, 1] = zero.permute(2, 0, 1)
-            del scale, zero
-        if real < r1 - r0:  # pad rows: codes 8 at scale 0, zero 0 -> weights 0
-            pad = codes.new_full((planes, r1 - r0 - real, k), 8) if real else torch.full((planes, r1 - r0, k), 8,
-                                                                                          dtype=torch.uint8)
-            codes = torch.cat((codes, pad), dim=1) if real else pad
-            sz[:, :, r0 + real : r1] = 0
-        for p in range(planes):
-            packed[p, r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[p].to(torch.int32), 1)
+            codes[:real] = c.transpose(0, 1)
+            sz[:, :, r0 : r0 + real, 0] = scale.transpose(1, 2)
+            sz[:, :, r0 : r0 + real, 1] = zero.transpose(1, 2)
+            del c, scale, zero
+        sz[:, :, r0 + real : r1] = 0
+        packed[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(r1 - r0, planes * k), 1)
         del codes
     in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
-    return Int4Weight(packed.view(planes * big, k // 2), sz.view(k // GROUP, planes * big, 2), n, k, planes,
-                      qt.qtype, in_perm)
+    return Int4Weight(packed, sz.view(planes * k // GROUP, big, 2), n, k, planes, qt.qtype, in_perm)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -260,7 +257,8 @@ class FloatLinear(FusedWeight):
         if w.dtype == torch.float16 and x.dtype != torch.float16 and x.numel() >= _WIDE_ROWS * w.shape[1]:
             y = _fp32_by_row_chunks(x.reshape(-1, w.shape[1]), w).reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
         elif w.dtype == torch.float16 and x.dtype != torch.float16:
-            peak = float(x.abs().max()) if x.numel() else 0.0
+            lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+            peak = max(-float(lo), float(hi))  # (cheaper than abs().max(): one op)
             if peak > _FP16_MAX:  # keep the activations inside fp16's range (and scale the product back)
                 scale = peak / _FP16_MAX
                 y = F.linear((x / scale).to(w.dtype), w).to(x.dtype) * scale
@@ -293,8 +291,9 @@ def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None
             return w  # other devices stay on the dequantize-per-use path
         if w.qtype in INT4_TYPES:
             return pack_int4(w, release)
-        if w.qtype in _BF16_TYPES:
-            return FloatLinear(_dequantize_chunked(w, torch.bfloat16, release))  # (columns put in order by dequantize)
+        if w.qtype in _DENSE_TYPES:  # (columns put in order by the dequantization)
+            dense_w = _dequantize_chunked(w, torch.float16, release)
+            return FloatLinear(dense_w if dense_w is not None else _dequantize_chunked(w, torch.bfloat16, release))
         return w
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type == "cpu" and w.dtype != dtype:
         if w.dtype in (torch.float16, torch.bfloat16):
@@ -328,8 +327,11 @@ def _fp32_by_row_chunks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype,
-                        release: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                        release: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    """The weight in ``dtype``, a chunk of rows at a time; None when a value does not fit ``dtype`` (fp16's 65504).
+    Released blocks stay readable (the mapped pages come back from the file)."""
     n, k = qt.shape
+    limit = torch.finfo(dtype).max
     out = torch.empty(n, k, dtype=dtype)
     step = max(1, _TEMP_BYTES // (8 * k))  # rows whose fp32 dequantization (and its steps) fit the bound
     for r0 in range(0, n, step):
@@ -337,5 +339,7 @@ def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype,
         part = dequantize_rows(qt.qtype, blocks, k)
         if release is not None:
             release(blocks)
+        if float(part.abs().max()) > limit:
+            return None
         out[r0 : r0 + step] = part if qt.col_perm is None else part.index_select(1, qt.col_perm)
     return out

@@ -1,0 +1,104 @@
+"""Dense products of a batched step: row padding (batch invariance), one weight or several of one input, RMSNorm
+scales and the SwiGLU MLP. The layers (``layers.py``, ``deltanet.py``, ``experts.py``, ``mtp.py``) build on these.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .spec import ModelSpec
+from .weights import FusedWeight, Weight, dense
+
+__all__ = ["MIN_ROWS", "DenseMLP", "FusedLinear", "Loader", "linear", "norm_weight", "pad_rows"]
+
+# A loader returns the weight for a canonical name relative to a prefix.
+Loader = Callable[[str], Weight]
+
+
+# Batch-invariant numerics. BLAS runs a few rows through other kernels (gemv, small-matrix paths) than many rows, and
+# vectorised elementwise kernels compute a tensor's tail elements with scalar code, so the same row can differ in its
+# last bits depending on what it is batched with. With MIN_ROWS = m > 0, every dense product and every whole-step
+# tensor has a row count that is a multiple of m (zero rows are appended), so each row takes the same path whatever
+# its neighbours. The stage sets this per step (see StageModel.batch_invariant).
+MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("sangama_min_rows", default=0)
+
+
+def pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``m`` rows (``x`` itself when m is 0 or it fits)."""
+    n = x.shape[0]
+    target = -(-n // m) * m if m else n
+    if target == n:
+        return x
+    return torch.cat((x, torch.zeros(target - n, *x.shape[1:], dtype=x.dtype, device=x.device)))
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    n, m = x.shape[0], MIN_ROWS.get()
+    if bias is not None and bias.dtype != x.dtype:  # biases are kept fp32; a bf16/fp16 step uses them cast
+        bias = bias.to(x.dtype)
+    if isinstance(w, FusedWeight):  # repacked at load: the kernel multiplies the packed weight itself
+        return w.linear(pad_rows(x, m), bias)[:n] if m else w.linear(x, bias)
+    if m:
+        return F.linear(pad_rows(x, m), dense(w, x.dtype), bias)[:n]
+    return F.linear(x, dense(w, x.dtype), bias)
+
+
+class FusedLinear:
+    """Projections of the same input as ONE product when their weights are dense or repacked alike (one each when
+    quantized per use).
+
+    The concatenated weight replaces the parts (same bytes), so a decode step makes one call where it made three
+    or four: on CPU the per-call overhead, not the arithmetic, dominates small models.
+    """
+
+    def __init__(self, weights: list[Weight], biases: list[torch.Tensor] | None = None) -> None:
+        self.sizes = [int(w.shape[0]) for w in weights]
+        if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
+            self.parts: list[Weight] = [torch.cat(weights)]  # type: ignore[arg-type]
+            self.biases: list[torch.Tensor | None] = [torch.cat(biases) if biases else None]
+        elif isinstance(weights[0], FusedWeight) and (joined := weights[0].concat(weights)) is not None:
+            self.parts = [joined]
+            self.biases = [torch.cat(biases) if biases else None]
+        else:
+            self.parts = list(weights)
+            self.biases = list(biases) if biases else [None] * len(weights)
+
+    def weights(self) -> Iterator[Weight]:
+        yield from self.parts
+        yield from (b for b in self.biases if b is not None)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if len(self.parts) == 1:
+            return list(linear(x, self.parts[0], self.biases[0]).split(self.sizes, dim=-1))
+        return [linear(x, w, b) for w, b in zip(self.parts, self.biases)]
+
+
+def norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:
+    """Effective RMSNorm scale, fp32: Qwen3.5 stores w and applies 1 + w."""
+    t = dense(w, torch.float32)
+    return (t + 1.0) if spec.zero_centered_norm else t
+
+
+class DenseMLP:
+    """SwiGLU MLP (Llama's FFN and Qwen3.5's shared expert)."""
+
+    def __init__(self, load: Loader, prefix: str, bias: bool = False) -> None:
+        biases = [dense(load(f"{prefix}.{p}.bias"), torch.float32) for p in ("gate_proj", "up_proj")] if bias \
+            else None
+        self.gate_up = FusedLinear([load(f"{prefix}.gate_proj.weight"), load(f"{prefix}.up_proj.weight")], biases)
+        self.down = load(f"{prefix}.down_proj.weight")
+        self.down_bias = dense(load(f"{prefix}.down_proj.bias"), torch.float32) if bias else None
+
+    def weights(self) -> Iterator[Weight]:
+        yield from self.gate_up.weights()
+        yield self.down
+        if self.down_bias is not None:
+            yield self.down_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return linear(F.silu(gate) * up, self.down, self.down_bias)
