@@ -30,8 +30,10 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- RelayError            a relay refused or failed a reservation or circuit (carries its status)
     |       +-- NotARelayError        the peer offers no relay service at all
     |   +-- OutboxFull            a stream's queue of outgoing frames at its bound while its writes do not drain
+    |   +-- ChainBroken           a chain that cannot finish a trip (a stream ended, a next hop failed, a stall)
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
+    |   +-- StageRefused          a stage answered with an ErrorMessage (carries the code and the peer)
     +-- ApiError              an HTTP API request refused (carries the HTTP status and OpenAI's error fields)
 
 Foreign errors (libp2p's, trio's, ``OSError``, a parser's) are translated where they are caught by one helper,
@@ -48,6 +50,7 @@ __all__ = [
     "ApiError",
     "BufferBudgetError",
     "CapacityError",
+    "ChainBroken",
     "ChatTemplateError",
     "DeviceError",
     "CheckpointError",
@@ -69,6 +72,7 @@ __all__ = [
     "SangamaError",
     "SessionStateError",
     "StageError",
+    "StageRefused",
     "StreamClosed",
     "TooManyGuessesError",
     "TruncatedFrameError",
@@ -236,6 +240,18 @@ class OutboxFull(NetworkError):
     code = ErrorCode.OVERLOADED
 
 
+class ChainBroken(NetworkError):
+    """The chain cannot finish this trip; ``suspects`` are the peers seen failing (probed before exclusion);
+    ``misbehaving`` are peers that answered against the protocol (excluded without a probe)."""
+
+    def __init__(self, message: str, suspects: frozenset[str] = frozenset(),
+                 misbehaving: frozenset[str] = frozenset(), stalled: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.suspects = suspects | misbehaving
+        self.misbehaving = misbehaving
+        self.stalled = stalled  # the route of a trip that stalled past its trip clock (one of them swallowed it)
+
+
 class RouteError(SangamaError):
     """No chain of live peers covers the requested model's layers."""
 
@@ -246,6 +262,14 @@ class StageError(SangamaError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         super().__init__(message)
         self.code = code
+
+
+class StageRefused(StageError):
+    """A stage answered a request with an ``ErrorMessage``; ``peer`` says which one."""
+
+    def __init__(self, message: str, code: ErrorCode, peer: str) -> None:
+        super().__init__(message, code)
+        self.peer = peer
 
 
 class ApiError(SangamaError):

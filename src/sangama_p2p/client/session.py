@@ -24,24 +24,12 @@ from dataclasses import dataclass
 
 import trio
 
-from ..errors import ErrorCode, NetworkError, SangamaError, StageError
+from ..errors import ChainBroken, ErrorCode, SangamaError, StageError, StageRefused
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import PeerOffer
 
 __all__ = ["ChainBroken", "ChainSession", "SessionParams", "StageRefused", "check_result"]
-
-
-class ChainBroken(NetworkError):
-    """The chain cannot finish this trip; ``suspects`` are the peers seen failing (probed before exclusion);
-    ``misbehaving`` are peers that answered against the protocol (excluded without a probe)."""
-
-    def __init__(self, message: str, suspects: frozenset[str] = frozenset(),
-                 misbehaving: frozenset[str] = frozenset(), stalled: frozenset[str] = frozenset()) -> None:
-        super().__init__(message)
-        self.suspects = suspects | misbehaving
-        self.misbehaving = misbehaving
-        self.stalled = stalled  # the route of a trip that stalled past its trip clock (one of them swallowed it)
 
 
 def check_result(res: StepResult, sent: Sequence[int], n_guesses: int, peer: str) -> None:
@@ -52,14 +40,6 @@ def check_result(res: StepResult, sent: Sequence[int], n_guesses: int, peer: str
     if not 0 <= k <= n_guesses or tuple(res.tokens[:k]) != guesses[:k]:
         raise ChainBroken(f"{peer} answered tokens {list(res.tokens)} for guesses {list(guesses)}",
                           misbehaving=frozenset({peer}))
-
-
-class StageRefused(StageError):
-    """A stage answered a request with an ``ErrorMessage``; ``peer`` says which one."""
-
-    def __init__(self, message: str, code: ErrorCode, peer: str) -> None:
-        super().__init__(message, code)
-        self.peer = peer
 
 
 # codes meaning "this peer cannot serve the session right now" (another peer might)
