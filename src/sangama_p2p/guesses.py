@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from .errors import ModelError
+from .wire.limits import MAX_GUESSES
 
 __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "parse_guesses"]
 
-MAX_GUESSES = 8  # the most guesses one step may carry
 AUTO_MAX_GUESSES = 6  # the adaptive policy's ceiling
 
 

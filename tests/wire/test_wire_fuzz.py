@@ -28,6 +28,7 @@ from sangama_p2p.wire import (
     encode_frame,
 )
 from sangama_p2p.wire.tensor import DTYPE_SIZES
+from sangama_p2p.wire.limits import MAX_GUESSES
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -56,7 +57,7 @@ def open_sessions(draw: st.DrawFn) -> OpenSession:
     return OpenSession(
         draw(sids), draw(ids), start, draw(st.integers(start + 1, 2000)), draw(st.none() | ids), draw(st.none() | ids),
         draw(ids),
-        draw(idx), draw(st.floats(0, 10)), draw(st.floats(0.01, 1.0)), draw(u64), draw(st.integers(0, 64)),
+        draw(idx), draw(st.floats(0, 10)), draw(st.floats(0.01, 1.0)), draw(u64), draw(st.integers(0, MAX_GUESSES)),
         draw(st.booleans()),
     )  # fmt: skip
 

@@ -32,8 +32,9 @@ MAX_TOKENS: Final = 1 << 20
 """Token ids in one step: a whole long prompt's prefill fits."""
 MAX_TOKEN_ID: Final = 1 << 31
 """Token ids lie in [0, 2**31)."""
-MAX_GUESSES: Final = 64
-"""Speculative guesses checked or drafted in one trip."""
+MAX_GUESSES: Final = 8
+"""Speculative guesses checked or drafted in one trip: the one bound, which the client's ``--guesses`` and a stage's
+``max_guesses`` obey too (``sangama_p2p.guesses`` takes it from here)."""
 MAX_TRACE: Final = 64
 """Trace stamps in one frame: one per stage, so at most this many stages per chain."""
 MAX_INDEX: Final = 1 << 31
