@@ -36,8 +36,9 @@ from .model.fingerprint import stage_identity
 from .model.spec import ModelSpec, parse_layer_range
 from .model.tokenizer import Tokenizer
 from .net.discovery import find_serving_peers
-from .net.host import Node, open_host
+from .net.host import open_host
 from .net.identity import KeyPair
+from .net.node import Node
 from .net.traversal import Traversal, TraversalConfig
 from .stage.config import StageConfig
 from .stage.server import StageServer

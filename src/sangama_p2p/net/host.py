@@ -1,7 +1,7 @@
 """``open_host``: a py-libp2p host with Sangama's choices made once, composed with its DHT and services into a running
 :class:`~sangama_p2p.net.node.Node`.
 
-Choices (see ``/work/shared/notes/py-libp2p-0.8.1.md`` for the measurements behind them):
+Choices (each with the py-libp2p 0.8.1 behaviour behind it; speeds in docs/benchmarks.md, "Network"):
 
 * TCP + Noise + Yamux only. A default py-libp2p host also accepts plaintext and secio; we pass a Noise-only
   ``sec_opt`` and a Yamux-only ``muxer_opt``. With a fleet secret only plain TCP listen addresses are accepted

@@ -1,8 +1,9 @@
 """Direct lanes: stage frames on a plain TCP connection, keyed through an authenticated libp2p stream.
 
-Why: py-libp2p's Noise + Yamux spends about 0.2 ms of Python per 8 KiB frame on each side (measured in
-../shared/notes/py-libp2p-0.8.1.md: a four-hop trip of 8 KiB frames takes 1.55 ms over Noise + Yamux and 0.24 ms over
-plain trio TCP). A pipeline trip is four such hops, so for small models the transport cost more than the compute.
+Why: py-libp2p's Noise + Yamux spends about 0.2 ms of Python per 8 KiB frame on each side (``benchmarks/net.py``,
+docs/benchmarks.md "Network": a four-hop trip of 8 KiB frames took 2.8 ms over our Noise + Yamux host, 0.31 ms over
+plain trio TCP and 0.37 ms over lanes). A pipeline trip is four such hops, so for small models the transport cost
+more than the compute.
 A lane keeps libp2p for what it is good at (identity, discovery, NAT traversal, relays) and moves only the
 long-lived stage traffic between two directly connected peers onto a TCP connection of its own.
 
