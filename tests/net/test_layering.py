@@ -1,5 +1,5 @@
-"""net/ owns the network: nothing else in the package imports py-libp2p or multiaddr, and net/'s modules import each
-other without a circle (type-only and in-function imports included: a circle hidden in a function is still one)."""
+"""net/ owns the network: nothing else in the package imports py-libp2p or multiaddr (type-only and in-function imports
+included). Circles, in net/ and everywhere else, are tests/test_house.py's."""
 
 from __future__ import annotations
 
@@ -62,29 +62,3 @@ def test_the_check_sees_imports_in_functions_type_blocks_and_relative_ones() -> 
               "    importlib.import_module('libp2p.kad_dht')\n    from ..net import node\n")
     found = {m for m, _ in _imports_in(source, "sangama_p2p.net")}
     assert {"libp2p.peer.id", "multiaddr", "libp2p.kad_dht", "sangama_p2p.net.dial", "sangama_p2p.net.node"} <= found
-
-
-def test_net_has_no_import_circle() -> None:
-    files = {_module_name(p): p for p in NET.rglob("*.py")}
-    graph = {name: sorted({m for m, _ in _imports(path) if m in files and m != name}) for name, path in files.items()}
-    # a module's package face (``__init__``) runs before it, but importing a sibling is not importing the face
-    circles = []
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(name: str) -> None:
-        state[name] = 1
-        path.append(name)
-        for dep in graph[name]:
-            if state.get(dep) == 1:
-                circles.append(" -> ".join(path[path.index(dep):] + [dep]))
-            elif dep not in state:
-                visit(dep)
-        path.pop()
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name)
-    assert graph["sangama_p2p.net.dial"]  # imports were resolved (relative ones included)
-    assert not circles, "\n".join(circles)
