@@ -4,7 +4,7 @@ py-libp2p runs only under trio, so the trio :class:`sangama_p2p.peer.Peer` is th
 it (the httpx habit: one core, two faces). Trio runs as a *guest* of the asyncio loop
 (``trio.lowlevel.start_guest_run``): both run on the loop's thread, trio's I/O waits happen in a helper thread and
 its ticks are scheduled with ``loop.call_soon_threadsafe``. Measured to work with py-libp2p (two hosts, a stream, an
-echo) while an asyncio task kept its 10 ms tick; see ``/work/shared/notes/py-libp2p-0.8.1.md``.
+echo) while an asyncio task kept its 10 ms tick (``tests/test_aio.py`` holds a generation to it).
 
 The bridge, both ways:
 

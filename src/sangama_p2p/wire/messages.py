@@ -178,7 +178,8 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class CloseSession:
-    """Client -> stage (and forwarded down the chain): free the session's state."""
+    """Client -> each stage of the chain (the client sends it to every stage itself; stages do not forward it): free
+    the session's state."""
 
     TAG: ClassVar[int] = 5
     session_id: bytes
