@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import trio
 
 from ..errors import ErrorCode, NetworkError, SangamaError, StageError
+from ..positions import is_decode_step, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import PeerOffer
@@ -47,7 +48,7 @@ class ChainBroken(NetworkError):
 def check_result(res: StepResult, sent: Sequence[int], n_guesses: int, peer: str) -> None:
     """A last stage's answer must keep a prefix of the guesses it was sent, plus exactly one new token, and as many
     next guesses as the session allows at most; anything else is a misbehaving peer (raises ChainBroken)."""
-    guesses = tuple(sent[len(sent) - n_guesses:]) if n_guesses else ()
+    guesses = step_guesses(sent, n_guesses)
     k = len(res.tokens) - 1
     if not 0 <= k <= n_guesses or tuple(res.tokens[:k]) != guesses[:k]:
         raise ChainBroken(f"{peer} answered tokens {list(res.tokens)} for guesses {list(guesses)}",
@@ -143,11 +144,11 @@ class ChainSession:
 
     async def step(self, step: int, start: int, token_ids: Sequence[int], n_guesses: int) -> tuple[StepResult, float]:
         """One trip; returns the last stage's result and the trip time in seconds on this clock."""
-        guesses = tuple(token_ids[len(token_ids) - n_guesses:]) if n_guesses else ()
+        guesses = step_guesses(token_ids, n_guesses)
         msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, ())
         t0 = time.perf_counter()
         await self._send_to(self.links[0], msg)
-        decode = len(token_ids) <= n_guesses + 1
+        decode = is_decode_step(len(token_ids), n_guesses)
         limit = self.trip_deadline(decode)
         with trio.move_on_after(limit):
             while True:
