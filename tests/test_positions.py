@@ -70,8 +70,8 @@ def test_fits_guesses():
     assert SessionPositions(8, ring=0).fits_guesses(4)  # attention rolls back by position
 
 
-def test_positions_load_no_torch():
-    script = ("import sys, sangama_p2p.positions\n"
+def test_positions_and_the_loop_load_no_torch():
+    script = ("import sys, sangama_p2p.positions, sangama_p2p.generation\n"
               "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
