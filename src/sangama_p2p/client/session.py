@@ -12,6 +12,8 @@ ends the trip with a typed failure:
   timeout names the route's peers as ``stalled`` (the caller avoids them where it can).
 * :class:`~sangama_p2p.errors.StageError` (with ``code`` and ``peer``) - a stage refused the request (capacity,
   wrong model, bad position...).
+* :class:`NonFiniteHidden` (a ``StageRefused`` with code ``NON_FINITE``) - a stage refused hidden states holding NaN
+  or Inf; ``producer`` is the stage before it, which computed them (the transport tries once without it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpen
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import PeerOffer
 
-__all__ = ["ChainBroken", "ChainSession", "SessionParams", "StageRefused", "check_result"]
+__all__ = ["ChainBroken", "ChainSession", "NonFiniteHidden", "SessionParams", "StageRefused", "check_result"]
 
 
 class ChainBroken(NetworkError):
@@ -61,6 +63,15 @@ class StageRefused(StageError):
     def __init__(self, message: str, code: ErrorCode, peer: str) -> None:
         super().__init__(message, code)
         self.peer = peer
+
+
+class NonFiniteHidden(StageRefused):
+    """A stage refused the hidden states it was sent (``NON_FINITE``: they hold NaN or Inf). ``producer`` is the
+    stage before it in the chain, which computed them (None if the refusing stage is the first)."""
+
+    def __init__(self, message: str, peer: str, producer: str | None) -> None:
+        super().__init__(message, ErrorCode.NON_FINITE, peer)
+        self.producer = producer
 
 
 # codes meaning "this peer cannot serve the session right now" (another peer might)
@@ -190,6 +201,10 @@ class ChainSession:
         if isinstance(msg, ErrorMessage):
             if msg.code in (ErrorCode.INTERNAL, ErrorCode.EXPIRED):  # EXPIRED: idle too long, open and replay
                 raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
+            if msg.code == ErrorCode.NON_FINITE:
+                at = self.peers.index(peer) if peer in self.peers else 0
+                producer = self.peers[at - 1] if at else None
+                raise NonFiniteHidden(f"{peer} refused the hidden states of {producer}: {msg.message}", peer, producer)
             raise StageRefused(f"{peer} refused: {msg.code.name}: {msg.message}", msg.code, peer)
         raise StageRefused(f"{peer} sent an unexpected {type(msg).__name__}", ErrorCode.BAD_FRAME, peer)
 

@@ -20,7 +20,7 @@ from ..errors import ErrorCode, RouteError
 from ..generation import Answer, GenerationResult, Trip
 from ..positions import session_length
 from .config import ClientConfig
-from .session import ChainBroken, ChainSession, SessionParams, StageRefused
+from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
 from .timing import trip_timing
 
 __all__ = ["ChainOpener", "ChainTransport"]
@@ -52,7 +52,8 @@ class ChainTransport:
         self.params = params
         self.session = session
         self.exclude = exclude  # peers left out of this request's routes (dead, misbehaving, refusing)
-        self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled
+        self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled, or that computed NaN/Inf
+        self.non_finite_from: set[str] = set()  # peers whose hidden states a stage refused as NaN/Inf
         client.active[id(result)] = session
 
     @classmethod
@@ -89,7 +90,11 @@ class ChainTransport:
         try:
             res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
         except ChainBroken as exc:
-            await self._fail_over(trip, exc)
+            bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
+            await self._fail_over(trip, exc, bad, exc.stalled)
+            return [None]
+        except NonFiniteHidden as exc:
+            await self._fail_over(trip, exc, set(), self._non_finite(exc))
             return [None]
         if not trip.chunk:
             self.result.route = self.session.peers
@@ -97,17 +102,33 @@ class ChainTransport:
         self.result.trips.append(trip_timing(trip.number, len(trip.tokens), emitted, trip_s, res.trace))
         return [Answer(tuple(res.tokens), tuple(res.guesses))]
 
-    async def _fail_over(self, trip: Trip, exc: ChainBroken) -> None:
+    def _non_finite(self, exc: NonFiniteHidden) -> frozenset[str]:
+        """Hidden states with NaN or Inf: the first time, the peer that computed them may be at fault (a broken
+        device, a bad copy of the weights), so the next chain avoids it where a route without it exists. The second
+        time - another peer computed the same, or none other could be tried - the input itself is the cause, which
+        no other peer changes: raise, with what was tried."""
+        producer, seen = exc.producer, self.non_finite_from
+        if producer is None or seen:
+            tried = sorted(seen | {producer} if producer is not None else seen)
+            others = "another peer" if len(tried) > 1 else "no other peer could be tried, and it"
+            raise NonFiniteHidden(
+                f"the model's hidden states hold NaN or Inf for this input (computed by {', '.join(tried) or '?'}; "
+                f"{others} gave the same): not retried; {exc}", exc.peer, producer) from exc
+        seen.add(producer)
+        return frozenset({producer})
+
+    async def _fail_over(self, trip: Trip, exc: Exception, bad: set[str], stalled: frozenset[str]) -> None:
+        """Re-route around ``bad`` (excluded) or, when nobody is known bad, around ``stalled`` (avoided where a
+        route without them exists), on a chain of the same fingerprint; the loop then replays."""
         client, config, result, session = self.client, self.client.config, self.result, self.session
         log.info("chain %s broke at trip %d: %s", session.peers, trip.number, exc)
         result.failovers += 1
-        bad = set(exc.misbehaving) | await client.dead_peers(session)
         await session.close()
         if result.failovers > config.max_failovers:
             raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
         self.exclude |= bad
         if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
-            self.avoid |= exc.stalled
+            self.avoid |= stalled
         self.session = await client.open_chain(self.params, self.exclude, 0.0 if config.rediscover else math.inf,
                                                pin=session.fingerprint, avoid=self.avoid)
         client.active[id(result)] = self.session
