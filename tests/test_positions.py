@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import sangama_p2p
 from sangama_p2p.errors import CapacityError, SessionStateError
 from sangama_p2p.positions import (
     SessionPositions, guess_room, is_decode_step, kept, mtp_keep, next_start, ring_size, session_length, step_guesses,
@@ -75,3 +78,12 @@ def test_positions_and_the_loop_load_no_torch():
               "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+def test_positions_and_the_loop_import_only_the_package_root():
+    """They sit beside guesses.py so that client/ (no torch), stage/ and model/ can all import them."""
+    root = Path(sangama_p2p.__file__).parent
+    for name in ("positions.py", "generation.py"):
+        tree = ast.parse((root / name).read_text())
+        project = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+        assert set(project) <= {"errors", "positions"}, (name, project)
