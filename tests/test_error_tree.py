@@ -37,10 +37,10 @@ def _drawn_tree() -> dict[str, str]:
     parents: dict[str, str] = {}
     stack: list[tuple[int, str]] = []
     for line in doc.splitlines():
-        m = re.match(r"^(\s*)((?:[|+ ]|--)*?)(?:\+-- )?([A-Z][A-Za-z]+(?:Error|Closed|Broken|Refused|Full))\b", line)
+        m = re.match(r"^\s*(?:[| ]*\+-- )?([A-Z][A-Za-z]+)\b", line)
         if not m or not line.strip().startswith(("SangamaError", "+--", "|")):
             continue
-        name = m.group(3)
+        name = m.group(1)
         depth = line.index(name)
         while stack and stack[-1][0] >= depth:
             stack.pop()

@@ -34,6 +34,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     +-- RouteError            no chain of peers covers the model
     +-- StageError            a stage refused or failed a request (carries a code)
     |   +-- StageRefused          a stage answered with an ErrorMessage (carries the code and the peer)
+    |       +-- NonFiniteHidden       a stage refused NaN/Inf hidden states (names the stage that computed them)
     +-- ApiError              an HTTP API request refused (carries the HTTP status and OpenAI's error fields)
 
 Foreign errors (libp2p's, trio's, ``OSError``, a parser's) are translated where they are caught by one helper,
@@ -64,6 +65,7 @@ __all__ = [
     "MalformedFrameError",
     "ModelError",
     "NetworkError",
+    "NonFiniteHidden",
     "NotARelayError",
     "OutboxFull",
     "RecordError",
@@ -270,6 +272,15 @@ class StageRefused(StageError):
     def __init__(self, message: str, code: ErrorCode, peer: str) -> None:
         super().__init__(message, code)
         self.peer = peer
+
+
+class NonFiniteHidden(StageRefused):
+    """A stage refused the hidden states it was sent (``NON_FINITE``: they hold NaN or Inf). ``producer`` is the
+    stage before it in the chain, which computed them (None if the refusing stage is the first)."""
+
+    def __init__(self, message: str, peer: str, producer: str | None) -> None:
+        super().__init__(message, ErrorCode.NON_FINITE, peer)
+        self.producer = producer
 
 
 class ApiError(SangamaError):

@@ -33,65 +33,26 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from ..errors import ErrorCode, ModelError, NetworkError, RouteError, SangamaError
+from ..errors import ModelError, NetworkError, RouteError, SangamaError
+from ..generation import Generation, GenerationLoop, GenerationResult
 from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
+from ..net.discovery import find_serving_peers
+from ..net.lineup import choose_lineup
 from .config import ClientConfig
 from .links import LinkPool
 from .routing import PeerOffer, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
-from .timing import TripTiming, trip_timing
+from .timing import summarize_trips
+from .transport import ChainTransport
 
 __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult", "parse_guesses"]
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class GenerationResult:
-    """One request's outcome over the network."""
-
-    prompt_ids: list[int]
-    tokens: list[int]  # new token ids
-    trips: list[TripTiming] = field(default_factory=list)  # every trip, the prefill first
-    route: list[str] = field(default_factory=list)  # peer ids of the final chain, in order
-    failovers: int = 0  # re-routes this generation needed
-    prefill_s: float = 0.0  # until the first new token
-    decode_s: float = 0.0  # from the first new token to the last
-    guesses_proposed: int = 0
-    guesses_accepted: int = 0
-
-    @property
-    def steps(self) -> int:
-        """Trips after the prefill (replays after a failover count as trips too)."""
-        return max(len(self.trips) - 1, 0)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = max(len(self.tokens) - 1, 0)
-        return n / self.decode_s if self.decode_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        from .timing import summarize_trips
-
-        return {
-            "prompt_ids": self.prompt_ids,
-            "tokens": self.tokens,
-            "route": self.route,
-            "failovers": self.failovers,
-            "prefill_ms": round(self.prefill_s * 1e3, 3),
-            "decode_ms": round(self.decode_s * 1e3, 3),
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-            "steps": self.steps,
-            "guesses_proposed": self.guesses_proposed,
-            "guesses_accepted": self.guesses_accepted,
-            "where_the_time_goes": summarize_trips(self.trips),
-        }
 
 
 class ChainClient:
@@ -161,8 +122,6 @@ class ChainClient:
             return await self._survey(exclude)
 
     async def _survey(self, exclude: frozenset[str]) -> list[PeerOffer]:
-        from ..net.discovery import find_serving_peers
-
         pool = self._pool()
         records = await find_serving_peers(self.node, self.config.model_id,
                                            include_self=self.local_stage is not None)
@@ -212,8 +171,6 @@ class ChainClient:
     def _lineup(self, offers: Sequence[PeerOffer], pin: str | None) -> Any:
         """The peers of one checkpoint fingerprint (``pin``, else the configured one, else the best group) and the
         model's depth from it; every peer left out is logged once per reason."""
-        from ..net.lineup import choose_lineup
-
         lineup = choose_lineup(offers, local_fingerprint=pin or self.config.fingerprint,
                                num_layers=self.config.num_layers)
         self.left_out = {o.peer_id: o for o in lineup.left_out}
@@ -239,7 +196,7 @@ class ChainClient:
                 raise
             raise RouteError(f"{exc} (left out: {left})") from exc
 
-    async def _open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
+    async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
                           pin: str | None = None, avoid: frozenset[str] = frozenset()) -> ChainSession:
         """Route (on a survey at most ``max_age`` old), open the session on every stage; re-route around peers
         that fail (on a fresh survey when ``config.rediscover``). ``pin``: chain only peers of this fingerprint
@@ -263,7 +220,7 @@ class ChainClient:
                 await session.open()
                 return session
             except ChainBroken as exc:
-                bad = set(exc.misbehaving) | await self._dead_peers(session)
+                bad = set(exc.misbehaving) | await self.dead_peers(session)
                 await session.close()
                 if tries >= self.config.max_failovers:
                     raise RouteError(f"cannot open a chain: {exc}") from exc
@@ -289,7 +246,7 @@ class ChainClient:
             keep.add(peer)
         return keep
 
-    async def _dead_peers(self, session: ChainSession) -> set[str]:
+    async def dead_peers(self, session: ChainSession) -> set[str]:
         """Probe every stage of ``session``'s route (over a fresh stream where the old one broke); those that do not
         answer within ``probe_timeout`` are dead. A peer whose stream broke but which answers is not excluded: the
         chain is re-opened and the trip replayed (a broken stream alone may be our own doing, e.g. a cancel)."""
@@ -331,7 +288,7 @@ class ChainClient:
         re-routes), :class:`~sangama_p2p.errors.StageError` (with its ``code``) when a stage refuses the request
         for a reason a re-route cannot fix (e.g. ``CAPACITY`` on every candidate, ``BAD_POSITION``).
         """
-        result = GenerationResult(list(prompt_ids), [])
+        result = _network_result(prompt_ids)
         async for new in self._run(result, max_new_tokens, temperature, top_p, seed, guesses, stop_tokens):
             if on_tokens is not None:
                 on_tokens(new)
@@ -343,7 +300,7 @@ class ChainClient:
         To stop early and free the chain's sessions at once (not when the generator is collected), iterate inside
         ``async with contextlib.aclosing(client.stream(...)) as tokens:``.
         """
-        result = GenerationResult(list(prompt_ids), [])
+        result = _network_result(prompt_ids)
         opts = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "guesses": 0, "stop_tokens": ()}
         unknown = set(kwargs) - set(opts)
         if unknown:
@@ -355,94 +312,23 @@ class ChainClient:
 
     async def _run(self, result: GenerationResult, max_new: int, temperature: float, top_p: float, seed: int,
                    guesses: int | str, stop_tokens: Sequence[int]) -> AsyncIterator[list[int]]:
-        """The generation loop (as ``LocalChain._trip`` per request), yielding each trip's new tokens."""
-        prompt = result.prompt_ids
-        if not prompt:
+        """The generation loop (``generation.GenerationLoop``) over this client's network transport, yielding each
+        trip's new tokens."""
+        if not result.prompt_ids:
             raise ModelError("the prompt is empty")
         if max_new <= 0:
             return
         max_guesses, adaptive = parse_guesses(guesses)
-        stop = frozenset(stop_tokens)
-        exclude: set[str] = set()
-        avoid: frozenset[str] = frozenset()  # peers of chains that stalled
-        while True:
-            params = SessionParams(self.config.model_id, self.peer_id, len(prompt) + max_new + max_guesses + 1,
-                                   temperature, top_p, seed, max_guesses, adaptive)
-            try:
-                session = await self._open_chain(params, exclude, self.config.survey_max_age)
-                break
-            except StageRefused as exc:
-                if exc.code == ErrorCode.TOO_MANY_GUESSES and adaptive and max_guesses:
-                    # auto: as many guesses as pay, so fewer where a stage allows fewer (or none: no MTP layer)
-                    log.info("%s refused %d guesses (%s); auto tries %d", exc.peer, max_guesses, exc,
-                             max_guesses // 2)
-                    max_guesses //= 2
-                    adaptive = bool(max_guesses)
-                    continue
-                if exc.code == ErrorCode.CAPACITY:
-                    raise StageRefused(
-                        f"{exc} (this generation needs {params.max_length} positions on every stage: a prompt of "
-                        f"{len(prompt)} tokens + {max_new} new tokens + {max_guesses} guesses + 1)", exc.code,
-                        exc.peer) from exc
-                raise
-        self.active[id(result)] = session
-        out = result.tokens
-        pending, start, n_guesses, step = list(prompt), 0, 0, 0
-        t0 = time.perf_counter()
-        t_first = 0.0
+        transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses, adaptive)
+        loop = GenerationLoop([Generation(result, max_new, stop_tokens, max_step_tokens=self.config.max_step_tokens)])
         try:
-            while True:
-                # a long prefill (or replay) goes in chunks, so that no hidden-state frame outgrows the limit
-                partial = len(pending) > self.config.max_step_tokens and not n_guesses
-                sent = pending[:self.config.max_step_tokens] if partial else pending
-                try:
-                    res, trip_s = await session.step(step, start, sent, n_guesses)
-                except ChainBroken as exc:
-                    log.info("chain %s broke at trip %d: %s", session.peers, step, exc)
-                    result.failovers += 1
-                    bad = set(exc.misbehaving) | await self._dead_peers(session)
-                    await session.close()
-                    if result.failovers > self.config.max_failovers:
-                        raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
-                    exclude |= bad
-                    if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
-                        avoid |= exc.stalled
-                    session = await self._open_chain(params, exclude, 0.0 if self.config.rediscover else math.inf,
-                                                     pin=session.fingerprint, avoid=avoid)
-                    self.active[id(result)] = session
-                    # replay: everything the model has seen, from position 0, no guesses
-                    pending, start, n_guesses = [*prompt, *out], 0, 0
-                    step += 1
-                    continue
-                if partial:  # a prefill chunk: its sampled token and drafts are not used
-                    result.trips.append(trip_timing(step, len(sent), 0, trip_s, res.trace))
-                    start, pending, step = start + len(sent), pending[len(sent):], step + 1
-                    continue
-                result.route = session.peers
-                result.trips.append(trip_timing(step, len(pending), len(res.tokens), trip_s, res.trace))
-                result.guesses_proposed += n_guesses
-                result.guesses_accepted += len(res.tokens) - 1
-                start += len(pending) - n_guesses + len(res.tokens) - 1
-                new: list[int] = []
-                done = False
-                for tok in res.tokens:
-                    if len(out) >= max_new:
-                        break
-                    out.append(tok)
-                    new.append(tok)
-                    if tok in stop:
-                        break
-                if not t_first:
-                    t_first = time.perf_counter()
-                    result.prefill_s = t_first - t0
-                result.decode_s = time.perf_counter() - t_first
-                done = len(out) >= max_new or out[-1] in stop
-                yield new
-                if done:
-                    return
-                pending = [res.tokens[-1], *res.guesses]
-                n_guesses = len(res.guesses)
-                step += 1
+            while trips := loop.trips():
+                for _, new in loop.finish(await transport.run(trips)):
+                    yield new
         finally:
-            self.active.pop(id(result), None)
-            await session.close()
+            await transport.close()
+
+
+def _network_result(prompt_ids: Sequence[int]) -> GenerationResult:
+    """An empty result of a generation over the network (route and trips filled as it runs)."""
+    return GenerationResult(list(prompt_ids), [], route=[], time_summary=summarize_trips)

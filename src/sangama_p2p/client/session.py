@@ -12,6 +12,8 @@ ends the trip with a typed failure:
   timeout names the route's peers as ``stalled`` (the caller avoids them where it can).
 * :class:`~sangama_p2p.errors.StageError` (with ``code`` and ``peer``) - a stage refused the request (capacity,
   wrong model, bad position...).
+* :class:`NonFiniteHidden` (a ``StageRefused`` with code ``NON_FINITE``) - a stage refused hidden states holding NaN
+  or Inf; ``producer`` is the stage before it, which computed them (the transport tries once without it).
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ from dataclasses import dataclass
 
 import trio
 
-from ..errors import ChainBroken, ErrorCode, SangamaError, StageError, StageRefused
+from ..errors import ChainBroken, ErrorCode, NonFiniteHidden, SangamaError, StageError, StageRefused
+from ..positions import is_decode_step, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import PeerOffer
 
-__all__ = ["ChainBroken", "ChainSession", "SessionParams", "StageRefused", "check_result"]
+__all__ = ["ChainBroken", "ChainSession", "NonFiniteHidden", "SessionParams", "StageRefused", "check_result"]
 
 
 def check_result(res: StepResult, sent: Sequence[int], n_guesses: int, peer: str) -> None:
     """A last stage's answer must keep a prefix of the guesses it was sent, plus exactly one new token, and as many
     next guesses as the session allows at most; anything else is a misbehaving peer (raises ChainBroken)."""
-    guesses = tuple(sent[len(sent) - n_guesses:]) if n_guesses else ()
+    guesses = step_guesses(sent, n_guesses)
     k = len(res.tokens) - 1
     if not 0 <= k <= n_guesses or tuple(res.tokens[:k]) != guesses[:k]:
         raise ChainBroken(f"{peer} answered tokens {list(res.tokens)} for guesses {list(guesses)}",
@@ -123,11 +126,11 @@ class ChainSession:
 
     async def step(self, step: int, start: int, token_ids: Sequence[int], n_guesses: int) -> tuple[StepResult, float]:
         """One trip; returns the last stage's result and the trip time in seconds on this clock."""
-        guesses = tuple(token_ids[len(token_ids) - n_guesses:]) if n_guesses else ()
+        guesses = step_guesses(token_ids, n_guesses)
         msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, ())
         t0 = time.perf_counter()
         await self._send_to(self.links[0], msg)
-        decode = len(token_ids) <= n_guesses + 1
+        decode = is_decode_step(len(token_ids), n_guesses)
         limit = self.trip_deadline(decode)
         with trio.move_on_after(limit):
             while True:
@@ -169,6 +172,10 @@ class ChainSession:
         if isinstance(msg, ErrorMessage):
             if msg.code in (ErrorCode.INTERNAL, ErrorCode.EXPIRED):  # EXPIRED: idle too long, open and replay
                 raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
+            if msg.code == ErrorCode.NON_FINITE:
+                at = self.peers.index(peer) if peer in self.peers else 0
+                producer = self.peers[at - 1] if at else None
+                raise NonFiniteHidden(f"{peer} refused the hidden states of {producer}: {msg.message}", peer, producer)
             raise StageRefused(f"{peer} refused: {msg.code.name}: {msg.message}", msg.code, peer)
         raise StageRefused(f"{peer} sent an unexpected {type(msg).__name__}", ErrorCode.BAD_FRAME, peer)
 

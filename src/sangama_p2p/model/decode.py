@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ModelError, SessionStateError, TooManyGuessesError
+from ..positions import guess_room, is_decode_step, kept, mtp_keep, ring_size, step_guesses
 from .sampling import SamplingParams, position_seed, token_probs
 from .speculative import GuessPolicy, accept_guesses
 from .stage import StageModel
@@ -37,10 +38,9 @@ class Decoder:
     """Per-session decoding state on the last stage: sampling, outstanding guesses, guess policy, counters."""
 
     def __init__(self, state: SessionState, sampling: SamplingParams, policy: GuessPolicy) -> None:
-        if policy.max_guesses + 1 > max(state.ring, 1) and state.has_linear():
-            raise ModelError(
-                f"{policy.max_guesses} guesses need a rollback ring of {policy.max_guesses + 1}, session has {state.ring}"
-            )
+        if not state.window.fits_guesses(policy.max_guesses):
+            raise ModelError(f"{policy.max_guesses} guesses need a rollback ring of {ring_size(policy.max_guesses)}, "
+                             f"session has {state.ring}")
         self.state = state
         self.sampling = sampling
         self.policy = policy
@@ -85,14 +85,19 @@ class Decoder:
             before, last = self.draft_wall_s if wall else self.draft_s
             self.policy.observe_cost(self.checked, before + seconds - last)
 
-    def _drop_pending_from(self, pos: int) -> None:
-        """Forget accepted rows at positions >= ``pos`` (a step that starts earlier rewrites them)."""
-        if pos <= self.mtp_position:
-            self.mtp_position = pos
+    def check_guesses(self, guesses: tuple[int, ...]) -> None:
+        """Sampled guesses are checked against the draft distribution they were drawn from, so they must be the ones
+        this stage drafted (greedy guesses may be anyone's: they are checked against the argmax)."""
+        if guesses and not self.sampling.greedy and (guesses != self.guesses or self.draft_probs is None):
+            raise SessionStateError("sampled guesses must be the ones this stage drafted for the session")
+
+    def roll_back(self, start: int) -> None:
+        """A step from ``start``: forget the MTP layer's positions and held-back rows from ``start`` on (the step
+        rewrites them; :func:`~sangama_p2p.positions.mtp_keep`)."""
+        self.mtp_position, keep = mtp_keep(self.mtp_position, len(self.pending_tokens), start)
+        if keep == 0:
             self.pending_hidden, self.pending_tokens = [], []
-            return
-        keep = pos - self.mtp_position
-        if keep < len(self.pending_tokens):
+        elif keep < len(self.pending_tokens):
             rows = torch.cat(self.pending_hidden)[:keep]
             self.pending_hidden, self.pending_tokens = [rows], self.pending_tokens[:keep]
 
@@ -143,12 +148,9 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
     for it in items:
         k = it.n_guesses
         dec = it.decoder
-        guesses = tuple(int(t) for t in it.tokens[len(it.tokens) - k:]) if k else ()
-        probs = None
-        if k and not dec.sampling.greedy:
-            if guesses != dec.guesses or dec.draft_probs is None:
-                raise SessionStateError("sampled guesses must be the ones this stage drafted for the session")
-            probs = dec.draft_probs
+        guesses = step_guesses(it.tokens, k)
+        dec.check_guesses(guesses)
+        probs = dec.draft_probs if k and not dec.sampling.greedy else None
         if not dec.sampling.greedy:  # this step's draws (acceptance, new token, drafts) keyed by where they start
             dec.generator.manual_seed(position_seed(dec.sampling.seed, it.start + len(it.tokens) - k))
         res = accept_guesses(logits[row:row + k + 1], guesses, probs, dec.sampling, dec.generator)
@@ -160,7 +162,7 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
             dec.proposed_at[j] += 1
             dec.accepted_at[j] += j < res.accepted
         dec.policy.update(k, res.accepted)
-        dec.checked = k if len(it.tokens) == k + 1 else None
+        dec.checked = k if is_decode_step(len(it.tokens), k) else None
         outcomes.append((res.accepted, res.tokens))
     # 3. + 4. keep the MTP layer current and draft
     drafts = _mtp_and_draft(stage, items, offsets, normed, outcomes)
@@ -189,11 +191,9 @@ def _mtp_and_draft(
         dec = it.decoder
         if dec.policy.max_guesses == 0:
             continue
-        if it.start > dec.mtp_end:
-            raise SessionStateError(f"the MTP layer holds {dec.mtp_end} positions; step starts at {it.start}")
-        dec._drop_pending_from(it.start)
+        dec.roll_back(it.start)
         acc, tokens = outcomes[i]
-        r_last = len(it.tokens) - it.n_guesses - 1 + acc
+        r_last = kept(len(it.tokens), it.n_guesses, acc) - 1
         rows = normed[offsets[i]:offsets[i] + r_last + 1]  # [r_last + 1, H]
         earlier = bool(dec.pending_tokens) or dec.checked is None  # rows held back before, or the prompt's
         dec.pending_hidden.append(rows)
@@ -244,7 +244,7 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
         keep = []
         for b, a in enumerate(live):
             dec = decs[a]
-            if len(got[a]) >= dec.state.capacity - positions[a] - 1:  # verification needs room for token + guesses
+            if len(got[a]) >= guess_room(dec.state.capacity, positions[a]):
                 continue
             if dec.sampling.greedy:
                 g, q = best[b], None

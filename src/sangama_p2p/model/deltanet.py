@@ -63,7 +63,7 @@ class GatedDeltaNet:
             st = seg.state.layers[self.key]
             assert isinstance(st, LinearLayerState)
             t = seg.length
-            keep_ring = t > 1 and seg.state.ring >= t  # a 1-token step is never rolled back into
+            keep_ring = seg.state.window.keeps_ring(t)  # what the step keeps: positions.SessionPositions
             if keep_ring or t <= _STEPWISE_MAX:
                 key: tuple = (False, t)
             else:

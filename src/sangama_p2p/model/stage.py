@@ -198,6 +198,26 @@ class StageModel:
         return table[0], table[1]
 
     # ---- compute -------------------------------------------------------------------------------------------
+    def check_input(self, step: StepInput) -> None:
+        """Everything that makes one session's step invalid here, before any state changes: its positions
+        (:meth:`~sangama_p2p.positions.SessionPositions.check`), token ids on the first stage, hidden states of the
+        model's width on the others (token ids are checked over the whole batch: :meth:`check_token_ids`). ``forward``
+        checks every step; the stage's scheduler asks first, job by job, so that a bad step fails alone."""
+        if self.is_first:
+            if step.tokens is None:
+                raise SessionStateError("the first stage needs token ids")
+        elif step.hidden is None:
+            raise SessionStateError("a middle or last stage needs hidden states")
+        step.state.window.check(step.start, step.length)
+        if step.hidden is not None and step.hidden.shape[-1] != self.spec.hidden_size:
+            raise SessionStateError(f"hidden size {step.hidden.shape[-1]} != model's {self.spec.hidden_size}")
+
+    def check_token_ids(self, ids: torch.Tensor | Sequence[int]) -> None:
+        """Token ids must lie in 0..vocab_size-1 (the stage server asks on receipt, ``forward`` before embedding)."""
+        lo, hi = (int(ids.min()), int(ids.max())) if isinstance(ids, torch.Tensor) else (min(ids), max(ids))
+        if lo < 0 or hi >= self.spec.vocab_size:
+            raise SessionStateError(f"token id out of range 0..{self.spec.vocab_size - 1}")
+
     @torch.inference_mode()
     def forward(self, steps: Sequence[StepInput]) -> torch.Tensor:
         """Run one batched step; returns the new hidden states ``[N, hidden]`` (pre final norm), rows in order.
@@ -211,22 +231,16 @@ class StageModel:
             if id(st.state) in seen:
                 raise SessionStateError("a session appears twice in one batched step")
             seen.add(id(st.state))
-            if self.is_first and st.tokens is None:
-                raise SessionStateError("the first stage needs token ids")
-            if not self.is_first and st.hidden is None:
-                raise SessionStateError("a middle or last stage needs hidden states")
-            st.state.check_step(st.start, st.length)
+            self.check_input(st)
+        ids = torch.cat([st.tokens for st in steps]) if self.is_first else None  # type: ignore[misc]
+        if ids is not None:
+            self.check_token_ids(ids)
         for st in steps:
             st.state.roll_back(st.start)
-        if self.is_first:
-            ids = torch.cat([st.tokens for st in steps]).to(self.device)  # type: ignore[misc]
-            if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
-                raise SessionStateError(f"token id out of range 0..{self.spec.vocab_size - 1}")
-            x = self.embed_rows(ids)
+        if ids is not None:
+            x = self.embed_rows(ids.to(self.device))
         else:
             x = torch.cat([st.hidden for st in steps]).to(self.device, self.dtype)  # type: ignore[misc]
-            if x.shape[-1] != self.spec.hidden_size:
-                raise SessionStateError(f"hidden size {x.shape[-1]} != model's {self.spec.hidden_size}")
         segments = [Segment(st.state, st.start, st.length) for st in steps]
         n = x.shape[0]
         x = pad_rows(x, self.min_rows)
@@ -239,12 +253,7 @@ class StageModel:
             MIN_ROWS.reset(token)
         x = x[:n]
         for s in segments:
-            st = s.state
-            st.position = s.start + s.length
-            if st.ring >= s.length > 1 and st.has_linear():  # a 1-token step keeps no snapshot (layers.py)
-                st.ring_base, st.ring_len = s.start, s.length
-            else:
-                st.ring_base, st.ring_len = -1, 0
+            s.state.window.advance(s.start, s.length)
         return x
 
     @torch.inference_mode()

@@ -6,6 +6,10 @@ A session's memory is fixed when it opens and accounted in :attr:`SessionState.n
 - Gated DeltaNet layers: the conv window ``[conv_dim, K-1]`` and the fp32 recurrent state ``[Hv, Dk, Dv]``, plus a
   ring of ``ring`` snapshots of both, written during multi-token steps, so that a rollback to any of the last
   ``ring`` positions selects a snapshot instead of recomputing (nothing is cloned before a step).
+
+Which steps a session may take, which snapshot a rollback selects and what a step keeps are decided by
+:class:`~sangama_p2p.positions.SessionPositions` (``SessionState.window``, pure); this module holds the tensors and
+copies the snapshot it names.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import dataclasses
 
 import torch
 
-from ..errors import CapacityError, SessionStateError
+from ..errors import CapacityError
+from ..positions import SessionPositions
 from .spec import FULL, LINEAR, ModelSpec
 
 __all__ = ["LinearLayerState", "AttentionLayerState", "SessionState", "Segment"]
@@ -56,12 +61,6 @@ class SessionState:
                 f"session capacity {capacity} exceeds the model's max_position_embeddings "
                 f"{spec.max_position_embeddings}"
             )
-        self.capacity = capacity
-        self.position = 0  # tokens whose effects all caches hold
-        self.ring = ring
-        # Positions covered by the ring: ring slot i holds the state after position ring_base + i.
-        self.ring_base = -1
-        self.ring_len = 0
         self.layers: dict[int, AttentionLayerState | LinearLayerState] = {}
         kv_shape = (1, spec.num_kv_heads, capacity, spec.head_dim)
         for i in range(start, end):
@@ -83,6 +82,21 @@ class SessionState:
             self.layers[-1 - j] = AttentionLayerState(
                 torch.zeros(kv_shape, dtype=dtype, device=device), torch.zeros(kv_shape, dtype=dtype, device=device)
             )
+        recurrent = any(isinstance(s, LinearLayerState) for s in self.layers.values())
+        self.window = SessionPositions(capacity, ring, recurrent=recurrent)
+
+    @property
+    def capacity(self) -> int:
+        return self.window.capacity
+
+    @property
+    def ring(self) -> int:
+        return self.window.ring
+
+    @property
+    def position(self) -> int:
+        """Tokens whose effects all caches hold."""
+        return self.window.position
 
     @property
     def nbytes(self) -> int:
@@ -92,51 +106,17 @@ class SessionState:
                 total += t.numel() * t.element_size()
         return total
 
-    def check_step(self, start_pos: int, length: int) -> None:
-        """Validate a step over positions [start_pos, start_pos + length) before any state changes."""
-        if length <= 0:
-            raise SessionStateError("a step needs at least one position")
-        if start_pos < 0:
-            raise SessionStateError(f"negative start position {start_pos}")
-        if start_pos > self.position:
-            raise SessionStateError(
-                f"start position {start_pos} is ahead of the session, which holds {self.position} positions"
-            )
-        if start_pos + length > self.capacity:
-            raise CapacityError(
-                f"positions up to {start_pos + length} exceed the session's capacity of {self.capacity} tokens"
-            )
-        if start_pos < self.position and not self.can_roll_back_to(start_pos):
-            raise SessionStateError(
-                f"cannot roll back from position {self.position} to {start_pos}: only the last {self.ring_len} "
-                "positions of the previous step are kept"
-            )
-
     def has_linear(self) -> bool:
-        return any(isinstance(s, LinearLayerState) for s in self.layers.values())
-
-    def can_roll_back_to(self, pos: int) -> bool:
-        if pos == self.position:
-            return True
-        if not self.has_linear():
-            return 0 <= pos < self.position
-        # the state "after position pos-1" must be in the ring
-        return self.ring_len > 0 and self.ring_base <= pos - 1 < self.ring_base + self.ring_len
+        return self.window.recurrent
 
     def roll_back(self, pos: int) -> None:
         """Make the caches hold exactly positions [0, pos): select ring snapshots, move the position."""
-        if pos == self.position:
+        slot = self.window.roll_back(pos)
+        if slot is None:
             return
-        if not self.can_roll_back_to(pos):
-            raise SessionStateError(f"cannot roll back from position {self.position} to {pos}")
-        slot = pos - 1 - self.ring_base
         linear = [st for st in self.layers.values() if isinstance(st, LinearLayerState)]
-        if linear:  # one call for all the copies
-            torch._foreach_copy_([t for st in linear for t in (st.conv, st.rec)],
-                                 [t for st in linear for t in (st.ring_conv[slot], st.ring_rec[slot])])
-        self.position = pos
-        # snapshots after pos are now stale; those up to pos stay valid
-        self.ring_len = slot + 1
+        torch._foreach_copy_([t for st in linear for t in (st.conv, st.rec)],  # one call for all the copies
+                             [t for st in linear for t in (st.ring_conv[slot], st.ring_rec[slot])])
 
 
 @dataclasses.dataclass

@@ -224,21 +224,22 @@ class Scheduler:
         """The job's step input, after the checks that need the session (positions, guesses) or the values (finite
         hidden states: a NaN or Inf would otherwise fail the sampling of every session batched with it)."""
         m, state = job.msg, job.session.state
-        state.check_step(m.start_pos, len(m.token_ids))
-        dec = job.session.decoder
-        if dec is not None and m.guesses and not dec.sampling.greedy and m.guesses != dec.guesses:
-            raise StageError("sampled guesses must be the ones this stage drafted", ErrorCode.BAD_POSITION)
         if self.model.is_first:
-            return StepInput(state, m.start_pos, tokens=torch.tensor(m.token_ids))
-        if m.hidden is None:  # checked on receipt; kept so a gap there fails typed, not with a TypeError
+            step = StepInput(state, m.start_pos, tokens=torch.tensor(m.token_ids))
+        elif m.hidden is None:  # checked on receipt; kept so a gap there fails typed, not with a TypeError
             raise StageError("a later stage needs hidden states", ErrorCode.BAD_FRAME)
-        hidden = from_wire(m.hidden)  # on the CPU: the check below never waits for a device
+        else:
+            # on the CPU: the finiteness check below never waits for a device
+            step = StepInput(state, m.start_pos, hidden=from_wire(m.hidden))
+        self.model.check_input(step)
+        if job.session.decoder is not None:
+            job.session.decoder.check_guesses(m.guesses)
         # NaN and Inf make the sum NaN or Inf (and so would finite values summing past 3.4e38, which no model makes).
         # Measured on the 2-core dev machine: a [1, 4096] row 1.5 us, [512, 4096] 75-130 us, where
         # torch.isfinite(x).all() took 10-25 us and 1.5-4 ms.
-        if not math.isfinite(float(hidden.sum())):
+        if step.hidden is not None and not math.isfinite(float(step.hidden.sum())):
             raise StageError("hidden states hold NaN or Inf values", ErrorCode.NON_FINITE)
-        return StepInput(state, m.start_pos, hidden=hidden)
+        return step
 
     def _run(self, jobs: list[Job], inputs: list[StepInput]) -> list[Tensor | StepOutcome | SangamaError]:
         """Results in job order; a job that fails gets its error, and never changes another job's state or result.

@@ -335,8 +335,10 @@ class StageServer:
         if model.is_first:
             if msg.hidden is not None:
                 raise StageError("the first stage takes token ids, not hidden states", ErrorCode.BAD_FRAME)
-            if max(msg.token_ids) >= model.spec.vocab_size:
-                raise StageError(f"token id out of range 0..{model.spec.vocab_size - 1}", ErrorCode.BAD_FRAME)
+            try:
+                model.check_token_ids(msg.token_ids)
+            except SangamaError as exc:
+                raise StageError(str(exc), ErrorCode.BAD_FRAME) from exc
         else:
             h = msg.hidden
             if h is None or h.shape != (n, model.spec.hidden_size):

@@ -27,6 +27,7 @@ from ..model.sampling import SamplingParams
 from ..model.speculative import GuessPolicy
 from ..model.stage import StageModel
 from ..model.state import SessionState
+from ..positions import is_decode_step, next_start, ring_size
 from ..wire.messages import OpenSession
 from .config import StageConfig
 
@@ -59,7 +60,7 @@ class TripClock:
     def lap(self, start: int, tokens: int, guesses: int, accepted: int, now: float) -> float | None:
         """A step of ``tokens`` token ids (the last ``guesses`` of them guesses) starting at ``start`` finished at
         ``now`` with ``accepted`` guesses kept: the seconds of its trip, or ``None`` if the interval is no trip."""
-        decode = tokens == guesses + 1
+        decode = is_decode_step(tokens, guesses)
         cycle = None
         if decode and self.last_end is not None and start == self.next_start:
             cycle = now - self.last_end
@@ -68,7 +69,7 @@ class TripClock:
             out = cycle
         self.last_cycle = cycle
         self.last_end = now
-        self.next_start = start + tokens - guesses + accepted
+        self.next_start = next_start(start, tokens, guesses, accepted)
         return out
 
 
@@ -144,7 +145,7 @@ class SessionTable:
         if self.per_peer.get(peer, 0) >= cfg.sessions_per_peer:
             raise StageError(f"per-peer quota: {peer} already holds {cfg.sessions_per_peer} sessions here",
                              ErrorCode.CAPACITY)
-        ring = msg.max_guesses + 1 if msg.max_guesses else 0
+        ring = ring_size(msg.max_guesses)
         need = model.session_bytes(msg.max_length, ring)
         left = cfg.memory_budget - self.used_bytes
         try:

@@ -1,0 +1,138 @@
+"""The generation loop's transport over the network: one request's trips on its chain session, with failover.
+
+:class:`~sangama_p2p.generation.GenerationLoop` decides what each trip carries and what its answer does;
+:class:`ChainTransport` carries it (``await transport.run(trips)``) and owns everything that is the network's
+concern: opening the chain (an ``auto`` request asks for fewer guesses where a stage allows fewer), each trip's
+timing and route, and failover. When a trip cannot finish (:class:`~sangama_p2p.client.session.ChainBroken`), it
+probes the chain, excludes the dead peers (or avoids the stalled chain's peers where a route without them exists),
+opens the session on a new chain of the same checkpoint fingerprint, and answers ``None``: the loop then replays
+the prompt and every token produced so far from position 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..errors import ErrorCode, RouteError
+from ..generation import Answer, GenerationResult, Trip
+from ..positions import session_length
+from .config import ClientConfig
+from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
+from .timing import trip_timing
+
+__all__ = ["ChainOpener", "ChainTransport"]
+
+log = logging.getLogger(__name__)
+
+
+class ChainOpener(Protocol):
+    """What the transport needs from its client (``ChainClient``): routing and opening chains, probing peers."""
+
+    config: ClientConfig
+    peer_id: str
+    active: dict[int, ChainSession]
+
+    async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float, pin: str | None = None,
+                         avoid: frozenset[str] = frozenset()) -> ChainSession: ...
+
+    async def dead_peers(self, session: ChainSession) -> set[str]: ...
+
+
+class ChainTransport:
+    """One request's chain session; ``await ChainTransport.open(...)``, ``await run(trips)`` per trip, then
+    ``await close()``."""
+
+    def __init__(self, client: ChainOpener, result: GenerationResult, params: SessionParams,
+                 session: ChainSession, exclude: set[str]) -> None:
+        self.client = client
+        self.result = result
+        self.params = params
+        self.session = session
+        self.exclude = exclude  # peers left out of this request's routes (dead, misbehaving, refusing)
+        self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled, or that computed NaN/Inf
+        self.non_finite_from: set[str] = set()  # peers whose hidden states a stage refused as NaN/Inf
+        client.active[id(result)] = session
+
+    @classmethod
+    async def open(cls, client: ChainOpener, result: GenerationResult, max_new: int, temperature: float,
+                   top_p: float, seed: int, max_guesses: int, adaptive: bool) -> ChainTransport:
+        """Route and open a session for ``result``'s request; raises RouteError or StageRefused."""
+        config, prompt = client.config, result.prompt_ids
+        exclude: set[str] = set()  # open_chain adds the peers it had to leave out
+        while True:
+            params = SessionParams(config.model_id, client.peer_id,
+                                   session_length(len(prompt), max_new, max_guesses),
+                                   temperature, top_p, seed, max_guesses, adaptive)
+            try:
+                session = await client.open_chain(params, exclude, config.survey_max_age)
+                return cls(client, result, params, session, exclude)
+            except StageRefused as exc:
+                if exc.code == ErrorCode.TOO_MANY_GUESSES and adaptive and max_guesses:
+                    # auto: as many guesses as pay, so fewer where a stage allows fewer (or none: no MTP layer)
+                    log.info("%s refused %d guesses (%s); auto tries %d", exc.peer, max_guesses, exc,
+                             max_guesses // 2)
+                    max_guesses //= 2
+                    adaptive = bool(max_guesses)
+                    continue
+                if exc.code == ErrorCode.CAPACITY:
+                    raise StageRefused(
+                        f"{exc} (this generation needs {params.max_length} positions on every stage: a prompt of "
+                        f"{len(prompt)} tokens + {max_new} new tokens + {max_guesses} guesses + 1)", exc.code,
+                        exc.peer) from exc
+                raise
+
+    async def run(self, trips: Sequence[Trip]) -> list[Answer | None]:
+        """Carry the request's trip (one request per transport); ``[None]`` after a failover."""
+        (trip,) = trips
+        try:
+            res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
+        except ChainBroken as exc:
+            bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
+            await self._fail_over(trip, exc, bad, exc.stalled)
+            return [None]
+        except NonFiniteHidden as exc:
+            await self._fail_over(trip, exc, set(), self._non_finite(exc))
+            return [None]
+        if not trip.chunk:
+            self.result.route = self.session.peers
+        emitted = 0 if trip.chunk else len(res.tokens)
+        self.result.trips.append(trip_timing(trip.number, len(trip.tokens), emitted, trip_s, res.trace))
+        return [Answer(tuple(res.tokens), tuple(res.guesses))]
+
+    def _non_finite(self, exc: NonFiniteHidden) -> frozenset[str]:
+        """Hidden states with NaN or Inf: the first time, the peer that computed them may be at fault (a broken
+        device, a bad copy of the weights), so the next chain avoids it where a route without it exists. The second
+        time - another peer computed the same, or none other could be tried - the input itself is the cause, which
+        no other peer changes: raise, with what was tried."""
+        producer, seen = exc.producer, self.non_finite_from
+        if producer is None or seen:
+            tried = sorted(seen | {producer} if producer is not None else seen)
+            others = "another peer" if len(tried) > 1 else "no other peer could be tried, and it"
+            raise NonFiniteHidden(
+                f"the model's hidden states hold NaN or Inf for this input (computed by {', '.join(tried) or '?'}; "
+                f"{others} gave the same): not retried; {exc}", exc.peer, producer) from exc
+        seen.add(producer)
+        return frozenset({producer})
+
+    async def _fail_over(self, trip: Trip, exc: Exception, bad: set[str], stalled: frozenset[str]) -> None:
+        """Re-route around ``bad`` (excluded) or, when nobody is known bad, around ``stalled`` (avoided where a
+        route without them exists), on a chain of the same fingerprint; the loop then replays."""
+        client, config, result, session = self.client, self.client.config, self.result, self.session
+        log.info("chain %s broke at trip %d: %s", session.peers, trip.number, exc)
+        result.failovers += 1
+        await session.close()
+        if result.failovers > config.max_failovers:
+            raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
+        self.exclude |= bad
+        if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
+            self.avoid |= stalled
+        self.session = await client.open_chain(self.params, self.exclude, 0.0 if config.rediscover else math.inf,
+                                               pin=session.fingerprint, avoid=self.avoid)
+        client.active[id(result)] = self.session
+
+    async def close(self) -> None:
+        self.client.active.pop(id(self.result), None)
+        await self.session.close()

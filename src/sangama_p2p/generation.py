@@ -1,0 +1,222 @@
+"""The generation loop, written once for the local chain and the network client. Pure: no torch, no I/O, no trio.
+
+A request's loop - the prefill (in chunks where the driver limits a step's tokens), the trips, the bookkeeping of
+checked and accepted guesses, the emission of new tokens up to ``max_new`` or a stop token, stopping, and the
+prefill/decode timing - is :class:`Generation`; :class:`GenerationLoop` runs several at once (one trip carries every
+unfinished request). It never runs a trip itself: a driver asks for the trips (:meth:`GenerationLoop.trips`), has
+its *transport* run them and hands the answers back (:meth:`GenerationLoop.finish`)::
+
+    while trips := loop.trips():
+        for index, new in loop.finish(transport.run(trips)):  # network: await transport.run(trips)
+            ...                                                 # emit ``new`` (a trip's new tokens)
+
+The transports (:class:`Transport`) are ``model.chain.LocalChain``'s stages in this process (synchronous, many
+requests batched per trip) and ``client.transport.ChainTransport``'s network session (trio, one request, with
+failover: when a chain breaks it routes a new one and answers ``None``, and the request then replays everything
+the model has seen from position 0). So the driving code is the same three lines whether its transport is awaited
+or not, and all position arithmetic is ``positions.py``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .positions import next_start
+
+__all__ = ["Answer", "Generation", "GenerationLoop", "GenerationResult", "Transport", "Trip"]
+
+
+@dataclass(frozen=True)
+class Trip:
+    """What one trip carries for one request: ``tokens`` from position ``start``, the last ``n_guesses`` of them
+    guesses. ``number`` counts the request's trips (the wire's step number); ``chunk``: a prefill chunk, whose answer
+    is not used."""
+
+    index: int
+    number: int
+    start: int
+    tokens: tuple[int, ...]
+    n_guesses: int = 0
+    chunk: bool = False
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The last stage's answer to a trip: the accepted guesses and one new token, and the next trip's guesses."""
+
+    tokens: tuple[int, ...]
+    guesses: tuple[int, ...] = ()
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+class Transport(Protocol):
+    """Runs trips: one answer per trip, in order; ``None`` where the chain was replaced (the request replays). The
+    network's ``run`` is a coroutine function with the same signature."""
+
+    def run(self, trips: Sequence[Trip]) -> list[Answer | None]: ...
+
+
+@dataclass
+class GenerationResult:
+    """One request's outcome, local or over the network.
+
+    ``route`` is None for a generation in this process (``stages``: compute per stage) and the peers of the final
+    chain over the network (``trips``: each trip's timing, the prefill first; ``time_summary`` summarizes them).
+    """
+
+    prompt_ids: list[int]
+    tokens: list[int]  # new token ids
+    text: str | None = None
+    prefill_s: float = 0.0  # until the first new token
+    decode_s: float = 0.0  # from the first new token to the last
+    steps: int = 0  # trips after the first (prefill chunks and replays count too)
+    guesses_proposed: int = 0
+    guesses_accepted: int = 0
+    accepted_at: list[float] = field(default_factory=list)  # acceptance rate of guess j+1
+    stages: list[Any] = field(default_factory=list)  # local: model.chain.StageTiming per stage
+    route: list[str] | None = None  # network: peer ids of the final chain, in order
+    trips: list[Any] = field(default_factory=list)  # network: client.timing.TripTiming per trip
+    failovers: int = 0  # network: re-routes this generation needed
+    time_summary: Callable[[list[Any]], dict] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = max(len(self.tokens) - 1, 0)  # the first new token comes from the prefill
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (len(self.tokens) - 1) / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        local = self.route is None
+        d: dict[str, Any] = {"prompt_ids": self.prompt_ids, "tokens": self.tokens}
+        d.update({"text": self.text} if local else {"route": self.route, "failovers": self.failovers})
+        d.update({
+            "prefill_ms": round(self.prefill_s * 1e3, 3),
+            "decode_ms": round(self.decode_s * 1e3, 3),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "steps": self.steps,
+        })
+        if local:
+            d["tokens_per_step"] = round(self.tokens_per_step, 3)
+        d.update({"guesses_proposed": self.guesses_proposed, "guesses_accepted": self.guesses_accepted})
+        if local:
+            d["accepted_per_step"] = round(self.guesses_accepted / self.steps, 3) if self.steps else 0.0
+            d["acceptance_by_position"] = [round(a, 3) for a in self.accepted_at]
+            d["stages"] = [s.as_dict() for s in self.stages]
+        else:
+            d["where_the_time_goes"] = self.time_summary(self.trips) if self.time_summary is not None else {}
+        return d
+
+
+class Generation:
+    """One request's loop state: what its next trip carries, and what an answer does to it.
+
+    ``max_step_tokens``: the most tokens one trip may carry; a longer prefill or replay goes in chunks (so that no
+    hidden-state frame outgrows the frame limit). ``clock``: seconds, for the prefill/decode timing (started now).
+    """
+
+    def __init__(self, result: GenerationResult, max_new: int, stop: Iterable[int] = (), *, index: int = 0,
+                 max_step_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.result = result
+        self.max_new = max_new
+        self.stop = frozenset(stop)
+        self.index = index
+        self.max_step_tokens = max_step_tokens
+        self.clock = clock
+        self.pending: list[int] = list(result.prompt_ids)  # the next trip's tokens (the new token + guesses)
+        self.start = 0
+        self.n_guesses = 0
+        self.done = False
+        self.sent = 0  # trips asked for
+        self.answered = 0  # trips answered
+        self._proposed_at: list[int] = []
+        self._accepted_at: list[int] = []
+        self._t0 = clock()
+        self._t_first = 0.0
+
+    def next_trip(self) -> Trip:
+        limit = self.max_step_tokens
+        chunk = limit is not None and len(self.pending) > limit and not self.n_guesses
+        tokens = self.pending[:limit] if chunk else self.pending
+        self.sent += 1
+        return Trip(self.index, self.sent - 1, self.start, tuple(tokens), self.n_guesses, chunk)
+
+    def finish(self, trip: Trip, answer: Answer | None, now: float | None = None) -> list[int]:
+        """Apply ``trip``'s answer; returns the tokens it emitted. ``None``: the transport replaced the chain, so
+        the next trip replays everything the model has seen (the prompt and the tokens so far) from position 0."""
+        if answer is None:
+            self.pending, self.start, self.n_guesses = [*self.result.prompt_ids, *self.result.tokens], 0, 0
+            return []
+        self.answered += 1
+        res = self.result
+        res.steps = self.answered - 1
+        if trip.chunk:
+            self.start, self.pending = trip.start + len(trip.tokens), self.pending[len(trip.tokens):]
+            return []
+        k, accepted = trip.n_guesses, answer.accepted
+        if k:
+            self._count_guesses(k, accepted)
+        self.start = next_start(trip.start, len(trip.tokens), k, accepted)
+        out, new = res.tokens, []
+        for tok in answer.tokens:
+            if len(out) >= self.max_new:
+                break
+            out.append(tok)
+            new.append(tok)
+            if tok in self.stop:
+                break
+        now = self.clock() if now is None else now
+        if not self._t_first:
+            self._t_first = now
+            res.prefill_s = now - self._t0
+        res.decode_s = now - self._t_first
+        self.done = len(out) >= self.max_new or out[-1] in self.stop
+        self.pending = [answer.tokens[-1], *answer.guesses]
+        self.n_guesses = len(answer.guesses)
+        return new
+
+    def _count_guesses(self, k: int, accepted: int) -> None:
+        res = self.result
+        res.guesses_proposed += k
+        res.guesses_accepted += accepted
+        while len(self._proposed_at) < k:
+            self._proposed_at.append(0)
+            self._accepted_at.append(0)
+        for j in range(k):
+            self._proposed_at[j] += 1
+            self._accepted_at[j] += j < accepted
+        res.accepted_at = [a / p for a, p in zip(self._accepted_at, self._proposed_at)]
+
+
+class GenerationLoop:
+    """Several requests' loops, stepped together: each trip carries every unfinished request once."""
+
+    def __init__(self, generations: Sequence[Generation]) -> None:
+        self.generations = list(generations)
+        self._by_index = {g.index: g for g in self.generations}
+        self._trips: list[Trip] = []
+
+    def trips(self) -> list[Trip]:
+        """The next trip of every unfinished request (empty when all are done)."""
+        self._trips = [g.next_trip() for g in self.generations if not g.done]
+        return self._trips
+
+    def finish(self, answers: Sequence[Answer | None], now: float | None = None) -> list[tuple[int, list[int]]]:
+        """Hand back the answers to the last :meth:`trips`, in order; returns (index, new tokens) of every request
+        that emitted some."""
+        if len(answers) != len(self._trips):
+            raise ValueError(f"{len(answers)} answers for {len(self._trips)} trips")
+        emitted = []
+        for trip, answer in zip(self._trips, answers):
+            new = self._by_index[trip.index].finish(trip, answer, now)
+            if new:
+                emitted.append((trip.index, new))
+        return emitted
