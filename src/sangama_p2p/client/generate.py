@@ -47,6 +47,7 @@ from .links import LinkPool
 from .routing import PeerOffer, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
 from .timing import TripTiming, trip_timing
+from .verifier import Verification
 
 __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult", "parse_guesses"]
 
@@ -115,6 +116,7 @@ class ChainClient:
         self.left_out: dict[str, Any] = {}  # peer id -> net.lineup.LeftOut, from the last routing decision
         self._reported: set[tuple[str, str]] = set()  # (peer, reason) already logged
         self.active: dict[int, ChainSession] = {}  # the chain session of each running generation
+        self.verification = Verification.for_client(self)  # re-run trips, ban liars (client/verifier.py)
 
     async def __aenter__(self) -> ChainClient:
         self._nursery_cm = trio.open_nursery()
@@ -233,7 +235,8 @@ class ChainClient:
         if lineup.fingerprint is None:
             raise RouteError(f"no live peer serves {self.config.model_id!r}" + (f" (left out: {left})" if left else ""))
         try:
-            return plan_route(lineup.members, lineup.num_layers, exclude=exclude), lineup.fingerprint
+            return plan_route(lineup.members, lineup.num_layers, exclude=exclude,
+                              banned=self.verification.banned()), lineup.fingerprint
         except RouteError as exc:
             if not left:
                 raise
@@ -386,6 +389,7 @@ class ChainClient:
                         exc.peer) from exc
                 raise
         self.active[id(result)] = session
+        verifier = self.verification.start(params)
         out = result.tokens
         pending, start, n_guesses, step = list(prompt), 0, 0, 0
         t0 = time.perf_counter()
@@ -397,6 +401,8 @@ class ChainClient:
                 sent = pending[:self.config.max_step_tokens] if partial else pending
                 try:
                     res, trip_s = await session.step(step, start, sent, n_guesses)
+                    if verifier is not None and not partial:  # raises ChainBroken at a liar, out cut back
+                        await verifier.check(session, start, sent, n_guesses, res.tokens, prompt, out)
                 except ChainBroken as exc:
                     log.info("chain %s broke at trip %d: %s", session.peers, step, exc)
                     result.failovers += 1
@@ -445,4 +451,6 @@ class ChainClient:
                 step += 1
         finally:
             self.active.pop(id(result), None)
+            if verifier is not None:
+                await verifier.aclose()
             await session.close()

@@ -1,0 +1,131 @@
+"""Peers that lie (issue 15, item 7), over loopback: real stages that compute and then serve wrong outputs on the
+real wire (tests/client/liars.py), announcing a high throughput so that routing picks them.
+
+Without verification the liar's tokens are the generation's (the attack, shown first); with ``verify=1.0`` every
+trip is re-run on a second chain of other peers for the same ranges, the liar is found by mixing the two chains,
+banned with a reason, and the generation replays from the last verified position: its tokens are an honest run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from sangama_p2p.client import ChainClient, ClientConfig
+
+from .fleet import MODEL, fleet, local_chain
+from .liars import lie_constant, lie_noise
+
+PROMPT = [3, 1, 4, 1, 5, 9]
+N = 12
+
+
+def _liar_token(want: list[int]) -> int:
+    return next(t for t in range(16) if t != want[0])  # its very first answer is already wrong
+
+
+async def _run(ckpt, ranges, liar_range, lie, **client_options):
+    """A fleet over ``ranges``; the (first) stage of ``liar_range`` lies; one generation through it."""
+    async with fleet(ckpt, ranges, batch_invariant=True) as f:
+        liar = next(s for _, s, _ in f.stages if (s.model.start, s.model.end) == liar_range)
+        lies = lie(liar)
+        async with ChainClient(f.clients[0], ClientConfig(MODEL, **client_options)) as client:
+            res = await client.generate(PROMPT, N)
+            return res, liar.peer_id, lies, client
+
+
+def test_without_verification_a_lying_last_stage_is_chained_and_its_tokens_returned(ckpt):
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+
+    async def main():
+        with trio.fail_after(90):
+            return await _run(ckpt, [*split, (4, 8)], (4, 8), lambda s: lie_constant(s, bad), verify=0.0)
+
+    res, liar, lies, client = trio.run(main)
+    assert liar in res.route and lies
+    assert res.tokens == [bad] * N != want  # the attack: the liar's constant token, all the way
+    assert client.verification.trips == 0 and not client.verification.banned()
+
+
+def test_a_lying_last_stage_is_found_banned_and_the_tokens_are_an_honest_runs(ckpt, tmp_path):
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+    bans_file = tmp_path / "bans.json"
+
+    async def main():
+        with trio.fail_after(120):
+            # two peers for 0:4, three for 4:8 (the liar and two honest: one for the second chain, one referee)
+            return await _run(ckpt, [*split, (0, 4), (4, 8), (4, 8)], (4, 8), lambda s: lie_constant(s, bad),
+                              verify=1.0, bans_file=bans_file)
+
+    res, liar, lies, client = trio.run(main)
+    assert lies, "the liar was never chained"
+    assert res.tokens == want
+    assert liar not in res.route
+    reasons = client.verification.banned()
+    assert list(reasons) == [liar] and "wrong tokens" in reasons[liar] and str([bad]) in reasons[liar]
+    ev = client.verification.events
+    assert len(ev) == 1 and ev[0].verdict.liar == liar and ev[0].trip == 1  # caught on its first trip
+    assert res.failovers == 1
+    from sangama_p2p.net.bans import load_bans
+
+    assert [b.peer_id for b in load_bans(bans_file)] == [liar]  # kept for the next run and for `status`
+
+
+def test_a_noisy_middle_stage_is_found_banned_and_the_tokens_are_an_honest_runs(ckpt):
+    split = [(0, 3), (3, 5), (5, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+
+    async def main():
+        with trio.fail_after(150):
+            return await _run(ckpt, [*split, (0, 3), (3, 5), (3, 5), (5, 8)], (3, 5),
+                              lambda s: lie_noise(s, 3.0), verify=1.0)
+
+    res, liar, lies, client = trio.run(main)
+    assert lies, "the liar was never chained"
+    assert res.tokens == want
+    assert liar not in res.route
+    assert list(client.verification.banned()) == [liar]
+    assert [e.verdict.liar for e in client.verification.events] == [liar]
+
+
+def test_with_two_peers_per_range_a_liar_in_the_second_chain_stays_undecided_and_the_tokens_are_right(ckpt):
+    """No referee: the two peers of the liar's range explain the answers equally; nobody is banned, the generation
+    keeps its own (honest) chain's tokens, and both peers are reported as disputed."""
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [*split, (0, 4), (4, 8)], batch_invariant=True) as f:
+                liar = f.stages[3][1]
+                lie_constant(liar, bad)
+                type(liar).throughput = property(lambda self: 1e-3)  # slow: the generation's chain avoids it
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
+                    res = await client.generate(PROMPT, N)
+                    return res, liar.peer_id, client
+
+    res, liar, client = trio.run(main)
+    assert res.tokens == want and liar not in res.route
+    assert not client.verification.banned()
+    assert liar in client.verification.disputed
+    assert client.verification.events and all(e.verdict.liar is None for e in client.verification.events)
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_verification_is_on_by_default_in_public_swarms_and_off_in_private_fleets(private):
+    from types import SimpleNamespace
+
+    from sangama_p2p.client.verifier import Verification
+    from sangama_p2p.client.verify import PUBLIC_FRACTION
+
+    node = SimpleNamespace(config=SimpleNamespace(fleet_secret=b"s" * 32 if private else None))
+    client = SimpleNamespace(node=node, config=ClientConfig(MODEL))
+    v = Verification.for_client(client)
+    assert v.fraction == (0.0 if private else PUBLIC_FRACTION)
+    assert (v.start(None) is None) == private
+    assert Verification.for_client(SimpleNamespace(node=node, config=ClientConfig(MODEL, verify=0.5))).fraction == 0.5
