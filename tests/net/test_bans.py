@@ -71,3 +71,26 @@ def test_a_ban_needs_a_peer_and_a_reason():
     with pytest.raises(NetworkError):
         Ban("p", "", 0, 1)
     assert json.loads(json.dumps({"since": Ban("p", "r", 0, 1).since})) == {"since": 0}
+
+
+def test_status_shows_this_nodes_bans_with_their_reasons(tmp_path, capsys):
+    import time
+
+    from sangama_p2p.cli.net_cmds import _print_table
+    from sangama_p2p.net.status import PeerStatus, SwarmStatus, ban_lines
+
+    path = tmp_path / "bans.json"
+    BanList(path).ban("12D3KooWLiar", "wrong tokens for org/m (trip 1): answered [1] where 3 chains answered [9]",
+                      duration=7200, model_id="org/m")
+    BanList(path).ban("12D3KooWGone", "old", duration=1)
+    time.sleep(1.05)  # the second ban has expired
+    status = SwarmStatus((PeerStatus("12D3KooWLiar", "direct", 1.0, ()),), time.time()).with_bans(path)
+    assert [b.peer_id for b in status.bans] == ["12D3KooWLiar"]
+    lines = ban_lines(status)
+    assert len(lines) == 1 and "12D3KooWLiar for org/m (in the swarm now; 2.0 h left)" in lines[0]
+    assert "answered [1] where 3 chains answered [9]" in lines[0]
+    assert status.to_json()["bans"][0]["reason"].startswith("wrong tokens")
+    assert SwarmStatus((), 0.0).with_bans(tmp_path / "none.json").bans == ()
+    _print_table(status)
+    out = capsys.readouterr().out
+    assert "banned here" in out and "12D3KooWLiar" in out and "wrong tokens" in out

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import guesses, positive_int
-from .peer_cmds import add_host_args
+from .peer_cmds import add_host_args, add_verify_arg
 
 READY = "api listening "
 
@@ -28,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint directory or .gguf file with the tokenizer and chat template (for --model ID)")
     p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [client], [api])")
     add_host_args(p, listen=False)
+    add_verify_arg(p)
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 = any free port)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import guesses, non_negative_int, positive_int
-from .peer_cmds import add_host_args
+from .peer_cmds import add_host_args, add_verify_arg
 
 DEFAULT_CONTEXT = 8192  # a stage's default max_session_length (StageConfig), when the checkpoint does not say
 RESET = "/reset"
@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens a turn may use, prompt + answer (default: the model's context length, at most "
                    f"{DEFAULT_CONTEXT}); older turns are dropped to fit")
     add_host_args(p, listen=False)
+    add_verify_arg(p)
     p.add_argument("--max-new-tokens", type=non_negative_int, default=128)
     p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
                    help="MTP guesses per trip (default: auto when the checkpoint has an MTP layer, else 0)")
@@ -228,7 +229,8 @@ def tokenizer_source(args: argparse.Namespace, config: Any, model_id: str, comma
     given = Path(args.model).expanduser()
     if given.suffix == ".gguf" and given.is_file():
         model_id = default_model_id(given)
-        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
+        config = dataclasses.replace(config, client=(config.client or ClientConfig(model_id=model_id)).replace(
+            model_id=model_id, fingerprint=None))
     source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
     if source is None:
         raise SangamaError(f"{command} needs the model's tokenizer, and {args.model!r} is a model id, not a "

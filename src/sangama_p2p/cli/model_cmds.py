@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
                    help="network mode: bootstrap address (repeatable; default: bootstrap/public.txt)")
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="network mode: the private fleet's secret")
+    from .peer_cmds import add_verify_arg
+
+    add_verify_arg(p)
     p.add_argument("--timings", action="store_true",
                    help="network mode: print where the time goes per trip (each stage's queue/compute/send, network)")
     p.add_argument("--stages", default=None, metavar="A:B,B:C",
@@ -94,7 +97,7 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 _LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system", "dequantize_per_use", "device",
                "dtype")
-_NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
+_NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings", "verify")
 
 
 def _check_mode(args: argparse.Namespace) -> None:

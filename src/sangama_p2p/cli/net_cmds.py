@@ -144,7 +144,9 @@ def _status(args: argparse.Namespace) -> int:
         async with open_host(config, key_pair=generate_key_pair()) as node:  # a throwaway identity: we only look
             return await survey(node, models=args.model, timeout=args.timeout)
 
-    status = trio.run(main)
+    from ..net.bans import default_bans_path
+
+    status = trio.run(main).with_bans(default_bans_path())
     if args.json:
         json.dump(status.to_json(), sys.stdout, indent=2)
         print()
@@ -176,6 +178,12 @@ def _print_table(status) -> None:
         covered = _coverage(spans)
         console.print(f"[bold]{model}[/bold]: layers covered {covered}")
         for line in lineup_lines(lineups[model]):
+            console.print(line, markup=False, soft_wrap=True)
+    if status.bans:
+        from ..net.status import ban_lines
+
+        console.print(f"[bold]banned here[/bold] ({len(status.bans)}, local to this machine):")
+        for line in ban_lines(status):
             console.print(line, markup=False, soft_wrap=True)
 
 

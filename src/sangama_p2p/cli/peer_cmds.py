@@ -30,6 +30,15 @@ def add_host_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="file holding the private fleet's secret")
 
 
+def add_verify_arg(p: argparse.ArgumentParser) -> None:
+    """``--verify FRACTION``, for the commands that generate through the swarm."""
+    from .argtypes import fraction
+
+    p.add_argument("--verify", type=fraction, default=None, metavar="FRACTION",
+                   help="re-run this fraction of trips on a second chain of other peers and ban a peer caught lying "
+                   "(default: 0.05 in a public swarm, 0 with --fleet-secret-file); bans: ~/.sangama/bans.json")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "join",
@@ -247,8 +256,11 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[Any, str]:
             from ..model.fingerprint import checkpoint_identity
 
             fingerprint = checkpoint_identity(model).fingerprint
-    config = PeerConfig(host=host_config(args, serving=False),
-                        client=ClientConfig(model_id=model_id, fingerprint=fingerprint), tokenizer_path=tokenizer)
+    from ..net.bans import default_bans_path
+
+    client = ClientConfig(model_id=model_id, fingerprint=fingerprint, verify=getattr(args, "verify", None),
+                          bans_file=default_bans_path())
+    config = PeerConfig(host=host_config(args, serving=False), client=client, tokenizer_path=tokenizer)
     return config, model_id
 
 
