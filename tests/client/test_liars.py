@@ -129,3 +129,31 @@ def test_verification_is_on_by_default_in_public_swarms_and_off_in_private_fleet
     assert v.fraction == (0.0 if private else PUBLIC_FRACTION)
     assert (v.start(None) is None) == private
     assert Verification.for_client(SimpleNamespace(node=node, config=ClientConfig(MODEL, verify=0.5))).fraction == 0.5
+
+
+def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt, tmp_path):
+    """Peers of another checkpoint under the same model id answer other tokens without lying: routing leaves them
+    out, and so does verification (no second chain: the trips go unchecked, nobody is banned)."""
+    from sangama_p2p.model.checkpoint import open_checkpoint
+    from sangama_p2p.model.fingerprint import checkpoint_identity
+
+    from .fleet import make_checkpoint
+
+    other = open_checkpoint(make_checkpoint(tmp_path / "other", seed=1))
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, split, batch_invariant=True) as f:
+                for a, b in split:
+                    await f.add_stage(a, b, ckpt=other, batch_invariant=True)
+                pin = checkpoint_identity(ckpt).fingerprint  # chain the fleet's own checkpoint
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0, fingerprint=pin)) as client:
+                    res = await client.generate(PROMPT, N)
+                    return res, client
+
+    res, client = trio.run(main)
+    v = client.verification
+    assert res.tokens == want and not v.banned() and not v.events
+    assert v.verified == 0 and v.unverifiable == v.trips == N

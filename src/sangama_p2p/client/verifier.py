@@ -23,11 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SangamaError
+import trio
+
+from ..errors import RouteError, SangamaError
 from ..net.bans import BanList
 from .routing import PeerOffer
 from .session import ChainBroken, ChainSession, SessionParams
@@ -41,11 +44,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class VerifyEvent:
     """A mismatch and what came of it: the trip (counted per generation, the prefill is 1), the trips verified
-    before it in that generation, the verdict."""
+    before it in that generation, the verdict, and the seconds the judging took (the re-runs on mixed chains)."""
 
     trip: int
     trips_verified: int
     verdict: Verdict
+    seconds: float = 0.0
 
 
 @dataclass
@@ -92,6 +96,7 @@ class TripVerifier:
         self.trip = 0
         self.trips_verified = 0
         self.verified = 0  # out[:verified] was produced by trips that were verified (or precede one that was)
+        self.skip: set[str] = set()  # peers whose verifying chain failed in this generation
 
     async def check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
                     tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
@@ -104,17 +109,23 @@ class TripVerifier:
         if not should_verify(self.rng, self.owner.fraction):
             return
         context = [*prompt, *out][:start]
-        offers = await self.client.survey(max_age=self.client.config.survey_max_age)
+        # the last survey (the generation's own chain came from it): no DHT round on the generation's path
+        offers = self.client.offers or await self.client.survey(max_age=self.client.config.survey_max_age)
+        # only peers of the chain's own checkpoint that routing would chain: another checkpoint answers otherwise
+        # without lying (its peers are in another fingerprint group, and left out)
+        offers = [o for o in offers if o.fingerprint == session.fingerprint and o.peer_id not in self.client.left_out]
         banned = self.owner.bans.banned()
         alt = await self._second_chain(session, offers, banned)
         if alt is None:
             self.owner.unverifiable += 1
             return
         pos = min(self.alt_pos, start)
+        limit = self._deadline(session)
         try:
-            answer = await self._steps(alt, pos, [*context[pos:], *sent], n_guesses)
+            answer = await self._bounded(limit, self._steps(alt, pos, [*context[pos:], *sent], n_guesses))
         except SangamaError as exc:
             log.info("verifying chain %s failed: %s", alt.peers, exc)
+            self.skip |= set(alt.peers)  # not again in this generation (e.g. a black hole costs `limit` once)
             await self._drop_alt()
             return
         if answer == tuple(tokens):
@@ -131,14 +142,17 @@ class TripVerifier:
             s = self._session(route)
             try:
                 await s.open()
-                return await self._steps(s, 0, full, n_guesses, fresh=True)
+                # the whole context in one step (a prefill): allowed longer than a catch-up
+                return await self._bounded(min(10 * limit, self.client.config.step_timeout),
+                                           self._steps(s, 0, full, n_guesses, fresh=True))
             finally:
                 await s.close()
 
         alt_route = list(alt.route)
         await self._drop_alt()
+        t0 = time.perf_counter()
         verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned)
-        self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict))
+        self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, time.perf_counter() - t0))
         if verdict.liar is None:
             log.warning("trip %d: %s", self.trip, verdict.reason)
             self.owner.disputed |= verdict.disputed
@@ -164,7 +178,7 @@ class TripVerifier:
             if same and not clash:
                 return alt
             await self._drop_alt()
-        route = alternate_route(offers, main, exclude=banned)
+        route = alternate_route(offers, main, exclude=banned | self.skip)
         if route is None:
             return None
         alt = self._session(route)
@@ -173,9 +187,23 @@ class TripVerifier:
         except SangamaError as exc:
             log.info("cannot open a verifying chain on %s: %s", [o.peer_id for o in route], exc)
             await alt.close()
+            self.skip |= {o.peer_id for o in route}
             return None
         self.alt, self.alt_pos, self.alt_step = alt, 0, 0
         return alt
+
+    def _deadline(self, session: ChainSession) -> float:
+        """How long one verifying trip may take: 2 x the generation's stall deadline (its decode trips x
+        ``stall_factor``; a catch-up carries more tokens), at least 4 x ``stall_floor_s``, at most ``step_timeout``."""
+        cfg = self.client.config
+        trip = session.decode_trip_s or cfg.stall_floor_s
+        return min(cfg.step_timeout, max(4 * cfg.stall_floor_s, 2 * cfg.stall_factor * trip))
+
+    @staticmethod
+    async def _bounded(limit: float, work: Awaitable[tuple[int, ...]]) -> tuple[int, ...]:
+        with trio.move_on_after(limit):
+            return await work
+        raise RouteError(f"a verifying trip took over {limit:.2f} s")
 
     def _session(self, route: Sequence[PeerOffer]) -> ChainSession:
         cfg = self.client.config
