@@ -105,12 +105,14 @@ async def main(args) -> dict:
             for f in rows:
                 res, ver, wall, cpu = await generate(client_node, f, args.tokens)
                 assert res.tokens == honest.tokens, (f, res.tokens, honest.tokens)
-                rows[f].append((res.decode_tokens_per_s, ver.trips, ver.verified, cpu / len(res.tokens) * 1e3))
+                rows[f].append((res.decode_tokens_per_s, ver.trips, ver.verified, cpu / len(res.tokens) * 1e3,
+                                ver.seconds / max(res.prefill_s + res.decode_s, 1e-9)))
         base = statistics.median(r[0] for r in rows[0.0])
         out["cost"] = [{"verify": f, "decode_tokens_per_s": round(statistics.median(r[0] for r in v), 1),
                         "vs_off": round(statistics.median(r[0] for r in v) / base, 3),
                         "trips": v[0][1], "trips_verified_mean": round(statistics.mean(r[2] for r in v), 1),
                         "cpu_ms_per_token": round(statistics.median(r[3] for r in v), 3),
+                        "share_verifying": round(statistics.median(r[4] for r in v), 3),
                         "all_runs_tokens_per_s": [round(r[0], 1) for r in v]} for f, v in rows.items()]
 
         base_cpu = statistics.median(r[3] for r in rows[0.0])
@@ -148,10 +150,11 @@ async def main(args) -> dict:
 
 def show(out: dict) -> None:
     print(f"\nverification cost, tiny Llama 0:3 + 3:6 on loopback, {out['tokens']} tokens, greedy")
-    print(f"{'verify':>8} {'tok/s':>8} {'vs off':>7} {'cpu ms/tok':>11} {'vs off':>7} {'trips':>6} {'re-run':>7}")
+    print(f"{'verify':>8} {'tok/s':>8} {'vs off':>7} {'cpu ms/tok':>11} {'vs off':>7} {'trips':>6} {'re-run':>7} "
+          f"{'time verifying':>15}")
     for r in out["cost"]:
         print(f"{r['verify']:>8} {r['decode_tokens_per_s']:>8} {r['vs_off']:>7} {r['cpu_ms_per_token']:>11} "
-              f"{r['cpu_vs_off']:>7} {r['trips']:>6} {r['trips_verified_mean']:>7}")
+              f"{r['cpu_vs_off']:>7} {r['trips']:>6} {r['trips_verified_mean']:>7} {r['share_verifying']:>15}")
     d = out["detection"]
     print(f"\nlying last stage, verify {out['fraction']}: detected in {d['detected']} of {len(d['runs'])} runs "
           f"(up to {d['liar_tokens']} trips); trip of detection median {d['median_trip']}, mean {d['mean_trip']} "

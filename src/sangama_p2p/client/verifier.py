@@ -62,6 +62,7 @@ class Verification:
     trips: int = 0  # trips the hook saw
     verified: int = 0  # trips re-run on a second chain and found equal
     unverifiable: int = 0  # trips drawn for verification with no second chain of the same ranges
+    seconds: float = 0.0  # spent verifying (second-chain trips, opening it, judging), on the generations' paths
     events: list[VerifyEvent] = field(default_factory=list)
     disputed: set[str] = field(default_factory=set)
 
@@ -108,6 +109,14 @@ class TripVerifier:
         self.owner.trips += 1
         if not should_verify(self.rng, self.owner.fraction):
             return
+        t0 = time.perf_counter()
+        try:
+            await self._check(session, start, sent, n_guesses, tokens, prompt, out)
+        finally:
+            self.owner.seconds += time.perf_counter() - t0
+
+    async def _check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
+                     tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
         context = [*prompt, *out][:start]
         # the last survey (the generation's own chain came from it): no DHT round on the generation's path
         offers = self.client.offers or await self.client.survey(max_age=self.client.config.survey_max_age)
@@ -156,12 +165,18 @@ class TripVerifier:
         if verdict.liar is None:
             log.warning("trip %d: %s", self.trip, verdict.reason)
             self.owner.disputed |= verdict.disputed
+            # not judged again in this generation: the same peers would give the same dispute on every check
+            self.skip |= verdict.disputed - set(session.peers)
+            if verdict.honest == tuple(tokens):  # both chains agreed on the second run
+                self.verified = len(out) + len(tokens)
             return
         self.owner.disputed.discard(verdict.liar)
         reason = f"wrong tokens for {self.params.model_id} (trip {self.trip}): {verdict.reason}"
         self.owner.bans.ban(verdict.liar, reason, duration=self.client.config.ban_s,
                             model_id=self.params.model_id)
         log.warning("banned %s: %s", verdict.liar, reason)
+        if not verdict.liar_in_main and verdict.honest == tuple(tokens):
+            self.verified = len(out) + len(tokens)  # the generation's own chain answered the honest way
         if verdict.liar_in_main:
             del out[self.verified:]
             raise ChainBroken(f"{verdict.liar} lied: {verdict.reason}", misbehaving=frozenset({verdict.liar}))
