@@ -157,3 +157,28 @@ def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt,
     v = client.verification
     assert res.tokens == want and not v.banned() and not v.events
     assert v.verified == 0 and v.unverifiable == v.trips == N
+
+
+def test_honest_peers_computing_in_another_dtype_are_never_banned(ckpt):
+    """A bf16 last stage and an fp32 one are both honest, and flip a near-tie now and then (this prompt: at trip 3,
+    measured). Before the earlier-position rechecks, the fp32 peer was banned there, outvoted by two bf16 peers."""
+    from .liars import _attractive
+
+    prompt = [3, 1, 4, 1, 5, 12]
+
+    async def main():
+        with trio.fail_after(120):
+            async with fleet(ckpt, [(0, 4), (4, 8), (0, 4)], batch_invariant=True) as f:
+                _attractive(f.stages[1][1])  # the fp32 last stage: the generation's chain
+                for _ in range(2):
+                    await f.add_stage(4, 8, batch_invariant=True, dtype="bfloat16", wire_dtype="bf16")
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
+                    res = await client.generate(prompt, 12)
+                    return res, client.verification, f.stages[1][1].peer_id
+
+    res, v, fp32 = trio.run(main)
+    assert len(res.tokens) == 12
+    assert not v.banned(), v.banned()
+    assert v.events, "no disagreement this time: the test did not see a near-tie"
+    assert all(e.verdict.liar is None and e.verdict.suspect is not None for e in v.events)
+    assert v.events[0].verdict.suspect == fp32 and fp32 in v.disputed

@@ -168,3 +168,42 @@ def test_a_liar_whose_noise_often_leaves_the_tokens_alone_is_found(seed):
     verdict = trio.run(lambda: find_liar(run, main, alt, o))
     assert verdict.liar == "a1", verdict
     assert verdict.honest == HONEST
+
+
+def _recheck_world(liars: dict[str, object], differs_elsewhere: bool):
+    """``recheck``: earlier positions, where a liar's chain answers (9,) when ``differs_elsewhere`` and every
+    chain the same otherwise (as honest numerics that flipped one near-tie). Three earlier positions."""
+    run, calls = world(liars)
+
+    async def recheck(route, i):
+        if i >= 3:
+            raise IndexError(i)
+        calls.append(("recheck", i))
+        if differs_elsewhere and any(o.peer_id in liars for o in route):
+            return (9,)
+        return (1,)
+
+    return run, recheck, calls
+
+
+def test_a_liar_is_convicted_only_when_it_also_differs_at_another_position():
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, recheck, calls = _recheck_world({"a2": (5, 5)}, differs_elsewhere=True)
+    v = trio.run(lambda: find_liar(run, main, alt, o, recheck=recheck))
+    assert v.liar == "a2" and "earlier position" in v.reason
+    assert calls.count(("recheck", 0)) == 2 and ("recheck", 1) not in calls  # the first difference convicts
+
+
+@pytest.mark.parametrize("peer", ["a2", "b1"])
+def test_a_peer_that_differs_at_one_position_only_is_a_suspect_not_a_liar(peer):
+    """Honest numerics (another dtype or device) flip a near-tie now and then: one position proves nothing."""
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, recheck, calls = _recheck_world({peer: (5, 5)}, differs_elsewhere=False)
+    v = trio.run(lambda: find_liar(run, main, alt, o, recheck=recheck))
+    assert v.liar is None and v.suspect == peer and v.disputed == {peer}
+    assert v.liar_in_main == (peer == "a2") and v.honest == HONEST
+    assert sum(c[0] == "recheck" for c in calls) == 6 and "3 other positions" in v.reason

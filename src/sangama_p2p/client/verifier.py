@@ -15,7 +15,9 @@ token since that chain's last verified trip, so the second chain computes each p
 steps. On a mismatch it finds the liar (:func:`~sangama_p2p.client.verify.find_liar`, fresh sessions on mixed
 chains), bans it (reason and expiry in the ban list, shown by ``status``), and, when the liar sits in the
 generation's own chain, cuts ``out`` back to the last verified token and raises ``ChainBroken`` naming the liar
-as misbehaving: the loop's failover then re-routes without it and replays from there.
+as misbehaving: the loop's failover then re-routes without it and replays from there. A peer that differed at this
+position only (a near-tie flipped by another dtype or device, or a rare lie) is not banned; when it sits in the
+generation's chain the generation still goes back and continues around it (``ChainBroken`` naming it stalled).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from .routing import PeerOffer
 from .session import ChainBroken, ChainSession, SessionParams
 from .verify import Verdict, alternate_route, find_liar, resolve_fraction, should_verify
 
-__all__ = ["TripVerifier", "Verification", "VerifyEvent"]
+__all__ = ["RECHECKS", "TripVerifier", "Verification", "VerifyEvent"]
+
+RECHECKS = 5
+"""Earlier positions at which a suspect's chain is compared with an honest one before it is convicted."""
 
 log = logging.getLogger(__name__)
 
@@ -157,16 +162,38 @@ class TripVerifier:
             finally:
                 await s.close()
 
+        # earlier positions to compare a suspect at: prefixes of what the chain has seen, spread over it
+        base = [*context, *sent[:len(sent) - n_guesses]]
+        step = max(1, (len(base) - 1) // RECHECKS)
+        lengths = sorted({len(base) - 1 - i * step for i in range(RECHECKS)} - {0}, reverse=True)
+        lengths = [n for n in lengths if n > 0]
+
+        async def recheck(route: Sequence[PeerOffer], i: int) -> tuple[int, ...]:
+            prefix = base[:lengths[i]]  # IndexError past the last: find_liar stops there
+            s = self._session(route)
+            try:
+                await s.open()
+                return await self._bounded(min(10 * limit, self.client.config.step_timeout),
+                                           self._steps(s, 0, prefix, 0, fresh=True))
+            finally:
+                await s.close()
+
         alt_route = list(alt.route)
         await self._drop_alt()
         t0 = time.perf_counter()
-        verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned)
+        verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned, recheck=recheck,
+                                  rechecks=RECHECKS)
         self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, time.perf_counter() - t0))
         if verdict.liar is None:
             log.warning("trip %d: %s", self.trip, verdict.reason)
             self.owner.disputed |= verdict.disputed
             # not judged again in this generation: the same peers would give the same dispute on every check
             self.skip |= verdict.disputed - set(session.peers)
+            if verdict.suspect is not None and verdict.liar_in_main:
+                # not proven a liar, but its answer here was not the others': go back, continue without it
+                del out[self.verified:]
+                raise ChainBroken(f"{verdict.suspect} disagreed with the other chains at trip {self.trip}",
+                                  stalled=frozenset({verdict.suspect}))
             if verdict.honest == tuple(tokens):  # both chains agreed on the second run
                 self.verified = len(out) + len(tokens)
             return
