@@ -182,3 +182,28 @@ def test_honest_peers_computing_in_another_dtype_are_never_banned(ckpt):
     assert v.events, "no disagreement this time: the test did not see a near-tie"
     assert all(e.verdict.liar is None and e.verdict.suspect is not None for e in v.events)
     assert v.events[0].verdict.suspect == fp32 and fp32 in v.disputed
+
+
+@pytest.mark.parametrize("guesses, temperature", [(2, 0.0), (0, 1.0)])
+def test_honest_chains_verify_equal_with_guesses_and_seeded_sampling_and_chunked_catch_up(ckpt, guesses,
+                                                                                           temperature):
+    """Every trip re-run on the second chain agrees (the catch-up is chunked: max_step_tokens = 4), nobody is
+    judged, and the tokens are the one-process run's."""
+    from sangama_p2p.model.sampling import SamplingParams
+
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(
+        PROMPT, N, SamplingParams(temperature=temperature, seed=11), guesses=guesses).tokens
+
+    async def main():
+        with trio.fail_after(120):
+            async with fleet(ckpt, [*split, *split], batch_invariant=True) as f:
+                config = ClientConfig(MODEL, verify=1.0, max_step_tokens=4)
+                async with ChainClient(f.clients[0], config) as client:
+                    res = await client.generate(PROMPT, N, guesses=guesses, temperature=temperature, seed=11)
+                    return res, client.verification
+
+    res, v = trio.run(main)
+    assert res.tokens == want
+    assert not v.events and not v.banned()
+    assert v.verified == v.trips == res.steps + 1 - (len(PROMPT) - 1) // 4  # every kept trip (prefill chunks are not)
