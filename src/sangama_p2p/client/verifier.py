@@ -68,6 +68,7 @@ class Verification:
     verified: int = 0  # trips re-run on a second chain and found equal
     unverifiable: int = 0  # trips drawn for verification with no second chain of the same ranges
     seconds: float = 0.0  # spent verifying (second-chain trips, opening it, judging), on the generations' paths
+    open_seconds: float = 0.0  # of which opening second chains
     events: list[VerifyEvent] = field(default_factory=list)
     disputed: set[str] = field(default_factory=set)
 
@@ -224,13 +225,16 @@ class TripVerifier:
         if route is None:
             return None
         alt = self._session(route)
+        t0 = time.perf_counter()
         try:
             await alt.open()
         except SangamaError as exc:
+            self.owner.open_seconds += time.perf_counter() - t0
             log.info("cannot open a verifying chain on %s: %s", [o.peer_id for o in route], exc)
             await alt.close()
             self.skip |= {o.peer_id for o in route}
             return None
+        self.owner.open_seconds += time.perf_counter() - t0
         self.alt, self.alt_pos, self.alt_step = alt, 0, 0
         return alt
 
