@@ -232,3 +232,25 @@ def test_generate_with_a_checkpoint_directory_pins_its_fingerprint(tmp_path: Pat
         config, _ = client_peer_config(args, args.model)
         got[name] = config.client.fingerprint
     assert got == {"dir": checkpoint_identity(ckpt).fingerprint, "tok": None, "id": None}
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1"], ["chat"], ["api"]])
+def test_verify_takes_a_fraction_and_reaches_the_client_config(command: list[str],
+                                                              capsys: pytest.CaptureFixture) -> None:
+    from sangama_p2p.cli.main import build_parser
+    from sangama_p2p.cli.swarm import client_peer_config
+    from sangama_p2p.net.bans import default_bans_path
+
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit) as exc:
+            main([*command, "--model", "org/m", "--verify", bad, "--bootstrap", BOOT])
+        assert exc.value.code == 2 and "argument --verify" in capsys.readouterr().err
+    for given, want in ((["--verify", "0.25"], 0.25), ([], None)):  # None: the swarm decides (public 0.05)
+        args = build_parser().parse_args([*command, "--model", "org/m", *given, "--bootstrap", BOOT])
+        config, _ = client_peer_config(args, args.model)
+        assert config.client.verify == want and config.client.bans_file == default_bans_path()
+
+
+def test_verify_is_for_the_network_mode(capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--local", "m", "--prompt-ids", "1", "--verify", "0.5"]) == 2
+    assert "--verify is for the network mode" in capsys.readouterr().err

@@ -150,3 +150,17 @@ def test_stage_fused_switch(tmp_path: Path) -> None:
     path.write_text('[stage]\nmodel = "m"\nlayers = "0:2"\nfused = 3\n')
     with pytest.raises(SangamaError, match="fused must be true or false"):
         PeerConfig.from_toml(path)
+
+
+@pytest.mark.parametrize("value, match", [('"x"', "verify must be a fraction"), ("1.5", "verify must be a fraction"),
+                                          ("true", "verify must be a fraction")])
+def test_client_verify_is_a_fraction_of_trips(tmp_path: Path, value: str, match: str) -> None:
+    f = tmp_path / "v.toml"
+    f.write_text(f'[client]\nmodel_id = "m"\nverify = {value}\n')
+    with pytest.raises(SangamaError, match=match):
+        PeerConfig.from_toml(f)
+    f.write_text('[client]\nmodel_id = "m"\nverify = 0.2\nbans_file = "~/b.json"\nban_s = 60\n')
+    c = PeerConfig.from_toml(f).client
+    assert (c.verify, c.bans_file, c.ban_s) == (0.2, Path("~/b.json").expanduser(), 60)
+    f.write_text('[client]\nmodel_id = "m"\nverify = 0\n')
+    assert PeerConfig.from_toml(f).client.verify == 0

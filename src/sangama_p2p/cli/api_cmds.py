@@ -14,7 +14,7 @@ from typing import Any
 from .argtypes import guesses, positive_int
 from .hub_cmds import from_hub
 from .process import quiet_libp2p, until_signal
-from .swarm import add_host_args, client_peer_config, tokenizer_source
+from .swarm import add_host_args, add_verify_arg, client_peer_config, tokenizer_source
 
 # the API server, trio and the peer (3-4 s to import: torch and libp2p) are imported in the handler: cli/main.py
 # imports every command module to build its parser (`sangama-peer --help` takes 0.1 s).
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint directory or .gguf file with the tokenizer and chat template (for --model ID)")
     p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [client], [api])")
     add_host_args(p, listen=False)
+    add_verify_arg(p)
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 = any free port)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",

@@ -45,6 +45,17 @@ def positive_float(text: str) -> float:
     return x
 
 
+def fraction(text: str) -> float:
+    """A number in [0, 1] (``--verify``)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return x
+
+
 def guesses(text: str) -> int | str:
     """``auto`` or a number of guesses per trip in 0..MAX_GUESSES."""
     try:

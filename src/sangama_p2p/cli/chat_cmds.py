@@ -26,7 +26,7 @@ from ..model.tokenizer import IncrementalDecoder, Tokenizer
 from .argtypes import guesses, non_negative_int, positive_int
 from .hub_cmds import from_hub
 from .process import quiet_libp2p, sangama_errors
-from .swarm import add_host_args, client_peer_config, default_guesses, tokenizer_source
+from .swarm import add_host_args, add_verify_arg, client_peer_config, default_guesses, tokenizer_source
 from .tables import print_where_time_goes
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens a turn may use, prompt + answer (default: the model's context length, at most "
                    f"{DEFAULT_CONTEXT}); older turns are dropped to fit")
     add_host_args(p, listen=False)
+    add_verify_arg(p)
     p.add_argument("--max-new-tokens", type=non_negative_int, default=128,
                    help="new tokens per answer at most (default %(default)s)")
     p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",

@@ -22,7 +22,7 @@ from ..model.spec import LayerRange, ModelSpec, parse_stages
 from .argtypes import guesses, non_negative_int, positive_int
 from .hub_cmds import from_hub
 from .process import add_progress_arg, progress, quiet_libp2p, sangama_errors, show_progress
-from .swarm import client_peer_config, need_tokenizer
+from .swarm import add_verify_arg, client_peer_config, need_tokenizer
 from .tables import peer_label, print_where_time_goes
 from .threads import set_threads
 
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
                    help="network mode: bootstrap address (repeatable; default: bootstrap/public.txt)")
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="network mode: the private fleet's secret")
+    add_verify_arg(p)
     p.add_argument("--timings", action="store_true",
                    help="network mode: print where the time goes per trip (each stage's queue/compute/send, network)")
     p.add_argument("--stages", default=None, metavar="A:B,B:C",
@@ -118,7 +119,7 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 _LOCAL_ONLY = ("stages", "mtp_from", "batch_invariant", "threads", "chat", "system", "dequantize_per_use", "device",
                "dtype")
-_NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings")
+_NETWORK_ONLY = ("model", "tokenizer", "bootstrap", "fleet_secret_file", "timings", "verify")
 
 
 def _check_mode(args: argparse.Namespace) -> None:

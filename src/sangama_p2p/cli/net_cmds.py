@@ -122,7 +122,9 @@ def _status(args: argparse.Namespace) -> int:
         async with open_host(config, key_pair=generate_key_pair()) as node:  # a throwaway identity: we only look
             return await survey(node, models=args.model, timeout=args.timeout)
 
-    status = trio.run(main)
+    from ..net.bans import default_bans_path
+
+    status = trio.run(main).with_bans(default_bans_path())
     if args.json:
         json.dump(status.to_json(), sys.stdout, indent=2)
         print()
@@ -166,6 +168,12 @@ def _print_table(status, bootstrap_ids: frozenset[str] = frozenset(), console=No
             role = "bootstrap" if peer.peer_id in bootstrap_ids else (peer.error or "-")
             table.add_row(peer_label(peer.peer_id), role, _short_link(peer.link), _rtt(peer))
         console.print(table)
+    if status.bans:
+        from ..net.status import ban_lines
+
+        console.print(f"[bold]banned here[/bold] ({len(status.bans)}, local to this machine):")
+        for line in ban_lines(status):
+            console.print(line, markup=False, soft_wrap=True)
     console.print("tok/s: measured throughput; free: sessions it can still open; link: how this peer reached it; "
                   "reach: what it announces (direct, or the relay it is reached through)", soft_wrap=False)
     console.print("peers (full ids, announced addresses without their /p2p/<id>):")

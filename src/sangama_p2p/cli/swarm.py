@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, NetworkError, SangamaError
 from ..model.spec import ModelSpec
+from .argtypes import fraction
 
 if TYPE_CHECKING:
     from ..net.config import HostConfig
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 # Imports of the host, peer and client modules stay inside the functions below: each pulls in libp2p (0.8-1.4 s) or
 # torch (1.4-2.6 s), and every command module imports this one to build the parser (cli/main.py).
 
-__all__ = ["BOOTSTRAP_DIR", "add_host_args", "client_peer_config", "default_bootstrap_addrs", "default_guesses",
+__all__ = ["BOOTSTRAP_DIR", "add_host_args", "add_verify_arg", "client_peer_config", "default_bootstrap_addrs", "default_guesses",
            "host_config", "need_tokenizer", "tokenizer_source"]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parents[3] / "bootstrap"
@@ -45,6 +46,13 @@ def add_host_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
         p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR",
                        help="public address to advertise instead of the listen addresses (repeatable)")
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="file holding the private fleet's secret")
+
+
+def add_verify_arg(p: argparse.ArgumentParser) -> None:
+    """``--verify FRACTION``, for the commands that generate through the swarm."""
+    p.add_argument("--verify", type=fraction, default=None, metavar="FRACTION",
+                   help="re-run this fraction of trips on a second chain of other peers and ban a peer caught lying "
+                   "(default: 0.05 in a public swarm, 0 with --fleet-secret-file); bans: ~/.sangama/bans.json")
 
 
 def host_config(args: argparse.Namespace, *, serving: bool) -> HostConfig:
@@ -75,6 +83,7 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig
     """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory (name + tokenizer)."""
     from ..client.config import ClientConfig
     from ..config import PeerConfig, default_model_id
+    from ..net.bans import default_bans_path
 
     tokenizer = getattr(args, "tokenizer", None)
     model_id = model
@@ -93,8 +102,9 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig
             from ..model.fingerprint import checkpoint_identity
 
             fingerprint = checkpoint_identity(model).fingerprint
-    config = PeerConfig(host=host_config(args, serving=False),
-                        client=ClientConfig(model_id=model_id, fingerprint=fingerprint), tokenizer_path=tokenizer)
+    client = ClientConfig(model_id=model_id, fingerprint=fingerprint, verify=getattr(args, "verify", None),
+                          bans_file=default_bans_path())
+    config = PeerConfig(host=host_config(args, serving=False), client=client, tokenizer_path=tokenizer)
     return config, model_id
 
 
@@ -116,7 +126,8 @@ def tokenizer_source(args: argparse.Namespace, config: PeerConfig, model_id: str
     given = Path(args.model).expanduser()
     if given.suffix == ".gguf" and given.is_file():
         model_id = default_model_id(given)
-        config = dataclasses.replace(config, client=ClientConfig(model_id=model_id))
+        config = dataclasses.replace(config, client=(config.client or ClientConfig(model_id=model_id)).replace(
+            model_id=model_id, fingerprint=None))
     source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
     if source is None:
         raise SangamaError(f"{command} needs the model's tokenizer, and {args.model!r} is a model id, not a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import RouteError
 from ..wire.framing import DEFAULT_MAX_FRAME
@@ -33,6 +34,10 @@ class ClientConfig:
     its peers where spares exist and replays (0: only ``step_timeout``).
     ``lanes``: talk to stages that offer it over a direct lane (``/sangama/lane/3``, see
     :mod:`sangama_p2p.net.lane`), set up within ``lane_timeout`` seconds, else over libp2p streams.
+    ``verify``: the fraction of trips re-run through a second chain of other peers for the same ranges and compared
+    (:mod:`sangama_p2p.client.verify`; None: 0.05 in a public swarm, 0 in a private fleet, i.e. with a fleet
+    secret). A peer found lying is banned for ``ban_s`` seconds; ``bans_file``: where bans are kept between runs
+    (``status`` shows them; None: in memory only).
     """
 
     model_id: str
@@ -50,6 +55,9 @@ class ClientConfig:
     lane_timeout: float = 2.0
     stall_factor: float = 10.0
     stall_floor_s: float = 1.0
+    verify: float | None = None
+    bans_file: Path | None = None
+    ban_s: float = 24 * 3600.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -67,6 +75,13 @@ class ClientConfig:
             raise RouteError("max_failovers must be >= 0")
         if self.max_step_tokens <= 0:
             raise RouteError("max_step_tokens must be positive")
+        if self.verify is not None and (isinstance(self.verify, bool) or not isinstance(self.verify, (int, float))
+                                        or not 0.0 <= self.verify <= 1.0):
+            raise RouteError(f"verify must be a fraction of trips in [0, 1], got {self.verify}")
+        if self.ban_s <= 0:
+            raise RouteError("ban_s must be positive")
+        if self.bans_file is not None:
+            object.__setattr__(self, "bans_file", Path(self.bans_file).expanduser())
 
     def replace(self, **changes: object) -> ClientConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

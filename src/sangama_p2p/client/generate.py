@@ -49,6 +49,7 @@ from .routing import PeerOffer, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
 from .timing import summarize_trips
 from .transport import ChainTransport
+from .verifier import Verification
 
 __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult", "parse_guesses"]
 
@@ -76,6 +77,7 @@ class ChainClient:
         self.left_out: dict[str, Any] = {}  # peer id -> net.lineup.LeftOut, from the last routing decision
         self._reported: set[tuple[str, str]] = set()  # (peer, reason) already logged
         self.active: dict[int, ChainSession] = {}  # the chain session of each running generation
+        self.verification = Verification.for_client(self)  # re-run trips, ban liars (client/verifier.py)
 
     async def __aenter__(self) -> ChainClient:
         self._nursery_cm = trio.open_nursery()
@@ -190,7 +192,8 @@ class ChainClient:
         if lineup.fingerprint is None:
             raise RouteError(f"no live peer serves {self.config.model_id!r}" + (f" (left out: {left})" if left else ""))
         try:
-            return plan_route(lineup.members, lineup.num_layers, exclude=exclude), lineup.fingerprint
+            return plan_route(lineup.members, lineup.num_layers, exclude=exclude,
+                              banned=self.verification.banned()), lineup.fingerprint
         except RouteError as exc:
             if not left:
                 raise

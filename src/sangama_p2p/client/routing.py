@@ -11,13 +11,14 @@ Usage::
     offers = [PeerOffer("A", 0, 4, throughput=80.0, rtt=0.002), PeerOffer("B", 4, 8, throughput=50.0, rtt=0.003)]
     chain = plan_route(offers, num_layers=8)            # [offer A, offer B]; RouteError if nothing covers 0..8
     chain = plan_route(offers, 8, exclude={"B"})        # re-route around a failed peer
+    chain = plan_route(offers, 8, banned={"B": "lied"}) # banned peers (client/verify.py) are never chained
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import RouteError
@@ -86,17 +87,20 @@ def plan_route(
     num_layers: int,
     *,
     exclude: Collection[str] = (),
+    banned: Mapping[str, str] | None = None,
     link_cost: Callable[[str, str], float] | None = None,
 ) -> list[PeerOffer]:
     """The cheapest chain of offers covering layers ``[0, num_layers)`` in order (see the module docstring).
 
-    Peers in ``exclude`` are skipped; peers announcing no free session are used only when nothing else fits.
+    Peers in ``exclude`` are skipped, and so are those in ``banned`` (peer id -> reason: peers this client caught
+    lying, :mod:`sangama_p2p.client.verify`); peers announcing no free session are used only when nothing else fits.
     Ties are broken by peer id, so the result is deterministic. Raises :class:`RouteError` naming the first layer
-    nobody covers when no chain exists.
+    nobody covers when no chain exists (and the banned peers that could have, with their reasons).
     """
     if num_layers <= 0:
         raise RouteError(f"num_layers must be positive, got {num_layers}")
-    usable = [o for o in offers if o.peer_id not in exclude and 0 <= o.start < o.end
+    banned = banned or {}
+    usable = [o for o in offers if o.peer_id not in exclude and o.peer_id not in banned and 0 <= o.start < o.end
               and o.end <= num_layers and o.peer_id != CLIENT]
     link = link_cost or link_cost_from_rtts(usable)
     by_start: dict[int, list[PeerOffer]] = {}
@@ -134,6 +138,8 @@ def plan_route(
         raise RouteError(
             f"no chain of peers covers layers 0..{num_layers}: nobody usable serves a range starting at layer {reach}"
             + (f" (excluded: {sorted(exclude)})" if exclude else "")
+            + "".join(f" (banned {o.peer_id} {o.start}:{o.end}: {banned[o.peer_id]})" for o in offers
+                      if o.peer_id in banned)
         )
     chain = []
     node = best_end[1]

@@ -22,6 +22,7 @@ from ..positions import session_length
 from .config import ClientConfig
 from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
 from .timing import trip_timing
+from .verifier import TripVerifier, Verification
 
 __all__ = ["ChainOpener", "ChainTransport"]
 
@@ -34,6 +35,7 @@ class ChainOpener(Protocol):
     config: ClientConfig
     peer_id: str
     active: dict[int, ChainSession]
+    verification: Verification
 
     async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float, pin: str | None = None,
                          avoid: frozenset[str] = frozenset()) -> ChainSession: ...
@@ -54,6 +56,8 @@ class ChainTransport:
         self.exclude = exclude  # peers left out of this request's routes (dead, misbehaving, refusing)
         self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled, or that computed NaN/Inf
         self.non_finite_from: set[str] = set()  # peers whose hidden states a stage refused as NaN/Inf
+        # a fraction of trips re-run on a second chain of other peers (client/verifier.py); None: not verifying
+        self.verifier: TripVerifier | None = client.verification.start(params)
         client.active[id(result)] = session
 
     @classmethod
@@ -89,6 +93,9 @@ class ChainTransport:
         (trip,) = trips
         try:
             res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
+            if self.verifier is not None and not trip.chunk:  # raises ChainBroken at a liar, tokens cut back
+                await self.verifier.check(self.session, trip.start, trip.tokens, trip.n_guesses, res.tokens,
+                                          self.result.prompt_ids, self.result.tokens)
         except ChainBroken as exc:
             bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
             await self._fail_over(trip, exc, bad, exc.stalled)
@@ -135,4 +142,8 @@ class ChainTransport:
 
     async def close(self) -> None:
         self.client.active.pop(id(self.result), None)
-        await self.session.close()
+        try:
+            if self.verifier is not None:
+                await self.verifier.aclose()
+        finally:
+            await self.session.close()

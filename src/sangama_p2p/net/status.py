@@ -4,7 +4,8 @@ Peers are found from the DHT (our routing table after random-key lookups, plus t
 for); each one is asked over ``/sangama/records/1`` for its signed records, which are validated like DHT records.
 The survey is a pure data structure (:class:`SwarmStatus`) so the CLI can print it as a table or as JSON;
 :meth:`SwarmStatus.lineups` sorts each model's records as a client would (:mod:`.lineup`): the peers a client
-chains, and every other one with the reason it is left out.
+chains, and every other one with the reason it is left out. ``bans`` are this node's own (:mod:`.bans`: peers a
+verifying client caught lying, with the reason); :meth:`SwarmStatus.with_bans` adds them, :func:`ban_lines` prints.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import msgpack
 import trio
@@ -23,11 +24,12 @@ from ..errors import NetworkError
 from .dial import dial_peer
 from .discovery import RECORDS_PROTOCOL, find_serving_peers
 from .holepunch import link_info
+from .bans import Ban, load_bans
 from .lineup import Lineup, choose_lineup
 from .node import Node
 from .records import ServingRecord, decode_record, record_key
 
-__all__ = ["PeerStatus", "SwarmStatus", "fetch_records", "survey"]
+__all__ = ["PeerStatus", "SwarmStatus", "ban_lines", "fetch_records", "survey"]
 
 log = logging.getLogger(__name__)
 MAX_RESPONSE = 1 << 20
@@ -50,6 +52,14 @@ class SwarmStatus:
 
     peers: tuple[PeerStatus, ...]
     surveyed_at: float
+    bans: tuple[Ban, ...] = ()  # this node's local bans in force (never from the swarm)
+
+    def with_bans(self, path: object) -> SwarmStatus:
+        """The same status with the bans in force that the ban file ``path`` holds (none if it does not exist)."""
+        from pathlib import Path
+
+        p = Path(str(path)).expanduser()
+        return replace(self, bans=tuple(load_bans(p, now=time.time())) if p.exists() else ())
 
     def models(self) -> dict[str, list[tuple[str, int, int]]]:
         """model id -> [(peer id, start, end)] sorted by start."""
@@ -73,7 +83,20 @@ class SwarmStatus:
                        "conflicts": [asdict(c) for c in ln.conflicts]}
                    for m, ln in self.lineups().items()}
         return {"surveyed_at": self.surveyed_at, "peers": [asdict(p) for p in self.peers], "models": self.models(),
-                "lineups": lineups}
+                "lineups": lineups, "bans": [asdict(b) for b in self.bans]}
+
+
+def ban_lines(status: SwarmStatus, *, now: float | None = None) -> list[str]:
+    """One plain-text line per local ban: the peer, whether it is in the swarm now, until when, and why."""
+    now = time.time() if now is None else now
+    present = {p.peer_id for p in status.peers}
+    lines = []
+    for b in status.bans:
+        left = max(b.until - now, 0.0)
+        where = "in the swarm now" if b.peer_id in present else "not seen now"
+        model = f" for {b.model_id}" if b.model_id else ""
+        lines.append(f"  banned {b.peer_id}{model} ({where}; {left / 3600:.1f} h left): {b.reason}")
+    return lines
 
 
 async def fetch_records(

@@ -1,0 +1,281 @@
+"""Verification on the network: re-run sampled trips through a second chain, judge, ban, roll back.
+
+The pure parts (which trips, which second chain, who lied) are in :mod:`sangama_p2p.client.verify`; this module
+runs them over :class:`~sangama_p2p.client.session.ChainSession`. A :class:`Verification` belongs to one
+``ChainClient`` (its ban list and figures outlive generations); each generation gets a :class:`TripVerifier`
+(``None`` when verification is off) and calls one hook after each trip whose tokens it is about to keep::
+
+    verifier = client.verification.start(params)                      # None: verifying no trips
+    await verifier.check(session, start, sent, n_guesses, res.tokens, prompt, out)   # may raise ChainBroken
+    await verifier.aclose()
+
+``check`` re-runs the trip (with the chosen probability) on a chain of other peers for the same ranges, whose
+session is kept for the whole generation and catches up on the context lazily: a verified trip carries every
+token since that chain's last verified trip, so the second chain computes each position once, in a few larger
+steps. On a mismatch it finds the liar (:func:`~sangama_p2p.client.verify.find_liar`, fresh sessions on mixed
+chains), bans it (reason and expiry in the ban list, shown by ``status``), and, when the liar sits in the
+generation's own chain, cuts ``out`` back to the last verified token and raises ``ChainBroken`` naming the liar
+as misbehaving: the loop's failover then re-routes without it and replays from there. A peer that differed at this
+position only (a near-tie flipped by another dtype or device, or a rare lie) is not banned; when it sits in the
+generation's chain the generation still goes back and continues around it (``ChainBroken`` naming it stalled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ..errors import RouteError, SangamaError
+from ..net.bans import BanList
+from .routing import PeerOffer
+from .session import ChainBroken, ChainSession, SessionParams
+from .verify import Verdict, alternate_route, find_liar, resolve_fraction, should_verify
+
+__all__ = ["RECHECKS", "TripVerifier", "Verification", "VerifyEvent"]
+
+RECHECKS = 5
+"""Earlier positions at which a suspect's chain is compared with an honest one before it is convicted."""
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyEvent:
+    """A mismatch and what came of it: the trip (counted per generation, the prefill is 1), the trips verified
+    before it in that generation, the verdict, and the seconds the judging took (the re-runs on mixed chains)."""
+
+    trip: int
+    trips_verified: int
+    verdict: Verdict
+    seconds: float = 0.0
+
+
+@dataclass
+class Verification:
+    """A client's verification settings, ban list and figures (one per ``ChainClient``)."""
+
+    client: Any
+    fraction: float = 0.0
+    bans: BanList = field(default_factory=BanList)
+    trips: int = 0  # trips the hook saw
+    verified: int = 0  # trips re-run on a second chain and found equal
+    unverifiable: int = 0  # trips drawn for verification with no second chain of the same ranges
+    seconds: float = 0.0  # spent verifying (second-chain trips, opening it, judging), on the generations' paths
+    open_seconds: float = 0.0  # of which opening second chains
+    events: list[VerifyEvent] = field(default_factory=list)
+    disputed: set[str] = field(default_factory=set)
+
+    @classmethod
+    def for_client(cls, client: Any) -> Verification:
+        cfg = client.config
+        private = getattr(getattr(client.node, "config", None), "fleet_secret", None) is not None
+        return cls(client, resolve_fraction(cfg.verify, private=private), BanList(cfg.bans_file))
+
+    def banned(self) -> dict[str, str]:
+        """peer id -> reason of every ban in force (routing leaves these peers out)."""
+        return self.bans.reasons()
+
+    def start(self, params: SessionParams, *, rng: random.Random | None = None) -> TripVerifier | None:
+        """The verifier of one generation, or None when no trip is to be verified."""
+        if self.fraction <= 0:
+            return None
+        return TripVerifier(self, params, rng or random.Random(int.from_bytes(os.urandom(8), "little")))
+
+
+class TripVerifier:
+    """One generation's verification (see the module docstring)."""
+
+    def __init__(self, owner: Verification, params: SessionParams, rng: random.Random) -> None:
+        self.owner = owner
+        self.client = owner.client
+        self.params = params
+        self.rng = rng
+        self.alt: ChainSession | None = None
+        self.alt_pos = 0  # positions the second chain holds valid state for
+        self.alt_step = 0
+        self.trip = 0
+        self.trips_verified = 0
+        self.verified = 0  # out[:verified] was produced by trips that were verified (or precede one that was)
+        self.skip: set[str] = set()  # peers whose verifying chain failed in this generation
+
+    async def check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
+                    tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
+        """Called after a trip on ``session`` (input ``sent`` at ``start`` with ``n_guesses`` guesses) answered
+        ``tokens``, before they join ``out``. Returns normally when the trip was not drawn, could not be checked, or
+        was found right (or the liar sat in the second chain); raises ``ChainBroken`` (misbehaving: the liar) after
+        cutting ``out`` back to the last verified token when a peer of ``session`` lied."""
+        self.trip += 1
+        self.owner.trips += 1
+        if not should_verify(self.rng, self.owner.fraction):
+            return
+        t0 = time.perf_counter()
+        try:
+            await self._check(session, start, sent, n_guesses, tokens, prompt, out)
+        finally:
+            self.owner.seconds += time.perf_counter() - t0
+
+    async def _check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
+                     tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
+        context = [*prompt, *out][:start]
+        # the last survey (the generation's own chain came from it): no DHT round on the generation's path
+        offers = self.client.offers or await self.client.survey(max_age=self.client.config.survey_max_age)
+        # only peers of the chain's own checkpoint that routing would chain: another checkpoint answers otherwise
+        # without lying (its peers are in another fingerprint group, and left out)
+        offers = [o for o in offers if o.fingerprint == session.fingerprint and o.peer_id not in self.client.left_out]
+        banned = self.owner.bans.banned()
+        alt = await self._second_chain(session, offers, banned)
+        if alt is None:
+            self.owner.unverifiable += 1
+            return
+        pos = min(self.alt_pos, start)
+        limit = self._deadline(session)
+        try:
+            answer = await self._bounded(limit, self._steps(alt, pos, [*context[pos:], *sent], n_guesses))
+        except SangamaError as exc:
+            log.info("verifying chain %s failed: %s", alt.peers, exc)
+            self.skip |= set(alt.peers)  # not again in this generation (e.g. a black hole costs `limit` once)
+            await self._drop_alt()
+            return
+        if answer == tuple(tokens):
+            self.alt_pos = start + len(sent) - n_guesses + len(tokens) - 1
+            self.trips_verified += 1
+            self.owner.verified += 1
+            self.verified = len(out) + len(tokens)
+            return
+        log.warning("trip %d: chain %s answered %s, chain %s answered %s; finding the liar", self.trip,
+                    session.peers, list(tokens), alt.peers, list(answer))
+        full = [*context, *sent]
+
+        async def run(route: Sequence[PeerOffer]) -> tuple[int, ...]:
+            s = self._session(route)
+            try:
+                await s.open()
+                # the whole context in one step (a prefill): allowed longer than a catch-up
+                return await self._bounded(min(10 * limit, self.client.config.step_timeout),
+                                           self._steps(s, 0, full, n_guesses, fresh=True))
+            finally:
+                await s.close()
+
+        # earlier positions to compare a suspect at: prefixes of what the chain has seen, spread over it
+        base = [*context, *sent[:len(sent) - n_guesses]]
+        step = max(1, (len(base) - 1) // RECHECKS)
+        lengths = sorted({len(base) - 1 - i * step for i in range(RECHECKS)} - {0}, reverse=True)
+        lengths = [n for n in lengths if n > 0]
+
+        async def recheck(route: Sequence[PeerOffer], i: int) -> tuple[int, ...]:
+            prefix = base[:lengths[i]]  # IndexError past the last: find_liar stops there
+            s = self._session(route)
+            try:
+                await s.open()
+                return await self._bounded(min(10 * limit, self.client.config.step_timeout),
+                                           self._steps(s, 0, prefix, 0, fresh=True))
+            finally:
+                await s.close()
+
+        alt_route = list(alt.route)
+        await self._drop_alt()
+        t0 = time.perf_counter()
+        verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned, recheck=recheck,
+                                  rechecks=RECHECKS)
+        self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, time.perf_counter() - t0))
+        if verdict.liar is None:
+            log.warning("trip %d: %s", self.trip, verdict.reason)
+            self.owner.disputed |= verdict.disputed
+            # not judged again in this generation: the same peers would give the same dispute on every check
+            self.skip |= verdict.disputed - set(session.peers)
+            if verdict.suspect is not None and verdict.liar_in_main:
+                # not proven a liar, but its answer here was not the others': go back, continue without it
+                del out[self.verified:]
+                raise ChainBroken(f"{verdict.suspect} disagreed with the other chains at trip {self.trip}",
+                                  stalled=frozenset({verdict.suspect}))
+            if verdict.honest == tuple(tokens):  # both chains agreed on the second run
+                self.verified = len(out) + len(tokens)
+            return
+        self.owner.disputed.discard(verdict.liar)
+        reason = f"wrong tokens for {self.params.model_id} (trip {self.trip}): {verdict.reason}"
+        self.owner.bans.ban(verdict.liar, reason, duration=self.client.config.ban_s,
+                            model_id=self.params.model_id)
+        log.warning("banned %s: %s", verdict.liar, reason)
+        if not verdict.liar_in_main and verdict.honest == tuple(tokens):
+            self.verified = len(out) + len(tokens)  # the generation's own chain answered the honest way
+        if verdict.liar_in_main:
+            del out[self.verified:]
+            raise ChainBroken(f"{verdict.liar} lied: {verdict.reason}", misbehaving=frozenset({verdict.liar}))
+
+    async def _second_chain(self, session: ChainSession, offers: Sequence[PeerOffer],
+                            banned: frozenset[str]) -> ChainSession | None:
+        """The generation's second chain: kept while it still fits ``session``'s ranges and shares none of its
+        peers or the banned ones, else a new one (None when the swarm has none)."""
+        main = session.route
+        alt = self.alt
+        if alt is not None:
+            same = [(o.start, o.end) for o in alt.route] == [(o.start, o.end) for o in main]
+            clash = {o.peer_id for o in alt.route} & ({o.peer_id for o in main} | banned)
+            if same and not clash:
+                return alt
+            await self._drop_alt()
+        route = alternate_route(offers, main, exclude=banned | self.skip)
+        if route is None:
+            return None
+        alt = self._session(route)
+        t0 = time.perf_counter()
+        try:
+            await alt.open()
+        except SangamaError as exc:
+            self.owner.open_seconds += time.perf_counter() - t0
+            log.info("cannot open a verifying chain on %s: %s", [o.peer_id for o in route], exc)
+            await alt.close()
+            self.skip |= {o.peer_id for o in route}
+            return None
+        self.owner.open_seconds += time.perf_counter() - t0
+        self.alt, self.alt_pos, self.alt_step = alt, 0, 0
+        return alt
+
+    def _deadline(self, session: ChainSession) -> float:
+        """How long one verifying trip may take: 2 x the generation's stall deadline (its decode trips x
+        ``stall_factor``; a catch-up carries more tokens), at least 4 x ``stall_floor_s``, at most ``step_timeout``."""
+        cfg = self.client.config
+        trip = session.decode_trip_s or cfg.stall_floor_s
+        return min(cfg.step_timeout, max(4 * cfg.stall_floor_s, 2 * cfg.stall_factor * trip))
+
+    @staticmethod
+    async def _bounded(limit: float, work: Awaitable[tuple[int, ...]]) -> tuple[int, ...]:
+        with trio.move_on_after(limit):
+            return await work
+        raise RouteError(f"a verifying trip took over {limit:.2f} s")
+
+    def _session(self, route: Sequence[PeerOffer]) -> ChainSession:
+        cfg = self.client.config
+        return ChainSession(self.client._pool(), route, self.params, open_timeout=cfg.open_timeout,
+                            step_timeout=cfg.step_timeout)
+
+    async def _steps(self, s: ChainSession, start: int, tokens: Sequence[int], n_guesses: int, *,
+                     fresh: bool = False) -> tuple[int, ...]:
+        """Send ``tokens`` at ``start`` (the last ``n_guesses`` of them guesses) in steps of at most
+        ``max_step_tokens`` (the guesses stay in the last one); the last step's tokens."""
+        limit = max(self.client.config.max_step_tokens, n_guesses + 1)
+        step = 0 if fresh else self.alt_step
+        rest = list(tokens)
+        while len(rest) > limit:
+            chunk = rest[:min(limit, len(rest) - n_guesses - 1)]
+            await s.step(step, start, chunk, 0)
+            start, rest, step = start + len(chunk), rest[len(chunk):], step + 1
+        res, _ = await s.step(step, start, rest, n_guesses)
+        if not fresh:
+            self.alt_step = step + 1
+        return tuple(res.tokens)
+
+    async def _drop_alt(self) -> None:
+        alt, self.alt = self.alt, None
+        if alt is not None:
+            await alt.close()
+
+    async def aclose(self) -> None:
+        await self._drop_alt()

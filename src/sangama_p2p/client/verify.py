@@ -1,0 +1,272 @@
+"""Verification of trips: which to re-run, through which peers, and who lied when two chains disagree. Pure.
+
+Nothing a stage returns can be checked on its own (the client sees only the last stage's tokens), so a client in a
+public swarm re-runs a random fraction of its trips through a second chain of *other* peers serving the *same*
+ranges and compares the tokens (exactly: greedy decoding is deterministic, and sampled draws are seeded per
+position, :func:`sangama_p2p.model.sampling.position_seed`). Two honest chains agree; when they do not, one of the
+peers is wrong, and :func:`find_liar` finds which by mixing the chains:
+
+1. Re-run both chains the same way (fresh sessions, the whole context in one step): if they now agree, nobody is
+   blamed (the first answers differed by numerics, or a lie did not repeat).
+2. Swap one stage at a time: the chain with main's peers except alt's peer at position ``i``, for every ``i``
+   (and the other way round).
+3. A peer ``p`` is *consistent* with being the one liar when every chain without ``p`` gives one answer and some
+   chain with ``p`` gives another (:func:`suspects`). Two peers of one position are always both consistent when the
+   lie is deterministic (a chain's answer depends only on which of the two sits there), so
+4. a *referee* (a third peer serving that range) takes the position in main's chain, and the vote decides.
+5. Several still consistent: the one that lied in *every* chain it was in, if exactly one did; else more runs
+   (a referee per suspect position, and each suspect once more in the other chain: a liar adding noise does not
+   change the tokens every time, an honest chain always answers the same), a few rounds at most.
+6. Before a verdict, the liar's own chain is run once more with a third peer in its place, where one exists: that
+   chain must give the honest answer too (two liars at once could otherwise make an honest peer look like the one).
+7. One position is not proof: honest peers computing in another dtype or on another device flip near-ties now and
+   then (measured: 1 of 240 trips between fp32 and bf16 last stages of the tiny model). So the liar's chain and the
+   closest honest chain are also compared at up to five earlier positions (``recheck``); the liar is convicted at
+   the first that differs, and is only a ``suspect`` (not banned; routed around for the generation) when none does.
+
+One consistent peer is the verdict (the caller bans it); none or several is undecided (no ban; the peers are
+``disputed``). The honest answer is what the chains without the liar gave.
+
+Usage (``run`` re-runs the trip on a route and returns its tokens; see :mod:`sangama_p2p.client.verifier`)::
+
+    if should_verify(rng, fraction):
+        alt = alternate_route(offers, route, exclude=banned)       # None: no disjoint chain of the same ranges
+        ...
+        verdict = await find_liar(run, route, alt, offers, exclude=banned)
+        verdict.liar, verdict.reason, verdict.honest
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import RouteError, SangamaError
+from .routing import PeerOffer, step_cost
+
+__all__ = ["PUBLIC_FRACTION", "Verdict", "alternate_route", "find_liar", "mixed_routes", "referee",
+           "resolve_fraction", "should_verify", "suspects"]
+
+PUBLIC_FRACTION = 0.05
+"""The fraction of trips verified by default in a public swarm (no fleet secret); a private fleet verifies none."""
+
+Route = Sequence[PeerOffer]
+Answer = tuple[int, ...]
+
+
+def resolve_fraction(configured: float | None, *, private: bool) -> float:
+    """The fraction of trips to verify: the configured one, else :data:`PUBLIC_FRACTION` in a public swarm and 0
+    in a private fleet (its peers hold the fleet secret: they are the operator's own)."""
+    if configured is None:
+        return 0.0 if private else PUBLIC_FRACTION
+    if not 0.0 <= configured <= 1.0:
+        raise RouteError(f"the verified fraction of trips must lie in [0, 1], got {configured}")
+    return float(configured)
+
+
+def should_verify(rng: random.Random, fraction: float) -> bool:
+    """Whether to verify the next trip: a coin with ``fraction`` heads (1 and 0 never flip)."""
+    return fraction >= 1.0 or (fraction > 0.0 and rng.random() < fraction)
+
+
+def _cost(o: PeerOffer) -> float:
+    return step_cost(o) + (o.rtt if o.rtt is not None else 0.05)
+
+
+def alternate_route(offers: Sequence[PeerOffer], route: Route, *, exclude: Collection[str] = ()) -> list[PeerOffer] | None:
+    """A chain over the same ranges as ``route`` with another peer at every position (none of ``route``'s, none of
+    ``exclude``), the cheapest per position; None when some range has no other peer."""
+    used = {o.peer_id for o in route}
+    alt: list[PeerOffer] = []
+    for stage in route:
+        options = [o for o in offers if (o.start, o.end) == (stage.start, stage.end) and o.peer_id not in used
+                   and o.peer_id not in exclude]
+        if not options:
+            return None
+        best = min(options, key=lambda o: (_cost(o), o.peer_id))
+        alt.append(best)
+        used.add(best.peer_id)
+    return alt
+
+
+def mixed_routes(main: Route, alt: Route) -> list[tuple[int, list[PeerOffer]]]:
+    """``(i, main with alt's stage at position i)`` for every position (none for a one-stage chain: that is alt)."""
+    if len(main) != len(alt) or any((a.start, a.end) != (b.start, b.end) for a, b in zip(main, alt)):
+        raise RouteError("chains mix only over the same ranges")
+    if len(main) < 2:
+        return []
+    return [(i, [*main[:i], alt[i], *main[i + 1:]]) for i in range(len(main))]
+
+
+def referee(offers: Sequence[PeerOffer], stage: PeerOffer, *, exclude: Collection[str]) -> PeerOffer | None:
+    """A third peer for ``stage``'s range (none of ``exclude``), the cheapest; None if there is none."""
+    options = [o for o in offers if (o.start, o.end) == (stage.start, stage.end) and o.peer_id not in exclude]
+    return min(options, key=lambda o: (_cost(o), o.peer_id)) if options else None
+
+
+Observations = Sequence[tuple[tuple[str, ...], Answer]]
+"""(a route's peer ids, the answer it gave) per chain run; a route may appear more than once (a liar that adds
+noise answers differently each time; an honest chain never does)."""
+
+
+def suspects(observations: Observations | Mapping[tuple[str, ...], Answer], *, strict: bool = False) -> list[str]:
+    """The peers each of which, alone lying, explains ``observations``: every chain run without it gave one
+    answer, and some chain run with it gave another (``strict``: every one). Sorted."""
+    obs = list(observations.items()) if isinstance(observations, Mapping) else list(observations)
+    peers = sorted({p for route, _ in obs for p in route})
+    out = []
+    for p in peers:
+        without = {ans for route, ans in obs if p not in route}
+        with_p = [ans not in without for route, ans in obs if p in route]
+        if len(without) == 1 and (all(with_p) if strict else any(with_p)):
+            out.append(p)
+    return out
+
+
+def _narrow(obs: Observations, found: list[str]) -> list[str]:
+    """Several suspects: the one that lied in every chain it was in, if exactly one did (else all of them)."""
+    if len(found) <= 1:
+        return found
+    strict = [p for p in suspects(obs, strict=True) if p in found]
+    return strict if len(strict) == 1 else found
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of :func:`find_liar`: ``liar`` (None = undecided or nobody), why, the honest answer (what the
+    chains without the liar gave), how many chains were run, and the peers left ``disputed`` when undecided.
+    ``suspect``: the one peer that explains the answers but agreed with the others at every other position tried
+    (a near-tie that honest numerics of another dtype or device flip, or a liar that lies rarely): not convicted,
+    and ``liar_in_main`` then says whether it sits in main's chain."""
+
+    liar: str | None
+    reason: str
+    honest: Answer | None = None
+    chains_run: int = 0
+    disputed: frozenset[str] = frozenset()
+    liar_in_main: bool = False
+    suspect: str | None = None
+    observations: tuple[tuple[tuple[str, ...], Answer], ...] = ()  # (route's peer ids, its answer) per chain run
+
+
+def _ids(route: Route) -> tuple[str, ...]:
+    return tuple(o.peer_id for o in route)
+
+
+def _show(answer: Answer | None) -> str:
+    return "no answer" if answer is None else str(list(answer))
+
+
+async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt: Route,
+                    offers: Sequence[PeerOffer], *, exclude: Collection[str] = (), rounds: int = 3,
+                    recheck: Callable[[Route, int], Awaitable[Answer]] | None = None,
+                    rechecks: int = 5) -> Verdict:
+    """Find the one peer whose answers differ from the others': re-run the trip on ``main`` and ``alt``, on every
+    one-stage swap between them (both ways), then, while several peers stay suspect (at most ``rounds`` times),
+    on main with a referee at each suspect's position and once more on the other chain holding each suspect (a
+    noisy liar does not lie visibly every time); before a verdict, on the liar's chain with a referee in its place.
+    ``run(route)`` returns the trip's tokens on ``route`` (a chain that fails with a :class:`SangamaError` is no
+    observation). ``recheck(route, i)``: the answer of ``route`` at the ``i``-th other (earlier) position, up to
+    ``rechecks`` of them (``IndexError``: no such position); with it, a peer is convicted only when its chain also
+    differs from the closest honest chain at one of those, else it is only the verdict's ``suspect``. See the
+    module docstring."""
+    obs: list[tuple[tuple[str, ...], Answer]] = []
+    runs = 0
+
+    async def observe(route: Route, *, again: bool = False) -> Answer | None:
+        nonlocal runs
+        key = _ids(route)
+        if not again:
+            for k, ans in obs:
+                if k == key:
+                    return ans
+        runs += 1
+        try:
+            ans = tuple(await run(route))
+        except SangamaError:
+            return None
+        obs.append((key, ans))
+        return ans
+
+    def verdict(found: list[str], why: str) -> Verdict:
+        return Verdict(None, f"undecided: {why}; {len(obs)} chains answered "
+                       f"{sorted({_show(x) for _, x in obs})}", None, runs, disputed=frozenset(found),
+                       observations=tuple(obs))
+
+    a, b = await observe(main), await observe(alt)
+    if a is not None and a == b:
+        return Verdict(None, f"on a second run both chains answered {_show(a)}: nobody blamed", a, runs,
+                       observations=tuple(obs))
+    for _, route in [*mixed_routes(main, alt), *mixed_routes(alt, main)]:
+        await observe(route)
+    found = _narrow(obs, suspects(obs))
+    tried: set[str] = set(_ids(main)) | set(_ids(alt))
+    for _ in range(rounds):
+        if len(found) <= 1:
+            break
+        for p in found:
+            for here, other in ((main, alt), (alt, main)):
+                if p in _ids(here):
+                    i = _ids(here).index(p)
+                    ref = referee(offers, main[i], exclude={*tried, *exclude})
+                    if ref is not None:
+                        tried.add(ref.peer_id)
+                        await observe([*main[:i], ref, *main[i + 1:]])
+                    if len(main) > 1:
+                        await observe([*other[:i], here[i], *other[i + 1:]], again=True)
+        found = _narrow(obs, suspects(obs))
+    if len(found) == 1:  # confirm: the liar's own chain with a third peer in its place must answer the honest way
+        liar = found[0]
+        base = main if liar in _ids(main) else alt
+        i = _ids(base).index(liar)
+        options = [o for o in offers if (o.start, o.end) == (base[i].start, base[i].end)
+                   and o.peer_id not in {main[i].peer_id, alt[i].peer_id, *exclude}]
+        ref = min(options, key=lambda o: (o.peer_id in tried, _cost(o), o.peer_id), default=None)
+        if ref is not None:
+            await observe([*base[:i], ref, *base[i + 1:]])
+            found = _narrow(obs, suspects(obs))
+    if len(found) != 1:
+        return verdict(found, "several peers explain the answers (no referee to tell them apart)" if found else
+                       "no single peer explains the answers")
+    liar = found[0]
+    honest = {ans for route, ans in obs if liar not in route}.pop()
+    lied = sorted({ans for route, ans in obs if liar in route and ans != honest})
+    reason = (f"answered {', '.join(_show(x) for x in lied)} where {sum(liar not in r for r, _ in obs)} chains "
+              f"without it answered {_show(honest)}")
+    in_main = liar in _ids(main)
+    if recheck is not None:  # one position is not enough: honest numerics (another dtype, device) flip near-ties
+        by_id = {o.peer_id: o for o in [*offers, *main, *alt]}
+        bad_route = next(r for r, ans in obs if liar in r and ans != honest)
+        good_route = max((r for r, ans in obs if liar not in r),
+                         key=lambda r: sum(a == b for a, b in zip(r, bad_route)))  # the closest honest chain
+        tried_at, differs_at = 0, None
+
+        async def at(route: tuple[str, ...], i: int) -> Answer:
+            nonlocal runs
+            try:
+                return tuple(await recheck([by_id[p] for p in route], i))
+            except SangamaError:
+                runs += 1
+                raise
+
+        for i in range(rechecks):
+            try:
+                a = await at(bad_route, i)
+                runs += 1
+                b = await at(good_route, i)
+                runs += 1
+            except IndexError:  # no earlier position left
+                break
+            except SangamaError:
+                continue
+            tried_at += 1
+            if a != b:
+                differs_at = (i, a, b)
+                break
+        if differs_at is None:
+            return Verdict(None, f"{liar} {reason}, but agreed with them at {tried_at} other positions: a near-tie "
+                           "(another dtype or device?) or a rare lie; not banned", honest, runs,
+                           disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar, observations=tuple(obs))
+        reason += f", and {_show(differs_at[1])} where they answered {_show(differs_at[2])} at an earlier position"
+    return Verdict(liar, reason, honest, runs, liar_in_main=in_main, observations=tuple(obs))

@@ -1,0 +1,66 @@
+"""Lying stages for the verification tests: real stage servers whose computed outputs are changed before they go on
+the wire (the scheduler's ``deliver`` is wrapped), and which announce a high throughput so that routing picks them.
+
+``lie_constant(server, token)``: a last stage that answers ``token`` as its new token on every trip (its accepted
+guesses kept, so the client's own shape checks pass). ``lie_noise(server, scale)``: a stage whose hidden states get
+Gaussian noise of ``scale`` x their own standard deviation. Both really compute, and really serve the wrong
+outputs over the real wire; nothing in the client is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from sangama_p2p.stage import StageServer
+from sangama_p2p.tensors import from_wire, to_wire
+
+FAST = 1e6  # steps/s announced by a liar (honest stages measure ~100-1000 on the tiny model)
+
+
+def _attractive(server: StageServer) -> None:
+    class Boastful(type(server)):  # the real server, announcing (and answering probes with) a high throughput
+        @property
+        def throughput(self) -> float:
+            return FAST
+
+    server.__class__ = Boastful
+
+
+def lie_constant(server: StageServer, token: int) -> list[int]:
+    """Make ``server`` (a last stage) answer ``token`` as every trip's new token; returns a list that counts the
+    trips it lied on."""
+    assert server.model.is_last
+    _attractive(server)
+    real, lies = server.scheduler.deliver, []
+
+    def deliver(job: Any, out: Any) -> None:
+        if out.error is None and out.last is not None:
+            tokens = (*out.last.tokens[:-1], token)
+            out = dataclasses.replace(out, last=dataclasses.replace(out.last, tokens=tokens))
+            lies.append(job.msg.step)
+        real(job, out)
+
+    server.scheduler.deliver = deliver
+    return lies
+
+
+def lie_noise(server: StageServer, scale: float, *, seed: int = 0) -> list[int]:
+    """Make ``server`` (a middle stage) add noise to the hidden states it forwards; returns its lie counter."""
+    assert not server.model.is_last
+    _attractive(server)
+    real, lies = server.scheduler.deliver, []
+    gen = torch.Generator().manual_seed(seed)
+
+    def deliver(job: Any, out: Any) -> None:
+        if out.error is None and out.hidden is not None:
+            h = from_wire(out.hidden, dtype=torch.float32)
+            noisy = h + scale * h.std() * torch.randn(h.shape, generator=gen)
+            out = dataclasses.replace(out, hidden=to_wire(noisy, out.hidden.dtype))
+            lies.append(job.msg.step)
+        real(job, out)
+
+    server.scheduler.deliver = deliver
+    return lies

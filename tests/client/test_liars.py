@@ -1,0 +1,209 @@
+"""Peers that lie (issue 15, item 7), over loopback: real stages that compute and then serve wrong outputs on the
+real wire (tests/client/liars.py), announcing a high throughput so that routing picks them.
+
+Without verification the liar's tokens are the generation's (the attack, shown first); with ``verify=1.0`` every
+trip is re-run on a second chain of other peers for the same ranges, the liar is found by mixing the two chains,
+banned with a reason, and the generation replays from the last verified position: its tokens are an honest run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from sangama_p2p.client import ChainClient, ClientConfig
+
+from .fleet import MODEL, fleet, local_chain
+from .liars import lie_constant, lie_noise
+
+PROMPT = [3, 1, 4, 1, 5, 9]
+N = 12
+
+
+def _liar_token(want: list[int]) -> int:
+    return next(t for t in range(16) if t != want[0])  # its very first answer is already wrong
+
+
+async def _run(ckpt, ranges, liar_range, lie, **client_options):
+    """A fleet over ``ranges``; the (first) stage of ``liar_range`` lies; one generation through it."""
+    async with fleet(ckpt, ranges, batch_invariant=True) as f:
+        liar = next(s for _, s, _ in f.stages if (s.model.start, s.model.end) == liar_range)
+        lies = lie(liar)
+        async with ChainClient(f.clients[0], ClientConfig(MODEL, **client_options)) as client:
+            res = await client.generate(PROMPT, N)
+            return res, liar.peer_id, lies, client
+
+
+def test_without_verification_a_lying_last_stage_is_chained_and_its_tokens_returned(ckpt):
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+
+    async def main():
+        with trio.fail_after(90):
+            return await _run(ckpt, [*split, (4, 8)], (4, 8), lambda s: lie_constant(s, bad), verify=0.0)
+
+    res, liar, lies, client = trio.run(main)
+    assert liar in res.route and lies
+    assert res.tokens == [bad] * N != want  # the attack: the liar's constant token, all the way
+    assert client.verification.trips == 0 and not client.verification.banned()
+
+
+def test_a_lying_last_stage_is_found_banned_and_the_tokens_are_an_honest_runs(ckpt, tmp_path):
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+    bans_file = tmp_path / "bans.json"
+
+    async def main():
+        with trio.fail_after(120):
+            # two peers for 0:4, three for 4:8 (the liar and two honest: one for the second chain, one referee)
+            return await _run(ckpt, [*split, (0, 4), (4, 8), (4, 8)], (4, 8), lambda s: lie_constant(s, bad),
+                              verify=1.0, bans_file=bans_file)
+
+    res, liar, lies, client = trio.run(main)
+    assert lies, "the liar was never chained"
+    assert res.tokens == want
+    assert liar not in res.route
+    reasons = client.verification.banned()
+    assert list(reasons) == [liar] and "wrong tokens" in reasons[liar] and str([bad]) in reasons[liar]
+    ev = client.verification.events
+    assert len(ev) == 1 and ev[0].verdict.liar == liar and ev[0].trip == 1  # caught on its first trip
+    assert res.failovers == 1
+    from sangama_p2p.net.bans import load_bans
+
+    assert [b.peer_id for b in load_bans(bans_file)] == [liar]  # kept for the next run and for `status`
+
+
+def test_a_noisy_middle_stage_is_found_banned_and_the_tokens_are_an_honest_runs(ckpt):
+    split = [(0, 3), (3, 5), (5, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+
+    async def main():
+        with trio.fail_after(150):
+            return await _run(ckpt, [*split, (0, 3), (3, 5), (3, 5), (5, 8)], (3, 5),
+                              lambda s: lie_noise(s, 3.0), verify=1.0)
+
+    res, liar, lies, client = trio.run(main)
+    assert lies, "the liar was never chained"
+    assert res.tokens == want
+    assert liar not in res.route
+    assert list(client.verification.banned()) == [liar]
+    assert [e.verdict.liar for e in client.verification.events] == [liar]
+
+
+def test_with_two_peers_per_range_a_liar_in_the_second_chain_stays_undecided_and_the_tokens_are_right(ckpt):
+    """No referee: the two peers of the liar's range explain the answers equally; nobody is banned, the generation
+    keeps its own (honest) chain's tokens, and both peers are reported as disputed."""
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [*split, (0, 4), (4, 8)], batch_invariant=True) as f:
+                liar = f.stages[3][1]
+                lie_constant(liar, bad)
+                type(liar).throughput = property(lambda self: 1e-3)  # slow: the generation's chain avoids it
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
+                    res = await client.generate(PROMPT, N)
+                    return res, liar.peer_id, client
+
+    res, liar, client = trio.run(main)
+    assert res.tokens == want and liar not in res.route
+    assert not client.verification.banned()
+    assert liar in client.verification.disputed
+    assert client.verification.events and all(e.verdict.liar is None for e in client.verification.events)
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_verification_is_on_by_default_in_public_swarms_and_off_in_private_fleets(private):
+    from types import SimpleNamespace
+
+    from sangama_p2p.client.verifier import Verification
+    from sangama_p2p.client.verify import PUBLIC_FRACTION
+
+    node = SimpleNamespace(config=SimpleNamespace(fleet_secret=b"s" * 32 if private else None))
+    client = SimpleNamespace(node=node, config=ClientConfig(MODEL))
+    v = Verification.for_client(client)
+    assert v.fraction == (0.0 if private else PUBLIC_FRACTION)
+    assert (v.start(None) is None) == private
+    assert Verification.for_client(SimpleNamespace(node=node, config=ClientConfig(MODEL, verify=0.5))).fraction == 0.5
+
+
+def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt, tmp_path):
+    """Peers of another checkpoint under the same model id answer other tokens without lying: routing leaves them
+    out, and so does verification (no second chain: the trips go unchecked, nobody is banned)."""
+    from sangama_p2p.model.checkpoint import open_checkpoint
+    from sangama_p2p.model.fingerprint import checkpoint_identity
+
+    from .fleet import make_checkpoint
+
+    other = open_checkpoint(make_checkpoint(tmp_path / "other", seed=1))
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, split, batch_invariant=True) as f:
+                for a, b in split:
+                    await f.add_stage(a, b, ckpt=other, batch_invariant=True)
+                pin = checkpoint_identity(ckpt).fingerprint  # chain the fleet's own checkpoint
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0, fingerprint=pin)) as client:
+                    res = await client.generate(PROMPT, N)
+                    return res, client
+
+    res, client = trio.run(main)
+    v = client.verification
+    assert res.tokens == want and not v.banned() and not v.events
+    assert v.verified == 0 and v.unverifiable == v.trips == N
+
+
+def test_honest_peers_computing_in_another_dtype_are_never_banned(ckpt):
+    """A bf16 last stage and an fp32 one are both honest, and flip a near-tie now and then (this prompt: at trip 3,
+    measured). Before the earlier-position rechecks, the fp32 peer was banned there, outvoted by two bf16 peers."""
+    from .liars import _attractive
+
+    prompt = [3, 1, 4, 1, 5, 12]
+
+    async def main():
+        with trio.fail_after(120):
+            async with fleet(ckpt, [(0, 4), (4, 8), (0, 4)], batch_invariant=True) as f:
+                _attractive(f.stages[1][1])  # the fp32 last stage: the generation's chain
+                for _ in range(2):
+                    await f.add_stage(4, 8, batch_invariant=True, dtype="bfloat16", wire_dtype="bf16")
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
+                    res = await client.generate(prompt, 12)
+                    return res, client.verification, f.stages[1][1].peer_id
+
+    res, v, fp32 = trio.run(main)
+    assert len(res.tokens) == 12
+    assert not v.banned(), v.banned()
+    assert v.events, "no disagreement this time: the test did not see a near-tie"
+    assert all(e.verdict.liar is None and e.verdict.suspect is not None for e in v.events)
+    assert v.events[0].verdict.suspect == fp32 and fp32 in v.disputed
+
+
+@pytest.mark.parametrize("guesses, temperature", [(2, 0.0), (0, 1.0)])
+def test_honest_chains_verify_equal_with_guesses_and_seeded_sampling_and_chunked_catch_up(ckpt, guesses,
+                                                                                           temperature):
+    """Every trip re-run on the second chain agrees (the catch-up is chunked: max_step_tokens = 4), nobody is
+    judged, and the tokens are the one-process run's."""
+    from sangama_p2p.model.sampling import SamplingParams
+
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(
+        PROMPT, N, SamplingParams(temperature=temperature, seed=11), guesses=guesses).tokens
+
+    async def main():
+        with trio.fail_after(120):
+            async with fleet(ckpt, [*split, *split], batch_invariant=True) as f:
+                config = ClientConfig(MODEL, verify=1.0, max_step_tokens=4)
+                async with ChainClient(f.clients[0], config) as client:
+                    res = await client.generate(PROMPT, N, guesses=guesses, temperature=temperature, seed=11)
+                    return res, client.verification
+
+    res, v = trio.run(main)
+    assert res.tokens == want
+    assert not v.events and not v.banned()
+    assert v.verified == v.trips == res.steps + 1 - (len(PROMPT) - 1) // 4  # every kept trip (prefill chunks are not)

@@ -1,0 +1,209 @@
+"""The pure verification logic (client/verify.py): the second chain, the mixes, who is suspect, the verdicts.
+
+``run`` here computes a chain's answer from which peers it holds (an honest chain answers the honest tokens; a chain
+holding a liar answers what that liar makes of it), so every verdict below is the algorithm's, on answers shaped
+like the network's. The loopback tests with real lying stages are in test_liars.py.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+import trio
+
+from sangama_p2p.client.routing import PeerOffer, plan_route
+from sangama_p2p.client.verify import (PUBLIC_FRACTION, alternate_route, find_liar, mixed_routes, referee,
+                                       resolve_fraction, should_verify, suspects)
+from sangama_p2p.errors import RouteError, StageError
+
+HONEST = (7, 3)
+
+
+def offers(spec: dict[str, tuple[int, int]], fast: Sequence[str] = ()) -> list[PeerOffer]:
+    return [PeerOffer(p, a, b, throughput=1000.0 if p in fast else 10.0, rtt=0.001) for p, (a, b) in spec.items()]
+
+
+def world(liars: dict[str, object]):
+    """A chain answers HONEST unless it holds a liar: a constant one answers its constant, a noisy one a fresh
+    random answer each run."""
+    rng = random.Random(5)
+    calls: list[tuple[str, ...]] = []
+
+    async def run(route):
+        ids = tuple(o.peer_id for o in route)
+        calls.append(ids)
+        for o in route:
+            kind = liars.get(o.peer_id)
+            if kind == "noise":
+                return (rng.randrange(1000), rng.randrange(1000))
+            if kind == "crash":
+                raise StageError("gone")
+            if kind is not None:
+                return kind
+        return HONEST
+
+    return run, calls
+
+
+THREE = {"a0": (0, 3), "b0": (0, 3), "c0": (0, 3), "a1": (3, 5), "b1": (3, 5), "c1": (3, 5), "a2": (5, 8), "b2": (5, 8),
+         "c2": (5, 8)}
+
+
+def test_fraction_defaults_public_on_private_off_and_bounds():
+    assert resolve_fraction(None, private=False) == PUBLIC_FRACTION
+    assert resolve_fraction(None, private=True) == 0.0
+    assert resolve_fraction(0.5, private=True) == 0.5  # configured wins, also in a private fleet
+    with pytest.raises(RouteError):
+        resolve_fraction(1.5, private=False)
+    rng = random.Random(1)
+    assert all(should_verify(rng, 1.0) for _ in range(100))
+    assert not any(should_verify(rng, 0.0) for _ in range(100))
+    n = sum(should_verify(rng, 0.05) for _ in range(20000))
+    assert 800 < n < 1200, n
+
+
+def test_the_second_chain_keeps_the_ranges_and_shares_no_peer():
+    o = offers(THREE, fast=("a0", "a1", "a2"))
+    main = plan_route(o, 8)
+    assert [x.peer_id for x in main] == ["a0", "a1", "a2"]
+    alt = alternate_route(o, main)
+    assert [(x.start, x.end) for x in alt] == [(0, 3), (3, 5), (5, 8)]
+    assert not {x.peer_id for x in alt} & {"a0", "a1", "a2"}
+    assert alternate_route(o, main, exclude={"b0", "c0"}) is None  # nobody else serves 0:3
+    assert [x.peer_id for x in alternate_route(o, main, exclude={"b1"})] == ["b0", "c1", "b2"]
+    # a range served by another split only (0:4 + 4:8 where main has 0:3 ...) is no second chain
+    assert alternate_route(offers({"a": (0, 8), "b": (0, 4), "c": (4, 8)}), [PeerOffer("a", 0, 8)]) is None
+
+
+def test_mixes_swap_one_position_each_and_referees_are_third_peers():
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    got = [(i, [x.peer_id for x in r]) for i, r in mixed_routes(main, alt)]
+    assert got == [(0, ["b0", "a1", "a2"]), (1, ["a0", "b1", "a2"]), (2, ["a0", "a1", "b2"])]
+    assert mixed_routes(main[:1], alt[:1]) == []
+    with pytest.raises(RouteError):
+        mixed_routes(main, [by["b0"], by["b1"]])
+    assert referee(o, by["a1"], exclude={"a1", "b1"}).peer_id == "c1"
+    assert referee(o, by["a0"], exclude={"a0", "b0", "c0"}) is None
+
+
+def test_suspects_are_the_peers_that_alone_explain_the_answers():
+    obs = {("a0", "L"): (1,), ("b0", "h1"): (9,), ("b0", "L"): (1,), ("a0", "h1"): (9,)}
+    assert suspects(obs) == ["L", "h1"]  # two peers of one position: either could be the liar
+    obs[("a0", "h2")] = (9,)
+    assert suspects(obs) == ["L"]  # a referee settles it
+    assert suspects({("a",): (1,), ("b",): (1,)}) == []  # agreeing chains: nobody
+
+
+@pytest.mark.parametrize("liar,kind", [("a2", (5, 5)), ("a1", "noise"), ("a0", (0, 1)), ("b2", (5, 5)),
+                                       ("b1", "noise")])
+def test_find_liar_names_the_one_liar_in_either_chain(liar, kind):
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, calls = world({liar: kind})
+    verdict = trio.run(lambda: find_liar(run, main, alt, o))
+    assert verdict.liar == liar, verdict
+    assert verdict.honest == HONEST
+    assert verdict.liar_in_main == liar.startswith("a")
+    assert verdict.chains_run == len(calls) <= 2 + 6 + 3 * 2 * 2 + 1  # main, alt, 6 swaps, rounds, the confirmation
+
+
+def test_without_a_referee_two_peers_of_one_range_stay_undecided():
+    o = offers({"a0": (0, 4), "b0": (0, 4), "a1": (4, 8), "L": (4, 8)})
+    by = {x.peer_id: x for x in o}
+    run, _ = world({"L": (5,)})
+    verdict = trio.run(lambda: find_liar(run, [by["a0"], by["a1"]], [by["b0"], by["L"]], o))
+    assert verdict.liar is None and verdict.disputed == {"a1", "L"}
+    assert "undecided" in verdict.reason
+
+
+def test_chains_that_agree_on_a_second_run_blame_nobody_and_a_crashing_chain_is_no_observation():
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, calls = world({})
+    verdict = trio.run(lambda: find_liar(run, main, alt, o))
+    assert verdict.liar is None and verdict.honest == HONEST and len(calls) == 2
+    # a liar that also crashes some chains: the others still convict it
+    run, _ = world({"a2": (5, 5), "b0": "crash"})
+    verdict = trio.run(lambda: find_liar(run, main, alt, o))
+    assert verdict.liar == "a2"
+
+
+def test_two_liars_are_never_pinned_on_an_honest_peer():
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, _ = world({"a2": (5, 5), "b1": (6, 6)})
+    verdict = trio.run(lambda: find_liar(run, main, alt, o))
+    assert verdict.liar in (None, "a2", "b1")
+
+
+def test_banned_peers_are_never_routed_and_the_error_says_why():
+    o = offers({"a": (0, 4), "b": (0, 4), "c": (4, 8)}, fast=("a",))
+    assert [x.peer_id for x in plan_route(o, 8)] == ["a", "c"]
+    assert [x.peer_id for x in plan_route(o, 8, banned={"a": "lied"})] == ["b", "c"]
+    with pytest.raises(RouteError, match="banned c 4:8: answered constant tokens"):
+        plan_route(o, 8, banned={"c": "answered constant tokens"})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_liar_whose_noise_often_leaves_the_tokens_alone_is_found(seed):
+    """As seen on the tiny model: noise on a middle stage's hidden states changes the token in some chains only
+    (its swap into the other chain answered the honest token). The repeated runs still convict it."""
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    rng = random.Random(seed)
+
+    async def run(route):
+        if "a1" in (x.peer_id for x in route) and (route[0].peer_id == "a0" or rng.random() < 0.5):
+            return (rng.choice([4, 9, 11]),)  # visible in main (that is how the mismatch was seen), else at random
+        return HONEST
+
+    verdict = trio.run(lambda: find_liar(run, main, alt, o))
+    assert verdict.liar == "a1", verdict
+    assert verdict.honest == HONEST
+
+
+def _recheck_world(liars: dict[str, object], differs_elsewhere: bool):
+    """``recheck``: earlier positions, where a liar's chain answers (9,) when ``differs_elsewhere`` and every
+    chain the same otherwise (as honest numerics that flipped one near-tie). Three earlier positions."""
+    run, calls = world(liars)
+
+    async def recheck(route, i):
+        if i >= 3:
+            raise IndexError(i)
+        calls.append(("recheck", i))
+        if differs_elsewhere and any(o.peer_id in liars for o in route):
+            return (9,)
+        return (1,)
+
+    return run, recheck, calls
+
+
+def test_a_liar_is_convicted_only_when_it_also_differs_at_another_position():
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, recheck, calls = _recheck_world({"a2": (5, 5)}, differs_elsewhere=True)
+    v = trio.run(lambda: find_liar(run, main, alt, o, recheck=recheck))
+    assert v.liar == "a2" and "earlier position" in v.reason
+    assert calls.count(("recheck", 0)) == 2 and ("recheck", 1) not in calls  # the first difference convicts
+
+
+@pytest.mark.parametrize("peer", ["a2", "b1"])
+def test_a_peer_that_differs_at_one_position_only_is_a_suspect_not_a_liar(peer):
+    """Honest numerics (another dtype or device) flip a near-tie now and then: one position proves nothing."""
+    o = offers(THREE)
+    by = {x.peer_id: x for x in o}
+    main, alt = [by["a0"], by["a1"], by["a2"]], [by["b0"], by["b1"], by["b2"]]
+    run, recheck, calls = _recheck_world({peer: (5, 5)}, differs_elsewhere=False)
+    v = trio.run(lambda: find_liar(run, main, alt, o, recheck=recheck))
+    assert v.liar is None and v.suspect == peer and v.disputed == {peer}
+    assert v.liar_in_main == (peer == "a2") and v.honest == HONEST
+    assert sum(c[0] == "recheck" for c in calls) == 6 and "3 other positions" in v.reason
