@@ -74,6 +74,24 @@ def _peer_info(addr: str) -> PeerInfo:
         raise NetworkError(f"relay address {addr!r} must be a multiaddr ending in /p2p/<peer id>: {exc}") from exc
 
 
+def _set_dht_client(node: Node, client: bool) -> bool:
+    """Put the node's DHT in client (or server) mode; True if that changed it. Unlike py-libp2p's ``switch_mode``
+    this keeps the routing table (which it empties on the way to client mode, bootstrap nodes included)."""
+    from libp2p.kad_dht.common import PROTOCOL_ID
+    from libp2p.kad_dht.kad_dht import DHTMode
+
+    dht = node.dht
+    want = DHTMode.CLIENT if client else DHTMode.SERVER
+    if dht is None or dht.mode == want:
+        return False
+    dht.mode = want
+    if client:
+        node.host.remove_stream_handler(PROTOCOL_ID)
+    else:
+        node.host.set_stream_handler(PROTOCOL_ID, dht.handle_stream)
+    return True
+
+
 class Traversal:
     """The NAT-traversal side of one node; ``run`` is its lifetime (pass it to ``open_host(services=...)``)."""
 
@@ -101,6 +119,9 @@ class Traversal:
         """Run until the node closes (``open_host`` cancels its services)."""
         self._node = node
         serve = node.config.relay_hop if self.config.serve_relay is None else self.config.serve_relay
+        if node.dht is not None and node.config.dht_server and not serve and self._relays(node) and (
+                self.config.reachability != "public"):
+            _set_dht_client(node, True)  # until a dial-back shows we are reachable (before identify tells anyone)
         async with AsyncExitStack() as stack:
             relay_client = await stack.enter_async_context(
                 open_relay_client(
@@ -140,9 +161,26 @@ class Traversal:
             self.report = await check_reachability(node.host, relays, connect=self._connect_to)
         logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
         if self.report.status is not before:
+            await self._dht_mode(node)
             self._changed()
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
             await self._reserve(relays[: self.config.max_reservations])
+
+    async def _dht_mode(self, node: Node) -> None:
+        """A peer nobody can dial is a DHT client (go-libp2p's auto mode): as a server it would sit in routing tables
+        where every lookup and every record store spends a dial timeout on it (measured in namespaces: a NATed
+        stage's first record took 16-34 s to store, so ``ready`` came that late). Server again once reachable."""
+        if node.dht is None or not node.config.dht_server:
+            return
+        if _set_dht_client(node, self.reachability is Reachability.PRIVATE):
+            logger.info("DHT %s mode (reachability %s)", node.dht.mode.value, self.reachability.value)
+            if self.reachability is not Reachability.PRIVATE:  # tell peers we serve the DHT after all
+                push = getattr(node.host, "_push_identify_to_all_peers", None)
+                if push is not None:
+                    try:
+                        await push()
+                    except Exception as exc:  # best effort: peers learn it at their next identify
+                        logger.debug("identify push failed: %s", exc)
 
     async def _reserve(self, relays: list[PeerInfo]) -> None:
         assert self.relay_client is not None
