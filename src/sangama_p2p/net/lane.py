@@ -526,10 +526,15 @@ class LaneDialer:
         lane = await self.open(peer_id)
         if lane is not None:
             return lane
+        from .movable import MovableStream, open_movable, watch_and_move
+
         try:
-            return await self.node.host.new_stream(peer_id, [STAGE_PROTOCOL])
+            stream = await open_movable(self.node.host, peer_id, STAGE_PROTOCOL)
         except Exception as exc:  # py-libp2p raises several unrelated types
             raise NetworkError(f"cannot open a stage stream to {peer_id}: {exc}") from exc
+        if isinstance(stream, MovableStream):  # relayed now: onto the punched connection once there is one
+            self.node.nursery.start_soon(watch_and_move, self.node.host, stream, peer_id)
+        return stream
 
 
 def _ip_of(remote_addr: str) -> str:

@@ -42,6 +42,7 @@ import trio
 from .. import __version__
 from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, WireError
 from ..net.lane import LaneDialer, LaneListener, LaneStream
+from ..net.movable import STAGE_MOVABLE_PROTOCOL, MovableAcceptor
 from ..streams import FramedStream, MemoryStream, StreamClosed, memory_stream_pair
 from ..wire.messages import (
     CloseSession,
@@ -121,6 +122,8 @@ class StageServer:
             if self.config.measure_on_start:
                 self._measured_step_s = await trio.to_thread.run_sync(measure_step, self.model)
             self.node.host.set_stream_handler(STAGE_PROTOCOL, self._on_stage_stream)
+            # the same stage streams, able to move from a relay to a hole-punched connection (net/movable.py)
+            self.node.host.set_stream_handler(STAGE_MOVABLE_PROTOCOL, MovableAcceptor(self._on_stage_stream).handle)
             self.node.host.set_stream_handler(INFO_PROTOCOL, self._on_info_stream)
             if self.config.lanes:
                 self.lane_listener = LaneListener(self.node, self._on_stage_stream, port=self.config.lane_port,
@@ -162,7 +165,7 @@ class StageServer:
     async def _shutdown(self) -> None:
         if self.lane_listener is not None:
             self.lane_listener.stop()
-        for proto in (STAGE_PROTOCOL, INFO_PROTOCOL):
+        for proto in (STAGE_PROTOCOL, STAGE_MOVABLE_PROTOCOL, INFO_PROTOCOL):
             try:
                 self.node.host.remove_stream_handler(proto)
             except Exception:  # the host may already be gone
