@@ -23,7 +23,7 @@ _REASON = netns_unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 PROMPT = "5,17,300,42,7"
-TOKENS = 8
+TOKENS = 16
 
 
 def _cli(*args: str, ns: str | None = None) -> list[str]:
@@ -71,9 +71,29 @@ class _Proc:
                 self.proc.kill()
 
 
-def test_three_natted_stages_and_a_natted_client_generate_right_after_ready(tmp_path: Path) -> None:
+def _status(boot: str, ns: str) -> dict[str, dict]:
+    """``status --json`` from ``ns``: each peer's entry by peer id."""
+    out = subprocess.run(_cli("status", "--bootstrap", boot, "--model", "tiny", "--json", "--timeout", "10",
+                             ns=ns),
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {p["peer_id"]: p for p in json.loads(out.stdout)["peers"]}
+
+
+def _generate(tiny: Path, boot: str, ns: str, guesses: int) -> tuple[list[int], float, str]:
+    t0 = time.monotonic()
+    gen = subprocess.run(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
+                              "--prompt-ids", PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos",
+                              "--guesses", str(guesses), "--json", ns=ns),
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    return json.loads(gen.stdout.strip().splitlines()[-1])["tokens"], time.monotonic() - t0, gen.stderr
+
+
+def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then_go_direct(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
-    subprocess.run(_cli("make-model", "--arch", "llama", "--preset", "tiny", str(tiny)), check=True,
+    # qwen3_5_moe/tiny: 8 layers and an MTP head, so the second generation can check 4 guesses per trip
+    subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
                    capture_output=True, timeout=120)
     local = subprocess.run(_cli("generate", "--local", str(tiny), "--prompt-ids", PROMPT, "--max-new-tokens",
                                 str(TOKENS), "--ignore-eos", "--json", "--threads", "1"),
@@ -85,12 +105,12 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready(tmp_
             boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "boot.key"),
                                 ns=lab.ns["relay"]))
             procs.append(boot_p)
-            line, _ = boot_p.wait_for("  --bootstrap ", 60)
+            boot_p.wait_for("  --bootstrap ", 60)
             boots = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x]
             assert boots, boot_p.lines
             boot = boots[0]
             stages = []
-            for side, layers in zip("abc", ("0:2", "2:4", "4:6")):
+            for side, layers in zip("abc", ("0:3", "3:6", "6:8")):
                 stages.append(_Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot,
                                          "--listen", "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{side}.key"),
                                          "--no-lanes", "--threads", "1", ns=lab.ns[f"priv{side}"])))
@@ -98,23 +118,33 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready(tmp_
             readies = [s.wait_for("ready ", 90)[1] for s in stages]
             reach = [s.wait_for("  reachable ", 5)[0].split()[1] for s in stages]
             assert reach == ["relayed"] * 3, reach  # each is behind its NAT: reachable through its reservation
+            ids = [s.wait_for("ready ", 1)[0].split()[1] for s in stages]
             t_ready = max(readies)
             t0 = time.monotonic()
-            gen = subprocess.run(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
-                                      "--prompt-ids", PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos",
-                                      "--json", ns=lab.ns["privd"]),
-                                 capture_output=True, text=True, timeout=120)
-            t1 = time.monotonic()
-            ours = [x for s in stages for x in s.err if "sangama" in x]
-            assert gen.returncode == 0, gen.stderr[-3000:] + "\n" + "\n".join(ours[-40:])
-            got = json.loads(gen.stdout.strip().splitlines()[-1])["tokens"]
+            got, took, _ = _generate(tiny, boot, lab.ns["privd"], 0)  # the first generation right after ready
             assert got == expected
-            print(f"\nready -> generate started {t0 - t_ready:.2f} s; first generation ({TOKENS} tokens, "
-                  f"client process start included) took {t1 - t0:.2f} s")
-            dials = [x for x in gen.stderr.splitlines() if "reached " in x]
-            print("client dials:", *dials[-6:], sep="\n  ")
-            for s in stages:
-                print("stage dials:", *[x for x in s.err if "reached " in x or "hole punch" in x][-4:], sep="\n  ")
+            print(f"\nready -> generate started {t0 - t_ready:.2f} s; first generation ({TOKENS} tokens, client "
+                  f"process start included) took {took:.2f} s")
+            # every stage-to-stage stream is direct (moved off the relay after its punch), within 10 s
+            deadline = time.monotonic() + 10
+            while True:
+                before = _status(boot, lab.ns["privd"])
+                links = {i: [x["link"] for x in before[i]["stage_links"] if x["dialled"]] for i in ids}
+                if all(x == ["direct"] for x in list(links.values())[:2]) or time.monotonic() > deadline:
+                    break
+            assert [links[i] for i in ids[:2]] == [["direct"], ["direct"]], links  # stage a->b, b->c
+            boot_id = boot.rsplit("/p2p/", 1)[1]
+            circuit0 = before[boot_id]["circuit_bytes"]
+            got4, took4, _ = _generate(tiny, boot, lab.ns["privd"], 4)
+            assert got4 == expected
+            after = _status(boot, lab.ns["privd"])
+            for i in ids:  # the bytes: no stage frame crossed the relay in this generation, either way
+                b, a = before[i]["traffic"], after[i]["traffic"]
+                assert a["relayed_in"] == b["relayed_in"] and a["relayed_out"] == b["relayed_out"], (i, b, a)
+                assert a["direct_in"] > b["direct_in"] and a["direct_out"] > b["direct_out"], (i, b, a)
+            print(f"second generation (4 guesses) {took4:.2f} s; stage frames relayed 0 B; the relay carried "
+                  f"{after[boot_id]['circuit_bytes'] - circuit0} B of circuit bytes in it (handshakes, identify, "
+                  "DCUtR and status of the new client and status processes)")
         finally:
             for p in procs:
                 p.stop()

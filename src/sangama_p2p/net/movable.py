@@ -36,13 +36,24 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError
-from .holepunch import link_info, stream_link
+from .holepunch import link_info, stream_link, wait_direct
 
-__all__ = ["STAGE_MOVABLE_PROTOCOL", "MovableAcceptor", "MovableStream", "open_movable", "watch_and_move"]
+__all__ = [
+    "LINKS_PROTOCOL",
+    "STAGE_MOVABLE_PROTOCOL",
+    "TRAFFIC",
+    "MovableAcceptor",
+    "MovableStream",
+    "StageTraffic",
+    "links_report",
+    "open_movable",
+    "watch_and_move",
+]
 
 log = logging.getLogger(__name__)
 
 STAGE_MOVABLE_PROTOCOL = TProtocol("/sangama/stage-mv/1")
+LINKS_PROTOCOL = TProtocol("/sangama/links/1")  # request: nothing; response: msgpack of links_report()
 NEW, NEXT = 0, 1
 ACK = b"\x01"
 TOKEN_BYTES = 16
@@ -69,18 +80,43 @@ def _eof(exc: BaseException) -> bool:
     return type(exc).__name__ in ("StreamEOF", "StreamClosed")
 
 
+class StageTraffic:
+    """Bytes of stage frames this process sent and received on movable streams, by kind of connection: what
+    ``sangama-peer status --json`` shows as ``traffic`` (after a move, the ``relayed`` figures stop growing)."""
+
+    def __init__(self) -> None:
+        self.bytes = {"relayed_in": 0, "relayed_out": 0, "direct_in": 0, "direct_out": 0}
+
+    def add(self, relayed: bool, direction: str, n: int) -> None:
+        self.bytes[f"{'relayed' if relayed else 'direct'}_{direction}"] += n
+
+
+TRAFFIC = StageTraffic()
+_LIVE: weakref.WeakSet[MovableStream] = weakref.WeakSet()
+
+
+def _relayed(raw: Any) -> bool:
+    try:
+        return not stream_link(raw).direct
+    except Exception:  # not a libp2p stream (in-process tests): count it as direct
+        return False
+
+
 class MovableStream:
     """One logical stage stream over a sequence of libp2p streams (see the module docstring)."""
 
-    def __init__(self, raw: Any, token: bytes) -> None:
+    def __init__(self, raw: Any, token: bytes, *, dialled: bool = False) -> None:
         self.token = token
+        self.dialled = dialled
         self._read = raw
         self._write = raw
+        self._read_relayed = self._write_relayed = _relayed(raw)
         self._next_read: Any = None
         self._wlock = trio.Lock()
         self._moving: trio.Event | None = None
         self.moves = 0
         self.closed = False
+        _LIVE.add(self)
 
     @property
     def muxed_conn(self) -> Any:
@@ -100,6 +136,7 @@ class MovableStream:
                     raise
                 data = b""
             if data:
+                TRAFFIC.add(self._read_relayed, "in", len(data))
                 return data
             if self._moving is not None:  # a move in flight decides whether this end is final
                 await self._moving.wait()
@@ -107,10 +144,12 @@ class MovableStream:
             if nxt is None or nxt is self._read:
                 return b""
             self._read, self._next_read = nxt, None
+            self._read_relayed = _relayed(nxt)
 
     async def write(self, data: bytes) -> None:
         async with self._wlock:
             await self._write.write(data)
+            TRAFFIC.add(self._write_relayed, "out", len(data))
 
     async def close(self) -> None:
         self.closed = True
@@ -142,6 +181,7 @@ class MovableStream:
                         raise NetworkError("continuation refused")
                 self._next_read = new
                 old, self._write = self._write, new
+                self._write_relayed = _relayed(new)
                 await _close_write(old)
             except Exception as exc:  # no ACK, a reset, a timeout: stay on the old stream
                 log.info("stage stream to %s did not move: %s", _peer(new), exc)
@@ -162,6 +202,7 @@ class MovableStream:
         await new.write(ACK)
         async with self._wlock:
             old, self._write = self._write, new
+            self._write_relayed = _relayed(new)
             await _close_write(old)
         self.moves += 1
 
@@ -233,14 +274,23 @@ async def _reset(raw: Any) -> None:
         pass
 
 
-async def open_movable(host: Any, peer_id: ID, fallback: TProtocol) -> Any:
+PUNCH_WAIT_S = 1.5
+"""How long a stream to a peer reached only through a relay waits for the hole punch before it opens (the peer that
+accepted the relayed connection starts the punch at once; measured in namespaces: direct 0.1-0.6 s later). A slower
+punch still takes the stream over (:func:`watch_and_move`); a failed one costs this wait once per link."""
+
+
+async def open_movable(host: Any, peer_id: ID, fallback: TProtocol, *, punch_wait_s: float = PUNCH_WAIT_S) -> Any:
     """A stage stream to ``peer_id``: movable where the peer offers it, else a plain ``fallback`` stream."""
+    info = link_info(host, peer_id)
+    if info is not None and not info.direct and punch_wait_s > 0:
+        await wait_direct(host, peer_id, punch_wait_s)
     raw = await host.new_stream(peer_id, [STAGE_MOVABLE_PROTOCOL, fallback])
     if raw.get_protocol() != STAGE_MOVABLE_PROTOCOL:
         return raw
     token = secrets.token_bytes(TOKEN_BYTES)
     await raw.write(header(NEW, token))
-    return MovableStream(raw, token)
+    return MovableStream(raw, token, dialled=True)
 
 
 async def watch_and_move(host: Any, stream: MovableStream, peer_id: ID, *, watch_s: float = 30.0,
@@ -271,3 +321,22 @@ async def watch_and_move(host: Any, stream: MovableStream, peer_id: ID, *, watch
         return False
     log.info("stage stream to %s moved to the direct connection %s", peer_id, stream_link(stream).remote_addr)
     return True
+
+
+def links_report(circuit_bytes: int | None = None) -> dict[str, Any]:
+    """This process's open movable stage streams (peer, who dialled, ``direct`` / ``relayed via <id>``, moves) and
+    its stage traffic by kind of connection; ``circuit_bytes``: what it relayed for others (a relay node)."""
+    streams = []
+    for ms in list(_LIVE):
+        if ms.closed:
+            continue
+        try:
+            link = stream_link(ms)
+        except Exception:  # an in-process stream
+            continue
+        streams.append({"peer": link.peer_id, "dialled": ms.dialled, "link": str(link), "moves": ms.moves})
+    report: dict[str, Any] = {"streams": sorted(streams, key=lambda x: (x["peer"], x["dialled"])),
+                              "traffic": dict(TRAFFIC.bytes)}
+    if circuit_bytes is not None:
+        report["circuit_bytes"] = circuit_bytes
+    return report

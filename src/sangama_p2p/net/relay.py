@@ -166,6 +166,7 @@ class _CircuitProtocol(CircuitV2Protocol):
     def __init__(self, host: IHost, on_inbound: InboundCallback | None = None, **kwargs: object) -> None:
         super().__init__(host, **kwargs)  # type: ignore[arg-type]
         self.on_inbound = on_inbound
+        self.relayed_bytes = 0  # what this relay carried for others, both directions (status --json shows it)
 
     async def handle_incoming_connection(self, stream: INetStream, remote_peer_id: bytes) -> None:
         peer_id = ID(remote_peer_id)
@@ -212,6 +213,7 @@ class _CircuitProtocol(CircuitV2Protocol):
                     circuit_data_limit[0] -= len(data)
                 with trio.fail_after(self.write_timeout):
                     await dst_stream.write(data)
+                self.relayed_bytes += len(data)
         except Exception as exc:  # a limit, a write timeout or a broken stream: the circuit is over
             logger.debug("circuit to/from %s ends: %s", peer_id, exc)
             for stream in (src_stream, dst_stream):

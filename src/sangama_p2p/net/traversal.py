@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+import msgpack
 import trio
-from libp2p.abc import INetConn
+from libp2p.abc import INetConn, INetStream
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
@@ -34,6 +35,7 @@ from multiaddr import Multiaddr
 from ..errors import NetworkError
 from .holepunch import HolePuncher, LinkInfo, link_info, run_hole_puncher, wait_direct
 from .host import Node, is_relayed
+from .movable import LINKS_PROTOCOL, links_report
 from .reach import Reachability, ReachabilityReport, check_reachability, serve_dialback
 from .relay import RelayClient, RelayError, RelayServiceConfig, open_relay_client
 
@@ -103,6 +105,7 @@ class Traversal:
         self._node: Node | None = None
         self._ready = trio.Event()
         self._warned = False
+        self._serving = False
         self.listeners: list[Callable[[], None]] = []
         """Called when reachability or our circuit addresses changed (a stage re-publishes its record at once)."""
 
@@ -119,6 +122,7 @@ class Traversal:
         """Run until the node closes (``open_host`` cancels its services)."""
         self._node = node
         serve = node.config.relay_hop if self.config.serve_relay is None else self.config.serve_relay
+        self._serving = bool(serve)
         if node.dht is not None and node.config.dht_server and not serve and self._relays(node) and (
                 self.config.reachability != "public"):
             _set_dht_client(node, True)  # until a dial-back shows we are reachable (before identify tells anyone)
@@ -134,6 +138,8 @@ class Traversal:
                 await stack.enter_async_context(serve_dialback(node.host))
             if self.config.hole_punch:
                 self.puncher = await stack.enter_async_context(run_hole_puncher(node.host, relay_client))
+            node.host.set_stream_handler(LINKS_PROTOCOL, self._serve_links)
+            stack.callback(node.host.remove_stream_handler, LINKS_PROTOCOL)
             node.fallback_dialers.append(self._dial_via_relay)
             stack.callback(node.fallback_dialers.remove, self._dial_via_relay)
             relays = self._relays(node)
@@ -141,6 +147,17 @@ class Traversal:
                 await self._check(node, relays, serve)
                 self._ready.set()
                 await trio.sleep(self.config.recheck_s)
+
+    async def _serve_links(self, stream: INetStream) -> None:
+        """``/sangama/links/1``: our stage streams, how each runs now, and the stage traffic by kind of link."""
+        try:
+            client = self.relay_client
+            circuit = getattr(getattr(client, "_protocol", None), "relayed_bytes", None) if self._serving else None
+            await stream.write(msgpack.packb(links_report(circuit), use_bin_type=True))
+        except Exception as exc:  # the asker went away
+            logger.debug("links request failed: %s", exc)
+        finally:
+            await stream.close()
 
     async def _connect_to(self, info: PeerInfo) -> None:
         """Reach relays and dial-back servers through ``Node.connect`` (announced addresses first, no 60 s block)."""
