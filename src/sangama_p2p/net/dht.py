@@ -68,10 +68,14 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
         node.dial_failed.append(dht.forget)
         try:
             async with background_trio_service(dht):
+                nursery.start_soon(dht.sweep_forever)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             node.dial_failed.remove(dht.forget)
+
+
+SWEEP_S = 30.0  # how often a node drops expired records from its DHT store (records live 180 s by default)
 
 
 class _ServerDHT(KadDHT):
@@ -114,6 +118,35 @@ class _ServerDHT(KadDHT):
                     await self.routing_table.add_peer(peer_id, skip_server_mode_check=True)
         finally:
             self._identifying.discard(peer_id)
+
+    def sweep_expired(self) -> int:
+        """Drop stored values the validator refuses now (our records past their own ``expires_at``); the count.
+
+        Why: py-libp2p stores every value for its own hard-coded 24 h and its cleanup checks only that, so a record
+        whose signed expiry passed stayed on every DHT server (and was served, then dropped by each asker) for a day.
+        """
+        validator = self.validator
+        if validator is None:
+            return 0
+        gone = []
+        prefix = f"/{NAMESPACE}/".encode()
+        for key, (record, _) in list(self.value_store.store.items()):
+            if not key.startswith(prefix):  # only our own records carry an expiry of their own
+                continue
+            try:
+                validator.validate(key.decode(), record.value)
+            except Exception:  # expired, or otherwise no longer valid
+                gone.append(key)
+        for key in gone:
+            self.value_store.store.pop(key, None)
+        if gone:
+            log.debug("dropped %d expired value(s) from the DHT store", len(gone))
+        return len(gone)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await trio.sleep(SWEEP_S)
+            self.sweep_expired()
 
     def forget(self, peer_id: ID) -> None:
         """Drop a peer we could not dial from the routing table, so that later lookups stop dialling it."""

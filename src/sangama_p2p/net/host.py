@@ -54,7 +54,7 @@ from libp2p.utils.address_validation import expand_wildcard_address
 from ..errors import ListenError, NetworkError, group_leaves
 from .config import HostConfig, parse_multiaddrs
 from .fleet import mismatch_error, psk_from_secret
-from .identity import load_or_create_key_pair
+from .identity import default_key_path, load_or_create_key_pair, lock_key_file, wrong_peer_id
 
 if TYPE_CHECKING:
     from libp2p.kad_dht.kad_dht import KadDHT
@@ -107,6 +107,8 @@ class Node:
         self.nursery = nursery
         self.dht: KadDHT | None = None
         self.extra_addrs: list[multiaddr.Multiaddr] = []
+        self.dead_announced: set[str] = set()
+        """Announced addresses a dial-back found nobody answering on (net/traversal.py): left out of what we advertise."""
         self.fallback_dialers: list[Dialer] = []
         self.dial_failed: list[Callable[[ID], None]] = []
         self._dialing: dict[ID, trio.Event] = {}
@@ -200,6 +202,10 @@ class Node:
                 conn = await swarm.dial_addr(addr, peer_id)
                 await conn.event_started.wait()
             except Exception as exc:  # SwarmException and transport errors
+                actual = wrong_peer_id(exc)
+                if actual is not None:  # Noise completed and proved another identity: the address names the wrong id
+                    raise NetworkError(f"{addr} answered as peer {actual}, not {peer_id}: the /p2p/<id> in the address "
+                                       f"is wrong (if that node is the one meant, use /p2p/{actual})") from exc
                 if _security_failed(exc):  # TCP opened, Noise negotiation read garbage: a PSK mismatch
                     have = self.config.fleet_secret is not None
                     raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=have) from exc
@@ -308,8 +314,10 @@ def _build_host(config: HostConfig, key_pair: KeyPair, node_ref: list[Node]) -> 
     announce = parse_multiaddrs(config.announce_addrs, what="announce_addrs")
 
     def advertise(candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-        if announce:
-            base = list(announce)
+        dead = node_ref[0].dead_announced if node_ref else set()
+        alive = [a for a in announce if str(a) not in dead]  # all announced dead: advertise as if none were set
+        if alive:
+            base = alive
         else:
             base = []
             for addr in candidates:
@@ -317,7 +325,7 @@ def _build_host(config: HostConfig, key_pair: KeyPair, node_ref: list[Node]) -> 
         # extra (/p2p-circuit) addresses are NOT routed through here: py-libp2p's get_addrs cuts every address at its
         # first /p2p/ and appends our id, which would turn <relay>/p2p/R/p2p-circuit/p2p/US into <relay>/p2p/US.
         # Node.advertised_addrs appends them intact instead.
-        return order_addrs(base) if not announce else base
+        return base if alive else order_addrs(base)
 
     limits = config.limits
     resource_manager = new_resource_manager(
@@ -438,6 +446,7 @@ async def open_host(
     """
     from .dht import bootstrap, run_dht  # local: dht imports this module
 
+    key_path = (config.key_path or default_key_path()) if key_pair is None else None
     key_pair = key_pair or load_or_create_key_pair(config.key_path)
     if config.batch_window_updates:
         os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # see HostConfig.batch_window_updates
@@ -446,6 +455,7 @@ async def open_host(
     node_ref: list[Node] = []
     host = _build_host(config, key_pair, node_ref)
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
+    key_lock = lock_key_file(key_path) if key_path is not None else None  # one running peer per key file
     try:
         async with host.run(listen), trio.open_nursery() as nursery:
             check_listening(config.listen_addrs, host.get_transport_addrs())
@@ -469,6 +479,9 @@ async def open_host(
         raise leaf  # keeps its own __cause__ (``from None`` would erase it)
     except OSError as exc:
         raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc
+    finally:
+        if key_lock is not None:
+            key_lock.close()
 
 
 async def _close_connections(host: IHost) -> None:

@@ -177,11 +177,37 @@ class Traversal:
         else:
             self.report = await check_reachability(node.host, relays, connect=self._connect_to)
         logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
+        self._drop_dead_announced(node)
         if self.report.status is not before:
             await self._dht_mode(node)
             self._changed()
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
             await self._reserve(relays[: self.config.max_reservations])
+
+    def _drop_dead_announced(self, node: Node) -> None:
+        """An announced address that the dial-back servers tried (our observed IP at its port) and nobody answered
+        on is left out of our records, with a warning naming it; one that answers again is put back."""
+        report = self.report
+        if report is None or not report.answered_by or not node.config.announce_addrs:
+            return
+        tried = set(report.tried)
+        reached = set(report.public_addrs)
+        changed = False
+        for raw in node.config.announce_addrs:
+            addr = str(Multiaddr(raw))  # as the host compares it
+            text = addr.split("/p2p/")[0].rstrip("/")
+            if text in reached and addr in node.dead_announced:
+                node.dead_announced.discard(addr)
+                logger.info("announced address %s answers again: advertising it", text)
+                changed = True
+            elif text in tried and text not in reached and addr not in node.dead_announced:
+                node.dead_announced.add(addr)
+                logger.warning("announced address %s: nobody answers there (dial-back by %s failed; a port forward "
+                               "missing?) - left out of our records; reachable through relays instead", text,
+                               ", ".join(report.answered_by))
+                changed = True
+        if changed:
+            self._changed()
 
     async def _dht_mode(self, node: Node) -> None:
         """A peer nobody can dial is a DHT client (go-libp2p's auto mode): as a server it would sit in routing tables
