@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(_REASON is
 
 PROMPT = "5,17,300,42,7"
 TOKENS = 16
+LONG = 96  # the generation during which the middle stage is killed
 
 
 def _cli(*args: str, ns: str | None = None) -> list[str]:
@@ -84,14 +85,15 @@ def _status(boot: str, ns: str) -> dict[str, dict]:
     return {p["peer_id"]: p for p in json.loads(out.stdout)["peers"]}
 
 
-def _generate(tiny: Path, boot: str, ns: str, guesses: int) -> tuple[list[int], float, str]:
+def _generate(tiny: Path, boot: str, ns: str, guesses: int) -> tuple[list[int], float, dict]:
     t0 = time.monotonic()
     gen = subprocess.run(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
                               "--prompt-ids", PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos",
                               "--guesses", str(guesses), "--json", ns=ns),
                          capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr[-3000:]
-    return json.loads(gen.stdout.strip().splitlines()[-1])["tokens"], time.monotonic() - t0, gen.stderr
+    result = json.loads(gen.stdout.strip().splitlines()[-1])
+    return result["tokens"], time.monotonic() - t0, result
 
 
 def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then_go_direct(tmp_path: Path) -> None:
@@ -100,11 +102,12 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then
     subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
                    capture_output=True, timeout=120)
     local = subprocess.run(_cli("generate", "--local", str(tiny), "--prompt-ids", PROMPT, "--max-new-tokens",
-                                str(TOKENS), "--ignore-eos", "--json", "--threads", "1"),
+                                str(LONG), "--ignore-eos", "--json", "--threads", "1"),
                            check=True, capture_output=True, text=True, timeout=120)
-    expected = json.loads(local.stdout.strip().splitlines()[-1])["tokens"]
+    expected_long = json.loads(local.stdout.strip().splitlines()[-1])["tokens"]
+    expected = expected_long[:TOKENS]  # greedy: the first tokens of a longer generation
     procs: list[_Proc] = []
-    with NatLab(sides="abcd") as lab:
+    with NatLab(sides="abcde") as lab:
         try:
             boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "boot.key"),
                                 ns=lab.ns["relay"]))
@@ -145,16 +148,78 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then
             assert record_addrs and not any(a.startswith(dead) for a in record_addrs), record_addrs
             boot_id = boot.rsplit("/p2p/", 1)[1]
             circuit0 = before[boot_id]["circuit_bytes"]
-            got4, took4, _ = _generate(tiny, boot, lab.ns["privd"], 4)
+            got4, took4, res4 = _generate(tiny, boot, lab.ns["privd"], 4)
             assert got4 == expected
             after = _status(boot, lab.ns["privd"])
             for i in ids:  # the bytes: no stage frame crossed the relay in this generation, either way
                 b, a = before[i]["traffic"], after[i]["traffic"]
                 assert a["relayed_in"] == b["relayed_in"] and a["relayed_out"] == b["relayed_out"], (i, b, a)
                 assert a["direct_in"] > b["direct_in"] and a["direct_out"] > b["direct_out"], (i, b, a)
-            print(f"second generation (4 guesses) {took4:.2f} s; stage frames relayed 0 B; the relay carried "
+            print(f"second generation (4 guesses) {took4:.2f} s, decode {res4['decode_ms'] / max(1, res4['steps']):.1f} "
+                  f"ms per trip; stage frames relayed 0 B; the relay carried "
                   f"{after[boot_id]['circuit_bytes'] - circuit0} B of circuit bytes in it (handshakes, identify, "
                   "DCUtR and status of the new client and status processes)")
+            # a spare for the middle range behind a fifth NAT; the middle stage is killed mid-generation
+            spare = _Proc(_cli("join", "--model", str(tiny), "--layers", "3:6", "--bootstrap", boot, "--listen",
+                               "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / "e.key"), "--no-lanes", "--threads",
+                               "1", ns=lab.ns["prive"]))
+            procs.append(spare)
+            spare.wait_for("ready ", 90)
+            first_token = took4 - 0.3  # about when the second generation decoded (its process start included)
+            gen = subprocess.Popen(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap",
+                                        boot, "--prompt-ids", PROMPT, "--max-new-tokens", str(LONG), "--ignore-eos",
+                                        "--json", ns=lab.ns["privd"]),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(first_token)
+            stages[1].proc.kill()  # SIGKILL: no goodbye to anyone
+            out, err = gen.communicate(timeout=120)
+            assert gen.returncode == 0, err[-3000:]
+            result = json.loads(out.strip().splitlines()[-1])
+            assert result["tokens"] == expected_long
+            print(f"middle stage killed {first_token:.1f} s into a {LONG}-token generation: tokens identical, "
+                  f"failovers {result['failovers']}, route {[r[-6:] for r in result['route']]}")
+        finally:
+            for p in procs:
+                p.stop()
+
+
+def test_port_randomising_nats_generate_over_the_relay(tmp_path: Path) -> None:
+    """``MASQUERADE --random-fully`` (carrier-grade NAT): the punch cannot predict the port, so the chain runs over
+    the relay - correct tokens, links reported relayed, the relayed stage bytes counted. Prints the decode time."""
+    tiny = tmp_path / "tiny"
+    subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
+                   capture_output=True, timeout=120)
+    local = subprocess.run(_cli("generate", "--local", str(tiny), "--prompt-ids", PROMPT, "--max-new-tokens",
+                                str(TOKENS), "--ignore-eos", "--json", "--threads", "1"),
+                           check=True, capture_output=True, text=True, timeout=120)
+    expected = json.loads(local.stdout.strip().splitlines()[-1])["tokens"]
+    procs: list[_Proc] = []
+    with NatLab(sides="abc") as lab:
+        lab.randomize_ports()
+        try:
+            boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "boot.key"),
+                                ns=lab.ns["relay"]))
+            procs.append(boot_p)
+            boot_p.wait_for("  --bootstrap ", 60)
+            boot = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x][0]
+            stages = [_Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                                 "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{side}.key"), "--no-lanes",
+                                 "--threads", "1", ns=lab.ns[f"priv{side}"]))
+                      for side, layers in (("a", "0:4"), ("b", "4:8"))]
+            procs.extend(stages)
+            for s in stages:
+                s.wait_for("ready ", 90)
+            ids = [s.wait_for("ready ", 1)[0].split()[1] for s in stages]
+            got, took, result = _generate(tiny, boot, lab.ns["privc"], 0)
+            assert got == expected
+            status = _status(boot, lab.ns["privc"])
+            first = [x["link"] for x in status[ids[0]]["stage_links"] if x["dialled"]]
+            assert first and all(x.startswith("relayed via") for x in first), first  # no punch through these NATs
+            traffic = status[ids[0]]["traffic"]
+            assert traffic["relayed_out"] > 0 and traffic["direct_out"] == 0, traffic
+            print(f"\nrandom-fully NATs: {TOKENS} tokens over the relay in {took:.2f} s (client process included), "
+                  f"decode {result['decode_ms'] / max(1, result['steps']):.1f} ms per token; stage a sent "
+                  f"{traffic['relayed_out']} B of stage frames relayed, 0 direct")
         finally:
             for p in procs:
                 p.stop()
