@@ -127,3 +127,72 @@ def test_a_continuation_from_another_peer_is_refused_and_the_stream_stays() -> N
         assert await FrameReader(accepted[0].read, 64).next_frame() == b"after"
 
     trio.run(main)
+
+
+def test_a_stage_stream_over_a_real_relay_moves_onto_the_direct_connection_once_there_is_one() -> None:
+    """py-libp2p over loopback: a relay, a private peer B holding a reservation on it, A dialling B through it. The
+    stream opens on the relayed connection; frames flow both ways while a direct connection comes up (the stand-in
+    for a punch), and the stream moves onto it with every byte echoed back in order."""
+    from contextlib import AsyncExitStack
+
+    from multiaddr import Multiaddr
+
+    from sangama_p2p.net.holepunch import stream_link
+    from sangama_p2p.net.movable import STAGE_MOVABLE_PROTOCOL, TRAFFIC, open_movable, watch_and_move
+    from sangama_p2p.net.traversal import Traversal, TraversalConfig
+    from sangama_p2p.wire.protocols import STAGE_PROTOCOL
+
+    from .net_swarm import first_addr
+    from .test_relay import _node, _relay_and
+
+    async def echo(ms: MovableStream) -> None:
+        try:
+            while data := await ms.read(65536):
+                await ms.write(data)
+        finally:
+            await ms.close()
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            relay, b, b_t = await _relay_and(stack, punch=False)  # no punch: the direct link comes when we say
+            nursery = await stack.enter_async_context(trio.open_nursery())
+
+            async def on_stream(ms: MovableStream) -> None:
+                nursery.start_soon(echo, ms)
+
+            b.host.set_stream_handler(STAGE_MOVABLE_PROTOCOL, MovableAcceptor(on_stream).handle)
+            a_t = Traversal(TraversalConfig(reachability="public"))
+            a = await _node(stack, a_t)
+            await a_t.connect(b.peer_id, [str(x) for x in b_t.circuit_addrs()])
+            ms = await open_movable(a.host, b.peer_id, STAGE_PROTOCOL, punch_wait_s=0)
+            assert isinstance(ms, MovableStream) and stream_link(ms).relay_id == str(relay.peer_id)
+            direct0 = TRAFFIC.bytes["direct_out"]
+            got: list[int] = []
+            moved: list[bool] = []
+
+            async def send() -> None:
+                for i in range(300):
+                    await ms.write(encode_frame(i.to_bytes(4, "big")))
+                    if i == 60:  # frames in flight: a direct connection appears (as a punch would make one)
+                        await a._dial_direct(b.peer_id, Multiaddr(first_addr(b).split("/p2p/")[0]))
+                    await trio.sleep(0.002)
+
+            async def receive() -> None:
+                reader = FrameReader(ms.read, 64)
+                while len(got) < 300:
+                    frame = await reader.next_frame()
+                    assert frame is not None
+                    got.append(int.from_bytes(frame, "big"))
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(send)
+                    inner.start_soon(receive)
+                    moved.append(await watch_and_move(a.host, ms, b.peer_id, watch_s=20))
+            assert moved == [True] and ms.moves == 1
+            assert got == list(range(300))
+            assert stream_link(ms).direct and TRAFFIC.bytes["direct_out"] > direct0
+            await ms.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
