@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(_REASON is
 
 PROMPT = "5,17,300,42,7"
 TOKENS = 16
-LONG = 96  # the generation during which the middle stage is killed
+LONG = 800  # the generation during which the middle stage is killed (long enough to outlast the spare's start)
 
 
 def _cli(*args: str, ns: str | None = None) -> list[str]:
@@ -159,25 +159,27 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then
                   f"ms per trip; stage frames relayed 0 B; the relay carried "
                   f"{after[boot_id]['circuit_bytes'] - circuit0} B of circuit bytes in it (handshakes, identify, "
                   "DCUtR and status of the new client and status processes)")
-            # a spare for the middle range behind a fifth NAT; the middle stage is killed mid-generation
+            # the middle stage is SIGKILLed mid-generation; a spare for its range, behind a fifth NAT, starts with the
+            # generation (so the client's first route uses the middle stage: the spare is not ready yet)
+            gen = _Proc(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
+                             "--prompt-ids", PROMPT, "--max-new-tokens", str(LONG), "--ignore-eos", "--jsonl",
+                             ns=lab.ns["privd"]))
             spare = _Proc(_cli("join", "--model", str(tiny), "--layers", "3:6", "--bootstrap", boot, "--listen",
                                "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / "e.key"), "--no-lanes", "--threads",
                                "1", ns=lab.ns["prive"]))
-            procs.append(spare)
+            procs.extend([gen, spare])
             spare.wait_for("ready ", 90)
-            first_token = took4 - 0.3  # about when the second generation decoded (its process start included)
-            gen = subprocess.Popen(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap",
-                                        boot, "--prompt-ids", PROMPT, "--max-new-tokens", str(LONG), "--ignore-eos",
-                                        "--json", ns=lab.ns["privd"]),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            time.sleep(first_token)
+            gen.wait_for('{"token"', 60)  # decoding
+            streamed = sum(x.startswith('{"token"') for x in gen.lines)
+            assert not any('"done"' in x for x in gen.lines), "the generation ended before the kill: make LONG longer"
             stages[1].proc.kill()  # SIGKILL: no goodbye to anyone
-            out, err = gen.communicate(timeout=120)
-            assert gen.returncode == 0, err[-3000:]
-            result = json.loads(out.strip().splitlines()[-1])
+            done, _ = gen.wait_for('{"done"', 120)
+            result = json.loads(done)
+            assert gen.proc.wait(timeout=10) == 0, gen.err[-20:]
             assert result["tokens"] == expected_long
-            print(f"middle stage killed {first_token:.1f} s into a {LONG}-token generation: tokens identical, "
-                  f"failovers {result['failovers']}, route {[r[-6:] for r in result['route']]}")
+            assert result["failovers"] >= 1 and ids[1] not in result["route"], result["route"]
+            print(f"middle stage killed after {streamed} of {LONG} tokens: tokens identical, failovers "
+                  f"{result['failovers']}, route {[r[-6:] for r in result['route']]}")
         finally:
             for p in procs:
                 p.stop()

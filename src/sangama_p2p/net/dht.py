@@ -43,6 +43,8 @@ __all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "valu
 
 log = logging.getLogger(__name__)
 QUERY_TIMEOUT = 5.0  # per RPC; py-libp2p's own is 10 s
+AUTHOR_GRACE_S = 1.0  # once a DHT server answered with a valid value, how long the record's own author may still
+# answer (a NATed author's dead addresses otherwise held every lookup for QUERY_TIMEOUT: 5 s measured)
 IDENTIFY_WAIT = 10.0  # seconds a peer that queried us has for identify to tell whether it is a DHT server
 _CONCURRENCY = 10
 
@@ -279,8 +281,9 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
     """Valid values stored under ``key``: our local copy, and the answers of the peers in ``ask_first``, the DHT
     servers in our routing table closest to the key, and the network's closest peers, all asked in parallel.
 
-    Stops once ``enough`` valid values came from ``ask_first`` (the caller picks the best with ``select``), else when
-    every query answered or timed out (``QUERY_TIMEOUT`` each). Values that fail the namespace validator are
+    Stops once ``enough`` valid values came from ``ask_first`` (the caller picks the best with ``select``), else
+    ``AUTHOR_GRACE_S`` after the first valid value from another peer, else when every query answered or timed out
+    (``QUERY_TIMEOUT`` each). Values that fail the namespace validator are
     dropped.
     """
     dht = _require_dht(node)
@@ -318,15 +321,25 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
     got = 0
     done = trio.Event()  # the author answered, or every query finished
 
+    grace_started = False
+
+    async def grace() -> None:
+        await trio.sleep(AUTHOR_GRACE_S)
+        done.set()
+
     async def ask_once(peer: ID, first: bool = False) -> None:
-        nonlocal got
+        nonlocal got, grace_started
         if peer in asked:
             return
         asked.add(peer)
-        if await ask(peer) and first:
-            got += 1
-            if got >= enough:  # the record's author answered: nobody holds a newer copy
-                done.set()
+        if await ask(peer):
+            if first:
+                got += 1
+                if got >= enough:  # the record's author answered: nobody holds a newer copy
+                    done.set()
+            elif not grace_started:  # a server holds a copy: the author (maybe behind NAT) gets a short grace only
+                grace_started = True
+                node.nursery.start_soon(grace)
 
     async def queries() -> None:
         # all at once, each bounded by QUERY_TIMEOUT: the author (whose addresses may all be dead behind a NAT), the
