@@ -1,6 +1,14 @@
 """NAT traversal in the namespace lab: how long until a relayed link turns direct, and what each link costs per trip.
 
     sudo python benchmarks/nat_traversal.py [--pairs 3] [--frames 50]
+    sudo python benchmarks/nat_traversal.py --fleet [--tokens 32]
+
+``--fleet``: the CLI only, a bootstrap on the public segment, three stages (``qwen3_5_moe/tiny``, 8 layers) each behind
+its own NAT and a client behind a fourth, once with port-preserving NATs and once with ``--random-fully``. For each
+topology: the time from start to the last ``ready``, from the last ``ready`` to the first token (client process
+start included: the generation's total minus its decode time), the time from each stage-to-stage relayed connect
+to its punch (from the stages' log lines), the per-token decode time of two generations, and the bytes the relay
+carried per generation. Writes benchmarks/results/nat_fleet.json.
 
 Needs root, ``ip`` and ``iptables`` (the lab of ``tests/net/netns.py``: two peers behind their own Linux NAT, a relay
 on the shared segment). For each of ``--pairs`` fresh peer pairs it measures the relayed connect, the time from the
@@ -36,11 +44,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument("--fleet", action="store_true", help="the CLI fleet per topology (see the module docstring)")
+    parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
     reason = netns_unavailable_reason()
     if reason is not None:
         print(f"cannot run the NAT lab: {reason}", file=sys.stderr)
         return 2
+    if args.fleet:
+        return fleet(args.tokens)
     key = generate_key_pair()
     key_file = Path(tempfile.mkdtemp()) / "relay.key"
     save_key_pair(key, key_file)
@@ -82,6 +94,97 @@ def main() -> int:
     print(summary)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"machine": platform.node(), "rows": rows, **summary}, indent=2) + "\n")
+    return 0
+
+
+def _stamp(line: str) -> float:
+    import datetime
+
+    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _fleet_once(topology: str, tokens: int, tmp: Path) -> dict[str, object]:
+    import subprocess
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.net.test_nat_fleet import PROMPT, _cli, _Proc, _status
+
+    tiny = tmp / "tiny"
+    if not tiny.exists():
+        subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
+                       capture_output=True, timeout=120)
+    procs: list[_Proc] = []
+    with NatLab(sides="abcd") as lab:
+        if topology == "random-fully":
+            lab.randomize_ports()
+        try:
+            boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "boot.key"),
+                                ns=lab.ns["relay"]))
+            procs.append(boot_p)
+            boot_p.wait_for("  --bootstrap ", 60)
+            boot = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x][0]
+            t_start = time.monotonic()
+            stages = [_Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                                 "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{side}.key"), "--no-lanes",
+                                 "--threads", "1", ns=lab.ns[f"priv{side}"]))
+                      for side, layers in zip("abc", ("0:3", "3:6", "6:8"))]
+            procs.extend(stages)
+            t_ready = max(s.wait_for("ready ", 120)[1] for s in stages)
+            ids = [s.wait_for("ready ", 1)[0].split()[1] for s in stages]
+            boot_id = boot.rsplit("/p2p/", 1)[1]
+            gens = []
+            for k in range(2):
+                circuit0 = _status(boot, lab.ns["privd"])[boot_id]["circuit_bytes"] if k else None
+                t0 = time.monotonic()
+                gen = subprocess.run(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap",
+                                          boot, "--prompt-ids", PROMPT, "--max-new-tokens", str(tokens),
+                                          "--ignore-eos", "--json", ns=lab.ns["privd"]),
+                                     capture_output=True, text=True, timeout=180)
+                took = time.monotonic() - t0
+                if gen.returncode != 0:
+                    raise RuntimeError(gen.stderr[-2000:])
+                out = json.loads(gen.stdout.strip().splitlines()[-1])
+                row = {"total_s": took, "first_token_s": took - out["decode_ms"] / 1e3,
+                       "decode_ms_per_token": out["decode_ms"] / max(1, out["steps"]), "tokens": out["tokens"]}
+                if k == 0:
+                    row["ready_to_start_s"] = t0 - t_ready
+                else:
+                    after = _status(boot, lab.ns["privd"])
+                    row["circuit_bytes"] = after[boot_id]["circuit_bytes"] - circuit0
+                    row["stage_links"] = {i[-6:]: [x["link"] for x in after[i]["stage_links"]] for i in ids}
+                    row["relayed_stage_bytes"] = sum(after[i]["traffic"]["relayed_in"] +
+                                                     after[i]["traffic"]["relayed_out"] for i in ids)
+                gens.append(row)
+            punches = []
+            for s, nxt in zip(stages[:2], ids[1:]):  # the dialler's circuit connect, the acceptor's punch
+                reached = [x for x in s.err if f"reached {nxt}" in x and "p2p-circuit" in x]
+                me = s.wait_for("ready ", 1)[0].split()[1]
+                acceptor = stages[ids.index(nxt)]
+                punched = [x for x in acceptor.err if f"hole punch to {me} succeeded" in x]
+                if reached and punched:
+                    punches.append(_stamp(punched[0]) - _stamp(reached[0]))
+        finally:
+            for p in procs:
+                p.stop()
+    return {"topology": topology, "start_to_ready_s": t_ready - t_start, "relayed_to_direct_s": punches,
+            "generations": gens}
+
+
+def fleet(tokens: int) -> int:
+    tmp = Path(tempfile.mkdtemp())
+    results = [_fleet_once(t, tokens, tmp) for t in ("port-preserving", "random-fully")]
+    for r in results:
+        g0, g1 = r["generations"]
+        print(f"{r['topology']:>16}: start->ready {r['start_to_ready_s']:.1f} s, ready->first token "
+              f"{g0['ready_to_start_s'] + g0['first_token_s']:.2f} s, relayed->direct {r['relayed_to_direct_s']}, "
+              f"decode {g0['decode_ms_per_token']:.1f} / {g1['decode_ms_per_token']:.1f} ms per token, relay "
+              f"{g1['circuit_bytes']} B in generation 2, stage frames relayed {g1['relayed_stage_bytes']} B, "
+              f"links {g1['stage_links']}")
+    same = results[0]["generations"][0]["tokens"] == results[1]["generations"][0]["tokens"]
+    print("tokens equal across topologies:", same)
+    out = RESULTS.with_name("nat_fleet.json")
+    out.write_text(json.dumps({"machine": platform.node(), "tokens": tokens, "results": results}, indent=2) + "\n")
     return 0
 
 

@@ -29,6 +29,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- LaneError             a direct lane not set up (the caller uses libp2p), or a lane record forged
     |   +-- RelayError            a relay refused or failed a reservation or circuit (carries its status)
     |       +-- NotARelayError        the peer offers no relay service at all
+    |   +-- KeyInUse              a key file that another running peer holds (one identity, one peer)
     |   +-- OutboxFull            a stream's queue of outgoing frames at its bound while its writes do not drain
     |   +-- ChainBroken           a chain that cannot finish a trip (a stream ended, a next hop failed, a stall)
     +-- RouteError            no chain of peers covers the model
@@ -59,6 +60,7 @@ __all__ = [
     "ErrorCode",
     "FrameTooLargeError",
     "InvalidMessageError",
+    "KeyInUse",
     "LaneError",
     "LayerRangeError",
     "ListenError",
@@ -233,6 +235,10 @@ class RelayError(NetworkError):
 
 class NotARelayError(RelayError):
     """The peer does not offer the circuit relay v2 HOP protocol: it relays for nobody, and asking again won't help."""
+
+
+class KeyInUse(NetworkError):
+    """Another running peer holds this key file: two peers with one identity would knock each other off the swarm."""
 
 
 class OutboxFull(NetworkError):

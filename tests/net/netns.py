@@ -281,6 +281,13 @@ class NatLab:
         for rule in rules:
             self.sh(nat, "iptables", *rule)
 
+    def randomize_ports(self) -> None:
+        """Make every NAT box pick a random source port per connection (``MASQUERADE --random-fully``, as carrier-grade
+        NATs do): DCUtR's prediction (NAT address : listen port) is then wrong and only relays connect the peers."""
+        for side in self.sides:
+            self.sh(f"nat{side}", "iptables", "-t", "nat", "-R", "POSTROUTING", "1", "-o", "wan0", "-j", "MASQUERADE",
+                    "--random-fully")
+
     def block_between_nats(self) -> None:
         """Drop every packet between the two NATs' WAN addresses, so that only the relay path is left."""
         for nat, other in (("nata", NAT_WAN_IPS["b"]), ("natb", NAT_WAN_IPS["a"])):

@@ -118,9 +118,15 @@ def _status(args: argparse.Namespace) -> int:
         fleet_secret=read_fleet_secret(args.fleet_secret_file) if args.fleet_secret_file else None,
     )
 
+    from ..net.traversal import Traversal, TraversalConfig
+
+    # the relay client, to reach peers behind NAT through their /p2p-circuit addresses (no reservation of our own:
+    # nobody dials a survey, so no dial-back either)
+    traversal = Traversal(TraversalConfig(reachability="public"))
+
     async def main():
-        async with open_host(config, key_pair=generate_key_pair()) as node:  # a throwaway identity: we only look
-            return await survey(node, models=args.model, timeout=args.timeout)
+        async with open_host(config, key_pair=generate_key_pair(), services=[traversal.run]) as node:
+            return await survey(node, models=args.model, timeout=args.timeout)  # a throwaway identity: we only look
 
     from ..net.bans import default_bans_path
 

@@ -43,6 +43,8 @@ __all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "valu
 
 log = logging.getLogger(__name__)
 QUERY_TIMEOUT = 5.0  # per RPC; py-libp2p's own is 10 s
+AUTHOR_GRACE_S = 1.0  # once a DHT server answered with a valid value, how long the record's own author may still
+# answer (a NATed author's dead addresses otherwise held every lookup for QUERY_TIMEOUT: 5 s measured)
 IDENTIFY_WAIT = 10.0  # seconds a peer that queried us has for identify to tell whether it is a DHT server
 _CONCURRENCY = 10
 
@@ -68,10 +70,14 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
         node.dial_failed.append(dht.forget)
         try:
             async with background_trio_service(dht):
+                nursery.start_soon(dht.sweep_forever)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             node.dial_failed.remove(dht.forget)
+
+
+SWEEP_S = 30.0  # how often a node drops expired records from its DHT store (records live 180 s by default)
 
 
 class _ServerDHT(KadDHT):
@@ -114,6 +120,35 @@ class _ServerDHT(KadDHT):
                     await self.routing_table.add_peer(peer_id, skip_server_mode_check=True)
         finally:
             self._identifying.discard(peer_id)
+
+    def sweep_expired(self) -> int:
+        """Drop stored values the validator refuses now (our records past their own ``expires_at``); the count.
+
+        Why: py-libp2p stores every value for its own hard-coded 24 h and its cleanup checks only that, so a record
+        whose signed expiry passed stayed on every DHT server (and was served, then dropped by each asker) for a day.
+        """
+        validator = self.validator
+        if validator is None:
+            return 0
+        gone = []
+        prefix = f"/{NAMESPACE}/".encode()
+        for key, (record, _) in list(self.value_store.store.items()):
+            if not key.startswith(prefix):  # only our own records carry an expiry of their own
+                continue
+            try:
+                validator.validate(key.decode(), record.value)
+            except Exception:  # expired, or otherwise no longer valid
+                gone.append(key)
+        for key in gone:
+            self.value_store.store.pop(key, None)
+        if gone:
+            log.debug("dropped %d expired value(s) from the DHT store", len(gone))
+        return len(gone)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await trio.sleep(SWEEP_S)
+            self.sweep_expired()
 
     def forget(self, peer_id: ID) -> None:
         """Drop a peer we could not dial from the routing table, so that later lookups stop dialling it."""
@@ -246,8 +281,9 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
     """Valid values stored under ``key``: our local copy, and the answers of the peers in ``ask_first``, the DHT
     servers in our routing table closest to the key, and the network's closest peers, all asked in parallel.
 
-    Stops once ``enough`` valid values came from ``ask_first`` (the caller picks the best with ``select``), else when
-    every query answered or timed out (``QUERY_TIMEOUT`` each). Values that fail the namespace validator are
+    Stops once ``enough`` valid values came from ``ask_first`` (the caller picks the best with ``select``), else
+    ``AUTHOR_GRACE_S`` after the first valid value from another peer, else when every query answered or timed out
+    (``QUERY_TIMEOUT`` each). Values that fail the namespace validator are
     dropped.
     """
     dht = _require_dht(node)
@@ -285,15 +321,25 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
     got = 0
     done = trio.Event()  # the author answered, or every query finished
 
+    grace_started = False
+
+    async def grace() -> None:
+        await trio.sleep(AUTHOR_GRACE_S)
+        done.set()
+
     async def ask_once(peer: ID, first: bool = False) -> None:
-        nonlocal got
+        nonlocal got, grace_started
         if peer in asked:
             return
         asked.add(peer)
-        if await ask(peer) and first:
-            got += 1
-            if got >= enough:  # the record's author answered: nobody holds a newer copy
-                done.set()
+        if await ask(peer):
+            if first:
+                got += 1
+                if got >= enough:  # the record's author answered: nobody holds a newer copy
+                    done.set()
+            elif not grace_started:  # a server holds a copy: the author (maybe behind NAT) gets a short grace only
+                grace_started = True
+                node.nursery.start_soon(grace)
 
     async def queries() -> None:
         # all at once, each bounded by QUERY_TIMEOUT: the author (whose addresses may all be dead behind a NAT), the

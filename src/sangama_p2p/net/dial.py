@@ -234,6 +234,10 @@ async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None
     for conn in sorted(node.connections(pid), key=lambda c: _relayed(c)):  # an open link, direct first
         return conn
     remember(node, pid, given)
+    if pid in getattr(node, "_dialing", {}) and any("/p2p-circuit" in a for a in given):
+        # another dial to this peer is in flight (a DHT query to a NATed author trying its dead direct addresses
+        # for seconds, holding Node.connect's one-dial-per-peer lock): race the addresses we were given ourselves
+        return await race_addrs(node, pid, given, [], policy)
     if any("/p2p-circuit" in a for a in given + known_addrs(node, pid)) or model_id is None:
         try:
             return await node.connect(pid, [multiaddr.Multiaddr(a) for a in given])

@@ -47,7 +47,7 @@ from .config import HostConfig, parse_multiaddrs
 from .dht import bootstrap, run_dht
 from .dial import DialPolicy, race_addrs
 from .fleet import psk_from_secret
-from .identity import load_or_create_key_pair
+from .identity import default_key_path, load_or_create_key_pair, lock_key_file
 from .node import Node
 
 __all__ = [
@@ -88,13 +88,15 @@ async def widen_receive_window(stream: Any, size: int = FRAME_WINDOW) -> None:
     await muxed.send_window_update(increment)
 
 
-def _build_host(config: HostConfig, key_pair: KeyPair) -> IHost:
+def _build_host(config: HostConfig, key_pair: KeyPair, dead_announced: set[str]) -> IHost:
+    """``dead_announced``: announced addresses a dial-back found dead (the Node's set, filled by net/traversal.py)."""
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
     announce = parse_multiaddrs(config.announce_addrs, what="announce_addrs")
 
     def advertise(candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-        if announce:
-            base = list(announce)
+        alive = [a for a in announce if str(a) not in dead_announced]  # all dead: advertise as if none were set
+        if alive:
+            base = alive
         else:
             base = []
             for addr in candidates:
@@ -102,7 +104,7 @@ def _build_host(config: HostConfig, key_pair: KeyPair) -> IHost:
         # extra (/p2p-circuit) addresses are NOT routed through here: py-libp2p's get_addrs cuts every address at its
         # first /p2p/ and appends our id, which would turn <relay>/p2p/R/p2p-circuit/p2p/US into <relay>/p2p/US.
         # Node.advertised_addrs appends them intact instead.
-        return order_addrs(base) if not announce else base
+        return base if alive else order_addrs(base)
 
     limits = config.limits
     resource_manager = new_resource_manager(
@@ -217,18 +219,22 @@ async def open_host(
     not plain TCP while a fleet secret is set (:func:`check_fleet_transports`), or that the host did not actually
     listen on (:func:`check_listening`), raises :class:`~sangama_p2p.errors.ListenError`.
     """
+    key_path = (config.key_path or default_key_path()) if key_pair is None else None
     key_pair = key_pair or load_or_create_key_pair(config.key_path)
     if config.batch_window_updates:
         os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # see HostConfig.batch_window_updates
     check_fleet_transports(config.listen_addrs, fleet_secret=config.fleet_secret is not None)
     check_ports_free(config.listen_addrs)  # before any host exists: py-libp2p would share the port silently
-    host = _build_host(config, key_pair)
+    dead_announced: set[str] = set()
+    host = _build_host(config, key_pair, dead_announced)
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
+    key_lock = lock_key_file(key_path) if key_path is not None else None  # one running peer per key file
     try:
         async with host.run(listen), trio.open_nursery() as nursery:
             check_listening(config.listen_addrs, host.get_transport_addrs())
             policy = DialPolicy(direct_timeout_s=config.handshake_timeout + 0.5)  # _dial_direct's own error first
-            node = Node(host, config, key_pair, nursery, race=partial(race_addrs, policy=policy))
+            node = Node(host, config, key_pair, nursery, race=partial(race_addrs, policy=policy),
+                        dead_announced=dead_announced)
             await nursery.start(run_dht, node)
             for service in services:
                 nursery.start_soon(service, node)
@@ -247,6 +253,9 @@ async def open_host(
         raise leaf  # keeps its own __cause__ (``from None`` would erase it)
     except OSError as exc:
         raise NetworkError(f"cannot listen on {list(config.listen_addrs)}: {exc}") from exc
+    finally:
+        if key_lock is not None:
+            key_lock.close()
 
 
 async def _close_connections(host: IHost) -> None:

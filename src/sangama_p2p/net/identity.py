@@ -4,29 +4,39 @@ Why persisted: DHT records, routing tables and other peers' address books all na
 public key; a fresh key on every start would orphan all of them. The file holds libp2p's protobuf encoding of the
 private key (the format go-libp2p and kubo use), is written with mode 0600 inside a directory created 0700, and is
 replaced atomically so that a crash never leaves half a key behind.
+
+Two running peers with one key would share one peer id, and the swarm keeps only one of them (the other silently
+vanishes): a node that loads its key from a file holds a lock on it (:func:`lock_key_file`), so a second peer started
+with the same file on the same machine is refused, naming the file. (Copies of one key file on two machines are not
+detected.)
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
+from typing import IO
 
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair, KeyType
 from libp2p.crypto.serialization import deserialize_private_key
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError
+from ..errors import KeyInUse, NetworkError
 
 __all__ = [
     "DEFAULT_KEY_PATH",
+    "KeyInUse",
     "default_key_path",
     "generate_key_pair",
     "load_key_pair",
     "load_or_create_key_pair",
+    "lock_key_file",
     "peer_id_of",
     "save_key_pair",
+    "wrong_peer_id",
 ]
 
 DEFAULT_KEY_PATH = Path("~/.sangama/peer.key")
@@ -91,3 +101,42 @@ def load_or_create_key_pair(path: Path | None = None) -> KeyPair:
 def peer_id_of(key_pair: KeyPair) -> ID:
     """The libp2p peer id of ``key_pair`` (an identity multihash of the Ed25519 public key)."""
     return ID.from_pubkey(key_pair.public_key)
+
+
+_ACTUAL_ID = re.compile(r"remote_peer_id_from_pubkey=(\w+)")
+
+
+def wrong_peer_id(exc: BaseException | None) -> str | None:
+    """The peer id that really answered, if ``exc`` (or what caused it) is Noise proving another identity than the
+    one dialled (a wrong ``/p2p/<id>`` in an address); ``None`` otherwise."""
+    for _ in range(16):
+        if exc is None:
+            return None
+        if type(exc).__name__ == "PeerIDMismatchesPubkey":
+            found = _ACTUAL_ID.search(str(exc))
+            return found.group(1) if found else "another peer"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def lock_key_file(path: Path) -> IO[str]:
+    """Hold an exclusive lock on ``path``'s ``.lock`` sibling for as long as the returned file stays open; raises
+    :class:`KeyInUse`, naming the key file and the holder's pid, when another process holds it."""
+    import fcntl
+
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path.with_name(path.name + ".lock"), "a+")  # noqa: SIM115 - held for the node's lifetime
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise KeyInUse(f"key file {path} is in use by another running peer (pid {holder}): two peers with one key "
+                       "share one peer id and knock each other off the swarm; give this one its own --key FILE") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle

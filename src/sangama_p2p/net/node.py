@@ -33,6 +33,7 @@ from ..errors import NetworkError
 from .addrs import order_addrs, strip_p2p
 from .config import HostConfig
 from .fleet import mismatch_error
+from .identity import wrong_peer_id
 
 if TYPE_CHECKING:
     from libp2p.kad_dht.kad_dht import KadDHT
@@ -61,7 +62,8 @@ class Node:
     """A running host and what other modules need from it; built by :func:`~sangama_p2p.net.host.open_host`, never
     directly."""
 
-    def __init__(self, host: IHost, config: HostConfig, key_pair: KeyPair, nursery: trio.Nursery, race: Race) -> None:
+    def __init__(self, host: IHost, config: HostConfig, key_pair: KeyPair, nursery: trio.Nursery, race: Race,
+                 dead_announced: set[str] | None = None) -> None:
         self.host = host
         self.config = config
         self.key_pair = key_pair
@@ -69,6 +71,9 @@ class Node:
         self._race = race
         self.dht: KadDHT | None = None
         self.extra_addrs: list[multiaddr.Multiaddr] = []
+        self.dead_announced: set[str] = set() if dead_announced is None else dead_announced
+        """Announced addresses a dial-back found nobody answering on (net/traversal.py): left out of what we
+        advertise (the host's address function reads this same set)."""
         self.fallback_dialers: list[Dialer] = []
         self.dial_failed: list[Callable[[ID], None]] = []
         self._dialing: dict[ID, trio.Event] = {}
@@ -170,6 +175,10 @@ class Node:
                 conn = await swarm.dial_addr(addr, peer_id)
                 await conn.event_started.wait()
             except Exception as exc:  # SwarmException and transport errors
+                actual = wrong_peer_id(exc)
+                if actual is not None:  # Noise completed and proved another identity: the address names the wrong id
+                    raise NetworkError(f"{addr} answered as peer {actual}, not {peer_id}: the /p2p/<id> in the address "
+                                       f"is wrong (if that node is the one meant, use /p2p/{actual})") from exc
                 if _security_failed(exc):  # TCP opened, Noise negotiation read garbage: a PSK mismatch
                     have = self.config.fleet_secret is not None
                     raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=have) from exc

@@ -121,6 +121,8 @@ class ReachabilityReport:
     public_addrs: tuple[str, ...]
     answered_by: tuple[str, ...]
     errors: tuple[str, ...] = ()
+    tried: tuple[str, ...] = ()
+    """Every address the servers dialled (our observed IP at each port we asked for)."""
 
     @property
     def public(self) -> bool:
@@ -294,4 +296,5 @@ async def check_reachability(
         status = Reachability.PRIVATE
     else:
         status = Reachability.UNKNOWN
-    return ReachabilityReport(status, reached, tuple(replies), tuple(errors))
+    tried = tuple(dict.fromkeys(a for r in replies.values() for a in r.tried))
+    return ReachabilityReport(status, reached, tuple(replies), tuple(errors), tried)

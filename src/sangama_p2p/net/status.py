@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import msgpack
 import trio
@@ -29,7 +30,7 @@ from .lineup import Lineup, choose_lineup
 from .node import Node
 from .records import ServingRecord, decode_record, record_key
 
-__all__ = ["PeerStatus", "SwarmStatus", "ban_lines", "fetch_records", "survey"]
+__all__ = ["PeerStatus", "SwarmStatus", "ban_lines", "fetch_links", "fetch_records", "survey"]
 
 log = logging.getLogger(__name__)
 MAX_RESPONSE = 1 << 20
@@ -44,6 +45,12 @@ class PeerStatus:
     rtt_ms: float | None
     records: tuple[ServingRecord, ...]
     error: str | None = None
+    stage_links: tuple[dict[str, object], ...] = ()
+    """The peer's own stage streams (``/sangama/links/1``): peer, dialled, ``direct`` / ``relayed via <id>``, moves."""
+    traffic: dict[str, int] | None = None
+    """Bytes of stage frames the peer sent and received, relayed and direct (None: it did not say)."""
+    circuit_bytes: int | None = None
+    """What the peer relayed for others (a relay node)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,31 @@ async def fetch_records(
     raise NetworkError(f"{peer_id} did not answer within {timeout:g} s")
 
 
+async def fetch_links(node: Node, peer_id: ID, *, timeout: float = 5.0) -> dict[str, Any]:
+    """Ask ``peer_id`` how its stage streams run (``/sangama/links/1``); ``{}`` when it does not answer."""
+    from .movable import LINKS_PROTOCOL
+
+    with trio.move_on_after(timeout):
+        try:
+            stream = await node.host.new_stream(peer_id, [LINKS_PROTOCOL])
+            chunks = []
+            try:
+                while chunk := await stream.read(65536):
+                    chunks.append(chunk)
+                    if sum(map(len, chunks)) > MAX_RESPONSE:
+                        return {}
+            except Exception:  # the end of the stream reads as an error on some muxers
+                pass
+            finally:
+                await stream.close()
+            body = msgpack.unpackb(b"".join(chunks), raw=False)
+        except Exception as exc:  # an older peer, a client gone: no link report
+            log.debug("%s gave no link report: %s", peer_id, exc)
+            return {}
+        return body if isinstance(body, dict) else {}
+    return {}
+
+
 async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0) -> SwarmStatus:
     """Find the swarm's peers and ask each what it serves (concurrently, each bounded by ``timeout``)."""
     dht = node.dht
@@ -170,9 +202,11 @@ async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0
             records, rtt = await fetch_records(node, peer, timeout=timeout)
         except NetworkError as exc:
             error = str(exc)
+        links = await fetch_links(node, peer, timeout=timeout) if error is None else {}
         info = link_info(node.host, peer)
         link = str(info) if info is not None else "unreachable"
-        results.append(PeerStatus(peer.to_base58(), link, rtt, tuple(records), error))
+        results.append(PeerStatus(peer.to_base58(), link, rtt, tuple(records), error,
+                                  tuple(links.get("streams", ())), links.get("traffic"), links.get("circuit_bytes")))
 
     async with trio.open_nursery() as nursery:
         for peer in peers:

@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+import msgpack
 import trio
-from libp2p.abc import INetConn
+from libp2p.abc import INetConn, INetStream
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
@@ -34,6 +35,7 @@ from multiaddr import Multiaddr
 from ..errors import NetworkError, RelayError
 from .addrs import is_relayed
 from .holepunch import HolePuncher, LinkInfo, link_info, run_hole_puncher, wait_direct
+from .movable import LINKS_PROTOCOL, links_report
 from .node import Node
 from .reach import Reachability, ReachabilityReport, check_reachability, serve_dialback
 from .relay import RelayClient, RelayServiceConfig, open_relay_client
@@ -75,6 +77,24 @@ def _peer_info(addr: str) -> PeerInfo:
         raise NetworkError(f"relay address {addr!r} must be a multiaddr ending in /p2p/<peer id>: {exc}") from exc
 
 
+def _set_dht_client(node: Node, client: bool) -> bool:
+    """Put the node's DHT in client (or server) mode; True if that changed it. Unlike py-libp2p's ``switch_mode``
+    this keeps the routing table (which it empties on the way to client mode, bootstrap nodes included)."""
+    from libp2p.kad_dht.common import PROTOCOL_ID
+    from libp2p.kad_dht.kad_dht import DHTMode
+
+    dht = node.dht
+    want = DHTMode.CLIENT if client else DHTMode.SERVER
+    if dht is None or dht.mode == want:
+        return False
+    dht.mode = want
+    if client:
+        node.host.remove_stream_handler(PROTOCOL_ID)
+    else:
+        node.host.set_stream_handler(PROTOCOL_ID, dht.handle_stream)
+    return True
+
+
 class Traversal:
     """The NAT-traversal side of one node; ``run`` is its lifetime (pass it to ``open_host(services=...)``)."""
 
@@ -86,6 +106,7 @@ class Traversal:
         self._node: Node | None = None
         self._ready = trio.Event()
         self._warned = False
+        self._serving = False
         self.listeners: list[Callable[[], None]] = []
         """Called when reachability or our circuit addresses changed (a stage re-publishes its record at once)."""
 
@@ -102,6 +123,10 @@ class Traversal:
         """Run until the node closes (``open_host`` cancels its services)."""
         self._node = node
         serve = node.config.relay_hop if self.config.serve_relay is None else self.config.serve_relay
+        self._serving = bool(serve)
+        if node.dht is not None and node.config.dht_server and not serve and self._relays(node) and (
+                self.config.reachability != "public"):
+            _set_dht_client(node, True)  # until a dial-back shows we are reachable (before identify tells anyone)
         async with AsyncExitStack() as stack:
             relay_client = await stack.enter_async_context(
                 open_relay_client(
@@ -114,6 +139,8 @@ class Traversal:
                 await stack.enter_async_context(serve_dialback(node.host))
             if self.config.hole_punch:
                 self.puncher = await stack.enter_async_context(run_hole_puncher(node.host, relay_client))
+            node.host.set_stream_handler(LINKS_PROTOCOL, self._serve_links)
+            stack.callback(node.host.remove_stream_handler, LINKS_PROTOCOL)
             node.fallback_dialers.append(self._dial_via_relay)
             stack.callback(node.fallback_dialers.remove, self._dial_via_relay)
             relays = self._relays(node)
@@ -121,6 +148,17 @@ class Traversal:
                 await self._check(node, relays, serve)
                 self._ready.set()
                 await trio.sleep(self.config.recheck_s)
+
+    async def _serve_links(self, stream: INetStream) -> None:
+        """``/sangama/links/1``: our stage streams, how each runs now, and the stage traffic by kind of link."""
+        try:
+            client = self.relay_client
+            circuit = getattr(getattr(client, "_protocol", None), "relayed_bytes", None) if self._serving else None
+            await stream.write(msgpack.packb(links_report(circuit), use_bin_type=True))
+        except Exception as exc:  # the asker went away
+            logger.debug("links request failed: %s", exc)
+        finally:
+            await stream.close()
 
     async def _connect_to(self, info: PeerInfo) -> None:
         """Reach relays and dial-back servers through ``Node.connect`` (announced addresses first, no 60 s block)."""
@@ -140,10 +178,53 @@ class Traversal:
         else:
             self.report = await check_reachability(node.host, relays, connect=self._connect_to)
         logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
+        self._drop_dead_announced(node)
         if self.report.status is not before:
+            await self._dht_mode(node)
             self._changed()
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
             await self._reserve(relays[: self.config.max_reservations])
+
+    def _drop_dead_announced(self, node: Node) -> None:
+        """An announced address that the dial-back servers tried (our observed IP at its port) and nobody answered
+        on is left out of our records, with a warning naming it; one that answers again is put back."""
+        report = self.report
+        if report is None or not report.answered_by or not node.config.announce_addrs:
+            return
+        tried = set(report.tried)
+        reached = set(report.public_addrs)
+        changed = False
+        for raw in node.config.announce_addrs:
+            addr = str(Multiaddr(raw))  # as the host compares it
+            text = addr.split("/p2p/")[0].rstrip("/")
+            if text in reached and addr in node.dead_announced:
+                node.dead_announced.discard(addr)
+                logger.info("announced address %s answers again: advertising it", text)
+                changed = True
+            elif text in tried and text not in reached and addr not in node.dead_announced:
+                node.dead_announced.add(addr)
+                logger.warning("announced address %s: nobody answers there (dial-back by %s failed; a port forward "
+                               "missing?) - left out of our records; reachable through relays instead", text,
+                               ", ".join(report.answered_by))
+                changed = True
+        if changed:
+            self._changed()
+
+    async def _dht_mode(self, node: Node) -> None:
+        """A peer nobody can dial is a DHT client (go-libp2p's auto mode): as a server it would sit in routing tables
+        where every lookup and every record store spends a dial timeout on it (measured in namespaces: a NATed
+        stage's first record took 16-34 s to store, so ``ready`` came that late). Server again once reachable."""
+        if node.dht is None or not node.config.dht_server:
+            return
+        if _set_dht_client(node, self.reachability is Reachability.PRIVATE):
+            logger.info("DHT %s mode (reachability %s)", node.dht.mode.value, self.reachability.value)
+            if self.reachability is not Reachability.PRIVATE:  # tell peers we serve the DHT after all
+                push = getattr(node.host, "_push_identify_to_all_peers", None)
+                if push is not None:
+                    try:
+                        await push()
+                    except Exception as exc:  # best effort: peers learn it at their next identify
+                        logger.debug("identify push failed: %s", exc)
 
     async def _reserve(self, relays: list[PeerInfo]) -> None:
         assert self.relay_client is not None

@@ -45,6 +45,7 @@ from ..model.device import resolve_device
 from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
 from ..net.lane import LaneDialer, LaneListener
+from ..net.movable import STAGE_MOVABLE_PROTOCOL, MovableAcceptor
 from ..net.stage_stream import open_stage_stream
 from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
 from ..wire.messages import (
@@ -122,6 +123,8 @@ class StageServer:
             if self.config.measure_on_start:
                 self._measured_step_s = await trio.to_thread.run_sync(measure_step, self.model)
             self.node.serve(STAGE_PROTOCOL, self._on_stage_stream)
+            # the same stage streams, able to move from a relay to a hole-punched connection (net/movable.py)
+            self.node.serve(STAGE_MOVABLE_PROTOCOL, MovableAcceptor(self._on_stage_stream).handle)
             self.node.serve(INFO_PROTOCOL, self._on_info_stream)
             if self.config.lanes:
                 self.lane_listener = LaneListener(self.node, self._on_stage_stream, port=self.config.lane_port,
@@ -161,7 +164,7 @@ class StageServer:
     async def _shutdown(self) -> None:
         if self.lane_listener is not None:
             self.lane_listener.stop()
-        for proto in (STAGE_PROTOCOL, INFO_PROTOCOL):
+        for proto in (STAGE_PROTOCOL, STAGE_MOVABLE_PROTOCOL, INFO_PROTOCOL):
             self.node.stop_serving(proto)
         if self.announcer is not None:
             self.announcer.withdraw()

@@ -15,6 +15,7 @@ from ...wire.framing import DEFAULT_MAX_FRAME
 from ...wire.messages import ErrorMessage, LaneOffer
 from ...wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 from ..holepunch import stream_link
+from ..movable import MovableStream, open_movable, watch_and_move
 from ..streams import FramedStream
 from .handshake import NONCE_BYTES, READY, lane_key, seal_hello
 from .records import LaneStream, receive_exactly
@@ -117,9 +118,12 @@ class LaneDialer:
         if lane is not None:
             return lane
         try:
-            return await self.node.host.new_stream(peer_id, [STAGE_PROTOCOL])
+            stream = await open_movable(self.node.host, peer_id, STAGE_PROTOCOL)
         except Exception as exc:  # py-libp2p raises several unrelated types
             raise NetworkError(f"cannot open a stage stream to {peer_id}: {exc}") from exc
+        if isinstance(stream, MovableStream):  # relayed now: onto the punched connection once there is one
+            self.node.nursery.start_soon(watch_and_move, self.node.host, stream, peer_id)
+        return stream
 
 
 def _ip_of(remote_addr: str) -> str:
