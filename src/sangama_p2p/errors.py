@@ -249,13 +249,12 @@ class OutboxFull(NetworkError):
 
 
 class ChainBroken(NetworkError):
-    """The chain cannot finish this trip; ``suspects`` are the peers seen failing (probed before exclusion);
-    ``misbehaving`` are peers that answered against the protocol (excluded without a probe)."""
+    """The chain cannot finish this trip; ``misbehaving`` are peers that answered against the protocol (excluded
+    without a probe; every other peer of the chain is probed before it is excluded)."""
 
-    def __init__(self, message: str, suspects: frozenset[str] = frozenset(),
-                 misbehaving: frozenset[str] = frozenset(), stalled: frozenset[str] = frozenset()) -> None:
+    def __init__(self, message: str, misbehaving: frozenset[str] = frozenset(),
+                 stalled: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
-        self.suspects = suspects | misbehaving
         self.misbehaving = misbehaving
         self.stalled = stalled  # the route of a trip that stalled past its trip clock (one of them swallowed it)
 

@@ -17,7 +17,7 @@ def test_accepted_tokens_must_be_a_prefix_of_the_guesses_plus_one():
     for tokens in [(), (8, 1), (7, 9, 1), (7, 8, 9, 3, 4)]:
         with pytest.raises(ChainBroken) as info:
             check_result(StepResult(SID, 1, tokens, (), ()), sent, 3, "p")
-        assert info.value.misbehaving == {"p"} and "p" in info.value.suspects
+        assert info.value.misbehaving == {"p"}
     check_result(StepResult(SID, 0, (4,), (), ()), [1, 2, 3], 0, "p")  # a prefill checks no guess
     with pytest.raises(ChainBroken):
         check_result(StepResult(SID, 0, (4, 5), (), ()), [1, 2, 3], 0, "p")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import SangamaError
 from ..guesses import MAX_GUESSES
+from ..positions import session_length
 from ..model.chat import ChatPrompt, ChatTemplate, trim_to_fit
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder, Tokenizer
@@ -131,7 +132,7 @@ def _chat(args: argparse.Namespace) -> int:
     model = open_chat_model(source)
     tokenizer, template = model.tokenizer, model.template
     context = args.context or min(model.context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-    reserve = args.max_new_tokens + MAX_GUESSES + 1  # what the stages hold beyond the prompt (see ChainClient)
+    reserve = session_length(0, args.max_new_tokens, MAX_GUESSES)  # what the stages hold beyond the prompt
     if context <= reserve:
         raise SangamaError(f"--context {context} leaves no room for a prompt: the answer alone needs {reserve} "
                            f"positions (--max-new-tokens {args.max_new_tokens} + {MAX_GUESSES} guesses + 1)")

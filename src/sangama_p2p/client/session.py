@@ -5,8 +5,8 @@ client), then each trip is one ``Step`` to the first stage and one ``StepResult`
 ends the trip with a typed failure:
 
 * :class:`ChainBroken` - a stream to a stage ended, a stage reported that its next hop failed, or the trip timed
-  out; ``suspects`` names the peers known dead (empty when unknown: the caller probes). The caller re-routes and
-  replays (see ``generate.py``). A decode trip times out early, after ``stall_factor`` x the session's smoothed
+  out. The caller probes every stage of the chain (a peer that failed one stream may still be alive, and one that
+  did not may be dead), excludes those that do not answer and ``misbehaving`` peers, re-routes and replays (see ``generate.py``). A decode trip times out early, after ``stall_factor`` x the session's smoothed
   decode trip time (at least ``stall_floor`` s, at most ``step_timeout``), once three decode trips were measured:
   a stage that accepted the session and then swallows its steps costs about a second, not ``step_timeout``. Such a
   timeout names the route's peers as ``stalled`` (the caller avoids them where it can).
@@ -96,13 +96,13 @@ class ChainSession:
             try:
                 links[i] = await self.pool.get(offer.peer_id, offer.addrs)
             except SangamaError as exc:
-                raise ChainBroken(f"cannot reach {offer.peer_id}: {exc}", frozenset({offer.peer_id})) from exc
+                raise ChainBroken(f"cannot reach {offer.peer_id}: {exc}") from exc
 
         with trio.move_on_after(self.open_timeout) as scope:
             await _gather([lambda i=i, o=o: connect(i, o) for i, o in enumerate(self.route)])
         if scope.cancelled_caught:
-            slow = frozenset(o.peer_id for o, link in zip(self.route, links) if link is None)
-            raise ChainBroken(f"connecting took over {self.open_timeout} s", slow)
+            slow = sorted(o.peer_id for o, link in zip(self.route, links) if link is None)
+            raise ChainBroken(f"connecting took over {self.open_timeout} s (not reached: {', '.join(slow)})")
         self.links = [link for link in links if link is not None]
         for link in self.links:
             link.subscribe(self.session_id, self._send)
@@ -168,7 +168,7 @@ class ChainSession:
 
     def _fail(self, peer: str, msg: object) -> None:
         if isinstance(msg, LinkLost):
-            raise ChainBroken(f"stream to {peer} ended: {msg.reason}", frozenset({peer}))
+            raise ChainBroken(f"stream to {peer} ended: {msg.reason}")
         if isinstance(msg, ErrorMessage):
             if msg.code in (ErrorCode.INTERNAL, ErrorCode.EXPIRED):  # EXPIRED: idle too long, open and replay
                 raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
@@ -183,7 +183,7 @@ class ChainSession:
         try:
             await link.send(msg)  # type: ignore[arg-type]
         except SangamaError as exc:
-            raise ChainBroken(f"cannot send to {link.peer}: {exc}", frozenset({link.peer})) from exc
+            raise ChainBroken(f"cannot send to {link.peer}: {exc}") from exc
 
     async def close(self) -> None:
         """Free the session on every stage still reachable; never raises."""
