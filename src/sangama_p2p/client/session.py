@@ -170,7 +170,9 @@ class ChainSession:
         if isinstance(msg, LinkLost):
             raise ChainBroken(f"stream to {peer} ended: {msg.reason}")
         if isinstance(msg, ErrorMessage):
-            if msg.code in (ErrorCode.INTERNAL, ErrorCode.EXPIRED):  # EXPIRED: idle too long, open and replay
+            # INTERNAL: e.g. its next hop died; OVERLOADED: its next hop takes no frames; EXPIRED: idle too long.
+            # Each: probe the chain, re-route, replay
+            if msg.code in (ErrorCode.INTERNAL, ErrorCode.OVERLOADED, ErrorCode.EXPIRED):
                 raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
             if msg.code == ErrorCode.NON_FINITE:
                 at = self.peers.index(peer) if peer in self.peers else 0

@@ -373,10 +373,10 @@ class StageServer:
                             (*m.trace, stamp()))
         link = self.next_hops.get(session.next_hop or "")
         if not link.put(item, SMALL_ITEM + tensor_bytes(hidden)):
-            why = (f"does not take its frames ({link.queued_bytes} bytes queued)" if link.failed is None
-                   and link.congested else "is unreachable")
-            self._to_owner(session, ErrorMessage(m.session_id, m.step, ErrorCode.INTERNAL,
-                                                 f"next hop {session.next_hop} {why}"))
+            stuck = link.failed is None and link.congested  # alive but not draining: OVERLOADED, else INTERNAL
+            why = f"does not take its frames ({link.queued_bytes} bytes queued)" if stuck else "is unreachable"
+            code = ErrorCode.OVERLOADED if stuck else ErrorCode.INTERNAL
+            self._to_owner(session, ErrorMessage(m.session_id, m.step, code, f"next hop {session.next_hop} {why}"))
 
     def _to_owner(self, session: StageSession, item: Item) -> None:
         session.reply.put(item)
