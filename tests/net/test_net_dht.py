@@ -87,3 +87,24 @@ def test_a_dht_query_that_arrives_while_the_node_closes_does_not_crash_it():
                 assert stranger not in dht._identifying
 
     trio.run(main)
+
+
+def test_a_bootstrap_node_that_is_only_a_dht_client_is_reported_as_such():
+    """Issue 13: with a DHT client as the only bootstrap, `join` said `ready` and generation `no live peer serves`."""
+    from sangama_p2p.errors import NetworkError
+
+    async def main():
+        with trio.fail_after(60):
+            async with open_host(config(dht_server=False), key_pair=generate_key_pair()) as client_only:
+                cfg = config(bootstrap_addrs=(first_addr(client_only),))
+                try:
+                    async with open_host(cfg, key_pair=generate_key_pair()):
+                        raise AssertionError("joined through a bootstrap that serves no DHT")
+                except NetworkError as exc:
+                    assert "only a DHT client" in str(exc) and str(client_only.peer_id) in str(exc)
+                async with swarm(1) as (boot,):  # beside a real server it is only a warning
+                    both = (first_addr(client_only), first_addr(boot))
+                    async with open_host(config(bootstrap_addrs=both), key_pair=generate_key_pair()) as node:
+                        assert node.dht is not None
+
+    trio.run(main)
