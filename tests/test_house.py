@@ -32,8 +32,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "config": {"errors", "guesses", "model", "net", "wire", "api", "client", "stage"},
     "peer": {"errors", "guesses", "model", "net", "wire", "api", "client", "stage", "config", "_version"},
     "aio": {"errors", "model", "net", "api", "config", "peer"},
-    "cli": {"errors", "guesses", "model", "net", "hub", "api", "client", "stage", "config", "peer", "aio",
-            "__init__", "_version"},
+    "cli": {"errors", "guesses", "positions", "generation", "model", "net", "hub", "api", "client", "stage", "config",
+            "peer", "aio", "__init__", "_version"},
     "__init__": {"errors", "_version", "peer", "config"},
 }
 

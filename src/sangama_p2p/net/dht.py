@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 QUERY_TIMEOUT = 5.0  # per RPC; py-libp2p's own is 10 s
 AUTHOR_GRACE_S = 1.0  # once a DHT server answered with a valid value, how long the record's own author may still
 # answer (a NATed author's dead addresses otherwise held every lookup for QUERY_TIMEOUT: 5 s measured)
+BOOTSTRAP_IDENTIFY_WAIT = 3.0  # seconds identify has, after the bootstrap connect, to say whether it serves the DHT
 IDENTIFY_WAIT = 10.0  # seconds a peer that queried us has for identify to tell whether it is a DHT server
 _CONCURRENCY = 10
 
@@ -188,10 +189,29 @@ async def bootstrap(node: Node, addrs: Iterable[str]) -> list[ID]:
         raise NetworkError("no bootstrap node answered: " + "; ".join(str(f) for f in failures))
     for failure in failures:
         log.warning("bootstrap: %s", failure)
+    await _check_bootstrap_servers(node, reached)
     with trio.move_on_after(QUERY_TIMEOUT):
         for peer in await dht.peer_routing.find_closest_peers_network(node.peer_id.to_bytes()):
             await dht.add_peer(peer)
     return reached
+
+
+async def _check_bootstrap_servers(node: Node, reached: list[ID], wait: float = BOOTSTRAP_IDENTIFY_WAIT) -> None:
+    """A bootstrap node that serves no DHT (a DHT client, e.g. go-libp2p in auto mode behind NAT) stores nothing
+    and answers no lookup: records published through it reach nobody. Wait for identify to tell (at most ``wait``
+    s); raise :class:`NetworkError` naming them when every reached bootstrap is a client, warn when some are."""
+    with trio.move_on_after(wait):
+        while any(offers_dht(node.host, p) is None for p in reached):
+            await trio.sleep(0.05)
+    clients = [p for p in reached if offers_dht(node.host, p) is False]
+    if not clients:
+        return
+    names = ", ".join(str(p) for p in clients)
+    if len(clients) == len(reached):
+        raise NetworkError(f"bootstrap node {names} is only a DHT client (identify lists no {PROTOCOL_ID}): it stores "
+                           "no records and answers no lookups, so nobody would find this peer or the peers it "
+                           "looks for; bootstrap from a node in DHT server mode (`sangama-peer bootstrap`)")
+    log.warning("bootstrap node %s is only a DHT client: records and lookups go through the others", names)
 
 
 async def _closest(dht: KadDHT, key: bytes) -> list[ID]:
