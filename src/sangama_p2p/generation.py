@@ -81,6 +81,7 @@ class GenerationResult:
     accepted_at: list[float] = field(default_factory=list)  # acceptance rate of guess j+1
     stages: list[Any] = field(default_factory=list)  # local: model.chain.StageTiming per stage
     route: list[str] | None = None  # network: peer ids of the final chain, in order
+    links: list[str] = field(default_factory=list)  # network: what carried the stream to each, at the last trip
     trips: list[Any] = field(default_factory=list)  # network: client.timing.TripTiming per trip
     failovers: int = 0  # network: re-routes this generation needed
     time_summary: Callable[[list[Any]], dict] | None = field(default=None, repr=False, compare=False)
@@ -97,7 +98,8 @@ class GenerationResult:
     def as_dict(self) -> dict[str, Any]:
         local = self.route is None
         d: dict[str, Any] = {"prompt_ids": self.prompt_ids, "tokens": self.tokens}
-        d.update({"text": self.text} if local else {"route": self.route, "failovers": self.failovers})
+        d.update({"text": self.text} if local else {"route": self.route, "links": self.links,
+                                                    "failovers": self.failovers})
         d.update({
             "prefill_ms": round(self.prefill_s * 1e3, 3),
             "decode_ms": round(self.decode_s * 1e3, 3),

@@ -276,6 +276,8 @@ def _network_stats(r: Any) -> None:
     print(f"[{len(r.tokens)} tokens, prefill {r.prefill_s * 1e3:.1f} ms, {r.decode_tokens_per_s:.1f} tokens/s "
           f"decode, {r.steps} trips, guesses accepted {r.guesses_accepted}/{r.guesses_proposed}, "
           f"route {' -> '.join(peer_label(p) for p in r.route)}]", file=sys.stderr)
+    if r.links and any(link not in ("lane", "local") for link in r.links):  # say how each hop is carried
+        print(f"[links {', '.join(f'{peer_label(p)}: {link}' for p, link in zip(r.route, r.links))}]", file=sys.stderr)
     if r.failovers:
         print(f"[the chain failed {r.failovers} time{'s' if r.failovers != 1 else ''} during this generation: "
               "re-routed and replayed, the tokens are the same]", file=sys.stderr)

@@ -29,6 +29,7 @@ import trio
 from ..errors import ChainBroken, ErrorCode, NonFiniteHidden, SangamaError, StageError, StageRefused
 from ..positions import is_decode_step, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
+from ..net.stage_stream import describe_stage_stream
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import PeerOffer
 
@@ -158,6 +159,11 @@ class ChainSession:
             raise ChainBroken(f"trip {step} stalled: no answer in {limit:.2f} s (decode trips take "
                               f"{self.decode_trip_s:.3f} s here)", stalled=frozenset(self.peers))
         raise ChainBroken(f"trip {step} took over {self.step_timeout} s")
+
+    def link_kinds(self) -> list[str]:
+        """What carries the stream to each stage of the route, in order (``net.stage_stream.describe_stage_stream``:
+        ``lane``, ``direct``, ``relayed via <id>``, with the hole-punch moves)."""
+        return [describe_stage_stream(link.fs) for link in self.links]
 
     def trip_deadline(self, decode: bool) -> float:
         """How long a trip may take before it counts as failed: ``stall_factor`` x the smoothed decode trip time

@@ -105,6 +105,7 @@ class ChainTransport:
             return [None]
         if not trip.chunk:
             self.result.route = self.session.peers
+            self.result.links = self.session.link_kinds()
         emitted = 0 if trip.chunk else len(res.tokens)
         self.result.trips.append(trip_timing(trip.number, len(trip.tokens), emitted, trip_s, res.trace))
         return [Answer(tuple(res.tokens), tuple(res.guesses))]

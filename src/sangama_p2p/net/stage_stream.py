@@ -20,10 +20,11 @@ from libp2p.peer.id import ID
 from ..errors import NetworkError
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget
 from .dial import dial_peer
+from .holepunch import stream_link
 from .lane import LaneDialer
 from .streams import FramedStream
 
-__all__ = ["open_stage_stream"]
+__all__ = ["describe_stage_stream", "open_stage_stream"]
 
 
 async def open_stage_stream(node: Any, lanes: LaneDialer, peer: str, *, timeout: float, addrs: Sequence[str] = (),
@@ -46,3 +47,17 @@ async def open_stage_stream(node: Any, lanes: LaneDialer, peer: str, *, timeout:
     if scope.cancelled_caught:
         raise NetworkError(f"{peer} not reached in {timeout:g} s")
     return FramedStream(stream, max_frame=max_frame, budget=budget)
+
+
+def describe_stage_stream(fs: FramedStream) -> str:
+    """What carries a stage stream now, for users: ``lane`` (a direct TCP lane), ``direct`` or ``relayed via <id>``
+    (a libp2p stream; `` (moved N)`` once it followed a hole punch off the relay), or ``local`` (in-process)."""
+    kind = fs.link_kind
+    if kind != "libp2p":
+        return kind
+    try:
+        link = str(stream_link(fs.stream))
+    except Exception:  # a stream without a libp2p connection behind it: say what it is, never fail the caller
+        return "libp2p"
+    moves = getattr(fs.stream, "moves", 0)
+    return f"{link} (moved {moves})" if moves else link
