@@ -150,6 +150,8 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then
             circuit0 = before[boot_id]["circuit_bytes"]
             got4, took4, res4 = _generate(tiny, boot, lab.ns["privd"], 4)
             assert got4 == expected
+            # the client's own view: the stream to every stage of its chain is direct (not relayed) at the end
+            assert len(res4["links"]) == 3 and all(x.startswith("direct") for x in res4["links"]), res4["links"]
             after = _status(boot, lab.ns["privd"])
             for i in ids:  # the bytes: no stage frame crossed the relay in this generation, either way
                 b, a = before[i]["traffic"], after[i]["traffic"]

@@ -5,7 +5,7 @@ the punch succeeds, new streams go over the direct connection (py-libp2p picks d
 (direct first, then relays) is ``Traversal.connect`` in ``traversal.py``.
 
 :class:`HolePuncher` is py-libp2p 0.8.1's ``DCUtRProtocol`` with the three traps measured in namespaces removed
-(shared/notes/py-libp2p-0.8.1.md, "DCUtR through two real NATs"):
+(measured through two real NATs in network namespaces: ``tests/net/test_nat.py``):
 
 1. both sides drive: the stock auto-drive loop runs on both peers every 2 s, and two simultaneous sessions both dial as
    Noise responder. We switch it off; the relay client calls :meth:`HolePuncher.punch_soon` on the accepting side only.

@@ -1,6 +1,7 @@
 """llama.cpp's tensor names and weight transforms, both ways.
 
-``convert_hf_to_gguf.py`` renames tensors and changes some values (see /work/shared/fixtures/gguf/MANIFEST.md):
+``convert_hf_to_gguf.py`` renames tensors and changes some values (the converter-made files in
+``tests/data/gguf-arch/`` and their ``regenerate.py`` pin each of these against transformers):
 
 * qwen35moe: the value heads of the Gated DeltaNet are reordered from grouped-by-key-head to tiled order (rows of
   ``attn_qkv`` after the Q and K rows, rows of ``attn_gate``/``ssm_alpha``/``ssm_beta``, ``ssm_a``/``ssm_dt``, the V
