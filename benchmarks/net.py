@@ -339,7 +339,7 @@ async def _bench_discovery(quick: bool) -> dict[str, float]:
     from contextlib import AsyncExitStack
 
     from sangama_p2p.net.config import HostConfig
-    from sangama_p2p.net.discovery import Announcer, Offer, find_serving_peers
+    from sangama_p2p.net.discovery import Announcer, ServingOffer, find_serving_peers
     from sangama_p2p.net.host import open_host
     from sangama_p2p.net.identity import generate_key_pair
 
@@ -355,7 +355,7 @@ async def _bench_discovery(quick: bool) -> dict[str, float]:
             nodes.append(await stack.enter_async_context(
                 open_host(cfg.replace(bootstrap_addrs=(boot_addr,)), key_pair=generate_key_pair())))
         for i, node in enumerate(nodes[1 : n_serving + 1]):
-            await Announcer(node).update(Offer("bench/model", i * 4, i * 4 + 4, throughput=10.0, ttl=600,
+            await Announcer(node).update(ServingOffer("bench/model", i * 4, i * 4 + 4, throughput=10.0, ttl=600,
                                                  fingerprint="5a" * 16, num_layers=4 * n_serving))
         times, found = [], 0
         for _ in range(2 if quick else 5):

@@ -103,8 +103,9 @@ def _status():
 
     def rec(peer: str, start: int, end: int, reach: str = "direct") -> ServingRecord:
         return ServingRecord(model_id="SmolLM2-135M-Instruct.Q4_1", peer_id=peer, start=start, end=end,
-                             throughput=412.5, free_cache=31, addrs=(f"/ip4/203.0.113.7/tcp/40{start:02d}/p2p/{peer}",
-                                                                     f"/ip4/10.0.0.7/tcp/40{start:02d}/p2p/{peer}"),
+                             throughput=412.5, free_sessions=31,
+                             addrs=(f"/ip4/203.0.113.7/tcp/40{start:02d}/p2p/{peer}",
+                                    f"/ip4/10.0.0.7/tcp/40{start:02d}/p2p/{peer}"),
                              reachability=reach, version="0.1.0", expires_at=time.time() + 60, seq=1,
                              fingerprint="5a" * 16, num_layers=30)
 
@@ -126,7 +127,7 @@ def test_status_fits_80_columns_and_labels_the_bootstrap_row() -> None:
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80, "\n".join(line for line in lines if len(line) > 80)
     header = next(line for line in lines if "peer" in line and "layers" in line)
-    for column in ("peer", "layers", "tok/s", "free", "link", "rtt ms", "reach"):
+    for column in ("peer", "layers", "steps/s", "free", "link", "rtt ms", "reach"):
         assert column in header, (column, header)  # not folded into pieces
     assert "SmolLM2-135M-Instruct.Q4_1: layers covered 0:30" in text
     rows = [line.split() for line in lines]

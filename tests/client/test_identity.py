@@ -15,7 +15,7 @@ from sangama_p2p.client import ChainClient, ClientConfig
 from sangama_p2p.errors import RouteError
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.fingerprint import checkpoint_identity
-from sangama_p2p.net.discovery import Offer
+from sangama_p2p.net.discovery import ServingOffer
 
 from .fleet import MODEL, fleet, local_chain, make_checkpoint
 
@@ -123,7 +123,7 @@ def test_a_peer_announcing_layers_7_to_a_million_is_ignored_and_the_depth_stays(
                 depth = 1_000_000 if lie_about_depth else 8
                 liar.announcer.current = lambda: replace(current(), end=1_000_000, num_layers=depth)
                 await liar.announcer.publish()
-                assert isinstance(liar.announcer.offer, Offer) and liar.announcer.offer.end == 1_000_000
+                assert isinstance(liar.announcer.offer, ServingOffer) and liar.announcer.offer.end == 1_000_000
                 async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
                     res = await client.generate(PROMPT, N)
                     return res, dict(client.left_out), liar.peer_id

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from sangama_p2p.client.routing import (
     FULL_PENALTY,
-    PeerOffer,
+    RouteCandidate,
     chain_cost,
     link_cost_from_rtts,
     plan_route,
@@ -23,46 +23,48 @@ def ids(chain):
 
 def test_prefers_fast_peers_and_fewer_hops_when_they_are_cheaper():
     offers = [
-        PeerOffer("a", 0, 4, throughput=100, rtt=0.002),
-        PeerOffer("b", 4, 8, throughput=100, rtt=0.002),
-        PeerOffer("whole", 0, 8, throughput=60, rtt=0.002),  # one hop, 16.7 ms vs 2 x 10 ms + an extra hop
-        PeerOffer("slow", 4, 8, throughput=10, rtt=0.001),
+        RouteCandidate("a", 0, 4, throughput=100, rtt=0.002),
+        RouteCandidate("b", 4, 8, throughput=100, rtt=0.002),
+        RouteCandidate("whole", 0, 8, throughput=60, rtt=0.002),  # one hop, 16.7 ms vs 2 x 10 ms + an extra hop
+        RouteCandidate("slow", 4, 8, throughput=10, rtt=0.001),
     ]
     assert ids(plan_route(offers, 8)) == ["whole"]
-    offers[2] = PeerOffer("whole", 0, 8, throughput=40, rtt=0.002)
+    offers[2] = RouteCandidate("whole", 0, 8, throughput=40, rtt=0.002)
     assert ids(plan_route(offers, 8)) == ["a", "b"]
     assert chain_cost(plan_route(offers, 8)) == pytest.approx(0.001 + 0.01 + 0.001 + 0.01 + 0.001)
 
 
 def test_queue_rtt_exclusion_and_full_peers():
-    offers = [PeerOffer("a", 0, 4, throughput=100, rtt=0.001), PeerOffer("b", 0, 4, throughput=100, rtt=0.001),
-              PeerOffer("c", 4, 8, throughput=100, rtt=0.001)]
+    offers = [RouteCandidate("a", 0, 4, throughput=100, rtt=0.001),
+              RouteCandidate("b", 0, 4, throughput=100, rtt=0.001),
+              RouteCandidate("c", 4, 8, throughput=100, rtt=0.001)]
     assert ids(plan_route(offers, 8)) == ["a", "c"]  # tie: smaller peer id
-    queued = [PeerOffer("a", 0, 4, throughput=100, queue=3, rtt=0.001), *offers[1:]]
+    queued = [RouteCandidate("a", 0, 4, throughput=100, queue=3, rtt=0.001), *offers[1:]]
     assert ids(plan_route(queued, 8)) == ["b", "c"]
-    far = [PeerOffer("a", 0, 4, throughput=100, rtt=0.2), *offers[1:]]
+    far = [RouteCandidate("a", 0, 4, throughput=100, rtt=0.2), *offers[1:]]
     assert ids(plan_route(far, 8)) == ["b", "c"]
     assert ids(plan_route(offers, 8, exclude={"a"})) == ["b", "c"]
-    full = [PeerOffer("a", 0, 4, throughput=100, free_sessions=0, rtt=0.001), offers[2]]
+    full = [RouteCandidate("a", 0, 4, throughput=100, free_sessions=0, rtt=0.001), offers[2]]
     assert ids(plan_route(full, 8)) == ["a", "c"]  # still tried when nothing else fits
     assert step_cost(full[0]) == pytest.approx(0.01 + FULL_PENALTY)
     assert ids(plan_route([*full, offers[1]], 8)) == ["b", "c"]
 
 
 def test_no_chain_names_the_gap():
-    offers = [PeerOffer("a", 0, 4), PeerOffer("c", 5, 8)]
+    offers = [RouteCandidate("a", 0, 4), RouteCandidate("c", 5, 8)]
     with pytest.raises(RouteError, match="layer 4"):
         plan_route(offers, 8)
     with pytest.raises(RouteError, match="excluded"):
-        plan_route([PeerOffer("a", 0, 8)], 8, exclude={"a"})
+        plan_route([RouteCandidate("a", 0, 8)], 8, exclude={"a"})
     with pytest.raises(RouteError):
         plan_route([], 8)
     with pytest.raises(RouteError):
-        plan_route([PeerOffer("a", 0, 8)], 0)
+        plan_route([RouteCandidate("a", 0, 8)], 0)
 
 
 def test_link_costs_can_depend_on_the_pair():
-    offers = [PeerOffer("a", 0, 4), PeerOffer("b", 0, 4), PeerOffer("c", 4, 8), PeerOffer("d", 4, 8)]
+    offers = [RouteCandidate("a", 0, 4), RouteCandidate("b", 0, 4),
+              RouteCandidate("c", 4, 8), RouteCandidate("d", 4, 8)]
 
     def link(x, y):
         near = {("a", "d"), ("d", ""), ("", "a")}
@@ -75,7 +77,7 @@ def test_link_costs_can_depend_on_the_pair():
 @given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 4), st.floats(1, 200), st.integers(0, 3),
                           st.floats(0.0001, 0.1)), min_size=1, max_size=10))
 def test_any_route_is_contiguous_and_optimal(raw):
-    offers = [PeerOffer(f"p{i}", s, min(s + n, 8), throughput=t, queue=q, rtt=r)
+    offers = [RouteCandidate(f"p{i}", s, min(s + n, 8), throughput=t, queue=q, rtt=r)
               for i, (s, n, t, q, r) in enumerate(raw)]
     try:
         chain = plan_route(offers, 8)

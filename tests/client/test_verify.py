@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 import trio
 
-from sangama_p2p.client.routing import PeerOffer, plan_route
+from sangama_p2p.client.routing import RouteCandidate, plan_route
 from sangama_p2p.client.verify import (PUBLIC_FRACTION, alternate_route, find_liar, mixed_routes, referee,
                                        resolve_fraction, should_verify, suspects)
 from sangama_p2p.errors import RouteError, StageError
@@ -21,8 +21,8 @@ from sangama_p2p.errors import RouteError, StageError
 HONEST = (7, 3)
 
 
-def offers(spec: dict[str, tuple[int, int]], fast: Sequence[str] = ()) -> list[PeerOffer]:
-    return [PeerOffer(p, a, b, throughput=1000.0 if p in fast else 10.0, rtt=0.001) for p, (a, b) in spec.items()]
+def offers(spec: dict[str, tuple[int, int]], fast: Sequence[str] = ()) -> list[RouteCandidate]:
+    return [RouteCandidate(p, a, b, throughput=1000.0 if p in fast else 10.0, rtt=0.001) for p, (a, b) in spec.items()]
 
 
 def world(liars: dict[str, object]):
@@ -74,7 +74,7 @@ def test_the_second_chain_keeps_the_ranges_and_shares_no_peer():
     assert alternate_route(o, main, exclude={"b0", "c0"}) is None  # nobody else serves 0:3
     assert [x.peer_id for x in alternate_route(o, main, exclude={"b1"})] == ["b0", "c1", "b2"]
     # a range served by another split only (0:4 + 4:8 where main has 0:3 ...) is no second chain
-    assert alternate_route(offers({"a": (0, 8), "b": (0, 4), "c": (4, 8)}), [PeerOffer("a", 0, 8)]) is None
+    assert alternate_route(offers({"a": (0, 8), "b": (0, 4), "c": (4, 8)}), [RouteCandidate("a", 0, 8)]) is None
 
 
 def test_mixes_swap_one_position_each_and_referees_are_third_peers():

@@ -12,7 +12,7 @@ import trio
 
 from sangama_p2p.errors import NetworkError
 from sangama_p2p.net import dht as dht_module
-from sangama_p2p.net.discovery import Offer, publish
+from sangama_p2p.net.discovery import ServingOffer, publish
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import KeyInUse, generate_key_pair, peer_id_of
 from sangama_p2p.net.records import record_key
@@ -54,14 +54,14 @@ def test_a_wrong_peer_id_in_a_bootstrap_address_is_named_as_such() -> None:
 
 def test_records_past_their_expiry_leave_every_dht_server(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dht_module, "SWEEP_S", 0.2)
-    offer = Offer("m", 0, 1, ttl=2.0, fingerprint="ab" * 16, num_layers=1)
+    offer = ServingOffer("m", 0, 1, ttl=2.0, fingerprint="ab" * 16, num_layers=1)
 
     async def main() -> None:
         with trio.fail_after(60):
             async with swarm(3) as nodes:
                 author = nodes[-1]
                 await publish(author, offer, seq=1)
-                await publish(author, Offer("n", 0, 1, ttl=600.0, fingerprint="ab" * 16, num_layers=1), seq=2)
+                await publish(author, ServingOffer("n", 0, 1, ttl=600.0, fingerprint="ab" * 16, num_layers=1), seq=2)
                 key, lasting = (record_key(m, author.peer_id).encode() for m in ("m", "n"))
                 holders = [n for n in nodes if n.dht is not None and key in n.dht.value_store.store]
                 assert len(holders) >= 2, "the record was stored on the other DHT servers"

@@ -11,7 +11,7 @@ import time
 import trio
 
 from sangama_p2p.cli.net_cmds import _coverage, _print_table
-from sangama_p2p.net.discovery import Announcer, Offer
+from sangama_p2p.net.discovery import Announcer, ServingOffer
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import load_key_pair, peer_id_of
 from sangama_p2p.net.status import survey
@@ -79,11 +79,12 @@ def test_survey_lists_peers_ranges_and_links_and_prints_a_table(capsys):
         with trio.fail_after(60):
             async with swarm(5) as nodes:
                 for i, node in enumerate(nodes[1:3]):
-                    await Announcer(node).update(Offer("org/m", i * 4, i * 4 + 4, throughput=7.5, free_cache=2,
-                                                       fingerprint="5a" * 16, num_layers=8))
+                    await Announcer(node).update(ServingOffer("org/m", i * 4, i * 4 + 4, throughput=7.5,
+                                                              free_sessions=2, fingerprint="5a" * 16, num_layers=8))
                 # left out: a range beyond its checkpoint's depth, and another checkpoint under the same id
-                await Announcer(nodes[3]).update(Offer("org/m", 7, 1_000_000, fingerprint="5a" * 16, num_layers=8))
-                await Announcer(nodes[4]).update(Offer("org/m", 0, 8, fingerprint="6b" * 16, num_layers=8))
+                await Announcer(nodes[3]).update(ServingOffer("org/m", 7, 1_000_000, fingerprint="5a" * 16,
+                                                              num_layers=8))
+                await Announcer(nodes[4]).update(ServingOffer("org/m", 0, 8, fingerprint="6b" * 16, num_layers=8))
                 boot = nodes[0]
                 async with open_host(config(dht_server=False, bootstrap_addrs=(str(boot.advertised_addrs()[0]),))) as me:
                     status = await survey(me, models=["org/m"], timeout=3)

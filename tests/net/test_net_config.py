@@ -80,8 +80,8 @@ def test_public_bootstrap_list_is_empty_until_public_nodes_exist():
 
 def test_net_public_surface_is_pinned():
     assert sorted(net.__all__) == [
-        "Announcer", "HostConfig", "Limits", "Node", "Offer", "ServingRecord", "decode_record", "default_key_path",
-        "find_serving_peers", "load_or_create_key_pair", "open_host", "peer_id_of", "record_key", "sign_record",
+        "Announcer", "HostConfig", "Limits", "Node", "ServingOffer", "ServingRecord", "decode_record",
+        "default_key_path", "find_serving_peers", "load_or_create_key_pair", "open_host", "peer_id_of", "record_key", "sign_record",
     ]
     for name in net.__all__:
         assert getattr(net, name) is not None

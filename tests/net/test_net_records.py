@@ -29,7 +29,7 @@ ADDRS = ["/ip4/203.0.113.7/tcp/4001", "/ip4/10.0.0.2/tcp/4001"]
 
 
 def signed(**changes):
-    args = dict(model_id=MODEL, start=0, end=20, throughput=42.5, free_cache=7, addrs=ADDRS, seq=5, fingerprint=FP,
+    args = dict(model_id=MODEL, start=0, end=20, throughput=42.5, free_sessions=7, addrs=ADDRS, seq=5, fingerprint=FP,
                 num_layers=40, layer_hashes=[("0", "11" * 16), ("embed", "22" * 16)])
     args.update(changes)
     key_pair = args.pop("key_pair", KP)
@@ -51,7 +51,7 @@ KEY = record_key(MODEL, peer_id_of(KP))
 def test_round_trip_keeps_every_field():
     rec = signed(reachability=peer_id_of(OTHER).to_base58(), ttl=90).record
     assert decode_record(KEY, signed().value).model_id == MODEL
-    assert (rec.start, rec.end, rec.throughput, rec.free_cache, rec.seq) == (0, 20, 42.5, 7, 5)
+    assert (rec.start, rec.end, rec.throughput, rec.free_sessions, rec.seq) == (0, 20, 42.5, 7, 5)
     assert rec.addrs == tuple(ADDRS)  # order kept: public first
     assert rec.peer_id == peer_id_of(KP).to_base58()
     assert rec.reachability == peer_id_of(OTHER).to_base58()

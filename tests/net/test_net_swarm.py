@@ -11,7 +11,7 @@ from libp2p.peer.id import ID
 from sangama_p2p.net.dht import providers_from_network
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
-from sangama_p2p.net.discovery import Announcer, Offer, find_serving_peers
+from sangama_p2p.net.discovery import Announcer, ServingOffer, find_serving_peers
 from sangama_p2p.net.records import provider_key, record_key, sign_record
 
 from .net_swarm import config, first_addr, swarm
@@ -28,8 +28,8 @@ def test_records_published_discovered_republished_and_expired():
                 announcers = []
                 for i, node in enumerate(nodes[1:4]):
                     announcer = Announcer(node)
-                    await announcer.update(Offer(MODEL, i * 8, i * 8 + 8, throughput=10.0 + i, free_cache=3, ttl=TTL,
-                                                        fingerprint=FP, num_layers=24))
+                    await announcer.update(ServingOffer(MODEL, i * 8, i * 8 + 8, throughput=10.0 + i,
+                                                        free_sessions=3, ttl=TTL, fingerprint=FP, num_layers=24))
                     node.nursery.start_soon(announcer.run)
                     announcers.append(announcer)
                 serving = {n.peer_id.to_base58(): (i * 8, i * 8 + 8) for i, n in enumerate(nodes[1:4])}
@@ -67,13 +67,13 @@ def test_discovery_is_not_fooled_by_a_non_empty_local_provider_store():
         with trio.fail_after(60):
             async with swarm(5) as nodes, AsyncExitStack() as stack:
                 for i, node in enumerate(nodes[1:]):  # every node but the bootstrap serves a slice
-                    await Announcer(node).update(Offer(MODEL, i, i + 1, ttl=30, fingerprint=FP, num_layers=8))
+                    await Announcer(node).update(ServingOffer(MODEL, i, i + 1, ttl=30, fingerprint=FP, num_layers=8))
                 # A late joiner that provides the model itself: its local provider store holds itself alone (every
                 # earlier provide reached every node that was already there, routing tables being complete).
                 late = config(bootstrap_addrs=(first_addr(nodes[0]),))
                 asker = await stack.enter_async_context(open_host(late, key_pair=generate_key_pair()))
                 nodes.append(asker)
-                await Announcer(asker).update(Offer(MODEL, 4, 5, ttl=30, fingerprint=FP, num_layers=8))
+                await Announcer(asker).update(ServingOffer(MODEL, 4, 5, ttl=30, fingerprint=FP, num_layers=8))
                 key = provider_key(MODEL)
                 local_only = await asker.dht.find_providers(key)
                 found = await find_serving_peers(asker, MODEL)
@@ -92,18 +92,20 @@ def test_forged_and_stale_records_are_refused_by_remote_peers():
         with trio.fail_after(60):
             async with swarm(6) as nodes:
                 victim, attacker, store = nodes[1], nodes[2], nodes[3]
-                honest = await Announcer(victim).update(Offer(MODEL, 0, 4, ttl=30, fingerprint=FP, num_layers=40))
+                honest = await Announcer(victim).update(ServingOffer(MODEL, 0, 4, ttl=30, fingerprint=FP,
+                                                                     num_layers=40))
                 key = record_key(MODEL, victim.peer_id)
                 # the attacker signs "victim serves layers 0:40" with its own key and pushes it to a peer
                 forged = sign_record(attacker.key_pair, model_id=MODEL, start=0, end=40, throughput=1.0,
-                                     free_cache=1, addrs=[], fingerprint=FP, num_layers=40, seq=honest.record.seq + 100)
+                                     free_sessions=1, addrs=[], fingerprint=FP, num_layers=40,
+                                     seq=honest.record.seq + 100)
                 assert not await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), forged.value)
                 # a stale record of the victim itself (lower seq) must not replace the fresh one
                 stale = sign_record(victim.key_pair, model_id=MODEL, start=0, end=4, throughput=1.0,
-                                    free_cache=1, addrs=[], fingerprint=FP, num_layers=40, seq=honest.record.seq - 1)
+                                    free_sessions=1, addrs=[], fingerprint=FP, num_layers=40, seq=honest.record.seq - 1)
                 await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), stale.value)
                 expired = sign_record(victim.key_pair, model_id=MODEL, start=0, end=4, throughput=1.0,
-                                      free_cache=1, addrs=[], fingerprint=FP, num_layers=40,
+                                      free_sessions=1, addrs=[], fingerprint=FP, num_layers=40,
                                       seq=honest.record.seq + 5, ttl=1,
                                       now=time.time() - 10)
                 assert not await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), expired.value)

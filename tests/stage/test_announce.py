@@ -21,14 +21,14 @@ def test_record_tracks_free_sessions_and_measured_throughput(ckpt, fl):
                 client = f.clients[0]
                 me = server.peer_id
                 records = await find_serving_peers(client, fl.MODEL)
-                assert [(r.peer_id, r.start, r.end, r.free_cache) for r in records] == [(me, 0, 8, 3)]
+                assert [(r.peer_id, r.start, r.end, r.free_sessions) for r in records] == [(me, 0, 8, 3)]
                 assert records[0].throughput > 0  # measured at start
                 await client.connect(node.peer_id, node.listen_addrs())
                 info_stream = FramedStream(await client.host.new_stream(node.peer_id, [INFO_PROTOCOL]))
                 await info_stream.send(InfoRequest())
                 info = await info_stream.recv()
                 assert isinstance(info, InfoResponse) and (info.peer, info.start, info.end) == (me, 0, 8)
-                assert info.free_sessions == 3 and info.queue == 0 and info.throughput_tps > 0
+                assert info.free_sessions == 3 and info.queue == 0 and info.throughput > 0
                 assert await info_stream.recv() is None  # one request, one answer, then the stage closes it
                 fs = FramedStream(await client.host.new_stream(node.peer_id, [STAGE_PROTOCOL]))
                 for _ in range(2):
@@ -37,13 +37,13 @@ def test_record_tracks_free_sessions_and_measured_throughput(ckpt, fl):
                     assert isinstance(await fs.recv(), SessionOpened)
                 while True:  # refreshed within a few announce periods
                     records = await find_serving_peers(client, fl.MODEL)
-                    if records and records[0].free_cache == 1:
+                    if records and records[0].free_sessions == 1:
                         break
                     await trio.sleep(0.1)
                 await fs.aclose()  # the owner leaves: its sessions are freed and the record says so
                 while True:
                     records = await find_serving_peers(client, fl.MODEL)
-                    if records and records[0].free_cache == 3:
+                    if records and records[0].free_sessions == 3:
                         break
                     await trio.sleep(0.1)
 

@@ -103,6 +103,14 @@ def test_payload_layout_is_pinned() -> None:
     assert msgpack.unpackb(step[6 : 6 + hlen]) == [SID, 1, 2, [], ["fp16", [2]], [], []]
 
 
+def test_info_response_bytes_are_pinned() -> None:
+    # Field names never travel: renaming ``throughput_tps`` to ``throughput`` changed no byte (bytes from before it).
+    msg = InfoResponse("12D3KooWA", "m", 0, 20, 41.5, 3, 2, "0.1.0")
+    assert encode(msg).hex() == "02110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
+    assert [f.name for f in dataclasses.fields(InfoResponse)] == [
+        "peer", "model_id", "start", "end", "throughput", "free_sessions", "queue", "version"]
+
+
 def test_decoded_fields_have_wire_types() -> None:
     err = decode(encode(ErrorMessage(None, None, 3, "x")))
     assert isinstance(err, ErrorMessage) and err.code is ErrorCode.UNKNOWN_SESSION
@@ -162,7 +170,7 @@ BAD_FIELDS = [
     (STEP, {"trace": (("p", 1, 2, 3, 4, 5),)}),
     (STEP, {"trace": (TRACE[0],) * 65}),
     (RESULT, {"tokens": tuple(range(66))}),
-    (INFO, {"throughput_tps": -1.0}),
+    (INFO, {"throughput": -1.0}),
     (INFO, {"version": b"0.1"}),
     (LANE, {"port": 0}),
     (LANE, {"port": 65536}),

@@ -157,11 +157,11 @@ def _print_table(status, bootstrap_ids: frozenset[str] = frozenset(), console=No
     for model, spans in status.models().items():
         table = Table(title=f"{model}: layers covered {_coverage(spans)}", title_justify="left",
                       box=box.SIMPLE_HEAD)
-        for column in ("peer", "layers", "tok/s", "free", "link", "rtt ms", "reach"):
+        for column in ("peer", "layers", "steps/s", "free", "link", "rtt ms", "reach"):
             table.add_column(column, no_wrap=column != "link")
         for peer, rec in sorted(by_model[model], key=lambda pr: (pr[1].start, pr[1].end)):
             table.add_row(peer_label(peer.peer_id), f"{rec.start}:{rec.end}", f"{rec.throughput:.1f}",
-                          str(rec.free_cache), _short_link(peer.link), _rtt(peer), _short_link(rec.reachability))
+                          str(rec.free_sessions), _short_link(peer.link), _rtt(peer), _short_link(rec.reachability))
         console.print(table)
         for line in lineup_lines(lineups[model]):
             console.print(line, markup=False, soft_wrap=True)
@@ -180,8 +180,9 @@ def _print_table(status, bootstrap_ids: frozenset[str] = frozenset(), console=No
         console.print(f"[bold]banned here[/bold] ({len(status.bans)}, local to this machine):")
         for line in ban_lines(status):
             console.print(line, markup=False, soft_wrap=True)
-    console.print("tok/s: measured throughput; free: sessions it can still open; link: how this peer reached it; "
-                  "reach: what it announces (direct, or the relay it is reached through)", soft_wrap=False)
+    console.print("steps/s: measured steps per second of one session; free: sessions it can still open; "
+                  "link: how this peer reached it; reach: what it announces (direct, or the relay it is reached "
+                  "through)", soft_wrap=False)
     console.print("peers (full ids, announced addresses without their /p2p/<id>):")
     for peer in status.peers:
         addrs = sorted({a.removesuffix(f"/p2p/{peer.peer_id}") for rec in peer.records for a in rec.addrs})

@@ -169,7 +169,7 @@ def _panel(peer: Any) -> Any:
         ident = server.identity
         table.add_row(info.model_id, f"{info.start}:{info.end}", ident.fingerprint[:12] if ident else "-",
                       str(server.open_sessions),
-                      str(info.free_sessions), str(info.queue), f"{info.throughput_tps:.1f}", links)
+                      str(info.free_sessions), str(info.queue), f"{info.throughput:.1f}", links)
     return table
 
 

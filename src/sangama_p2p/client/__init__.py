@@ -5,14 +5,14 @@ Usage: see :mod:`sangama_p2p.client.generate`. Never imports ``stage/`` (they sh
 
 from .config import ClientConfig
 from .generate import ChainClient, GenerationResult, parse_guesses
-from .routing import PeerOffer, plan_route
+from .routing import RouteCandidate, plan_route
 from .timing import StageTime, TripTiming, summarize_trips
 
 __all__ = [
     "ChainClient",
     "ClientConfig",
     "GenerationResult",
-    "PeerOffer",
+    "RouteCandidate",
     "StageTime",
     "TripTiming",
     "parse_guesses",

@@ -45,7 +45,7 @@ from ..net.discovery import find_serving_peers
 from ..net.lineup import choose_lineup
 from .config import ClientConfig
 from .links import LinkPool
-from .routing import PeerOffer, plan_route
+from .routing import RouteCandidate, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
 from .timing import summarize_trips
 from .transport import ChainTransport
@@ -69,7 +69,7 @@ class ChainClient:
         self.peer_id: str = node.peer_id.to_base58()
         self.pool: LinkPool | None = None
         self._nursery_cm: Any = None
-        self.offers: list[PeerOffer] = []  # the last survey
+        self.offers: list[RouteCandidate] = []  # the last survey
         self.surveyed_at = -math.inf  # trio clock time of the last survey
         self._versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
         self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
@@ -111,8 +111,8 @@ class ChainClient:
         return self.pool
 
     # ---- discovery and routing -----------------------------------------------------------------------------
-    async def survey(self, exclude: frozenset[str] = frozenset(), *, max_age: float = 0.0) -> list[PeerOffer]:
-        """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.PeerOffer` (DHT records refreshed
+    async def survey(self, exclude: frozenset[str] = frozenset(), *, max_age: float = 0.0) -> list[RouteCandidate]:
+        """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.RouteCandidate` (DHT records refreshed
         with each peer's own ``/sangama/info/2`` figures, and the RTT measured over the stage stream).
 
         A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight.
@@ -123,11 +123,11 @@ class ChainClient:
                 return [o for o in self.offers if o.peer_id not in exclude]
             return await self._survey(exclude)
 
-    async def _survey(self, exclude: frozenset[str]) -> list[PeerOffer]:
+    async def _survey(self, exclude: frozenset[str]) -> list[RouteCandidate]:
         pool = self._pool()
         records = await find_serving_peers(self.node, self.config.model_id,
                                            include_self=self.local_stage is not None)
-        offers: list[PeerOffer] = []
+        offers: list[RouteCandidate] = []
 
         self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
 
@@ -142,7 +142,7 @@ class ChainClient:
                     return
                 if info.model_id != self.config.model_id or info.peer != rec.peer_id:
                     return
-                offers.append(PeerOffer(rec.peer_id, info.start, info.end, info.throughput_tps, info.queue,
+                offers.append(RouteCandidate(rec.peer_id, info.start, info.end, info.throughput, info.queue,
                                         info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
                                         rec.num_layers, rec.layer_hashes))
                 self.silent.pop(rec.peer_id, None)
@@ -170,7 +170,7 @@ class ChainClient:
         seen = self.silent.get(rec.peer_id)
         return seen is not None and (rec.seq, rec.expires_at) <= seen
 
-    def _lineup(self, offers: Sequence[PeerOffer], pin: str | None) -> Any:
+    def _lineup(self, offers: Sequence[RouteCandidate], pin: str | None) -> Any:
         """The peers of one checkpoint fingerprint (``pin``, else the configured one, else the best group) and the
         model's depth from it; every peer left out is logged once per reason."""
         lineup = choose_lineup(offers, local_fingerprint=pin or self.config.fingerprint,
@@ -186,7 +186,8 @@ class ChainClient:
                         c.part, "; ".join(f"{h[:12]}: {', '.join(p)}" for h, p in c.hashes))
         return lineup
 
-    def _route(self, offers: Sequence[PeerOffer], exclude: set[str], pin: str | None) -> tuple[list[PeerOffer], str]:
+    def _route(self, offers: Sequence[RouteCandidate], exclude: set[str],
+               pin: str | None) -> tuple[list[RouteCandidate], str]:
         lineup = self._lineup(offers, pin)
         left = "; ".join(f"{o.peer_id} {o.start}:{o.end}: {o.reason}" for o in lineup.left_out)
         if lineup.fingerprint is None:
@@ -237,7 +238,7 @@ class ChainClient:
             tries += 1
             max_age = 0.0 if self.config.rediscover else math.inf
 
-    def _avoidable(self, offers: Sequence[PeerOffer], exclude: set[str], pin: str | None,
+    def _avoidable(self, offers: Sequence[RouteCandidate], exclude: set[str], pin: str | None,
                    avoid: frozenset[str]) -> set[str]:
         """The largest part of ``avoid`` (taken peer by peer, in order) that still leaves a route."""
         keep: set[str] = set()
@@ -255,7 +256,7 @@ class ChainClient:
         chain is re-opened and the trip replayed (a broken stream alone may be our own doing, e.g. a cancel)."""
         pool, dead = self._pool(), set()
 
-        async def probe(offer: PeerOffer) -> None:
+        async def probe(offer: RouteCandidate) -> None:
             with trio.move_on_after(self.config.probe_timeout):
                 try:
                     link = await pool.get(offer.peer_id, offer.addrs)

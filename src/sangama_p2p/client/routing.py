@@ -8,7 +8,8 @@ edge costs may depend on the pair (``link_cost(q, p)``). Stages serve exactly th
 
 Usage::
 
-    offers = [PeerOffer("A", 0, 4, throughput=80.0, rtt=0.002), PeerOffer("B", 4, 8, throughput=50.0, rtt=0.003)]
+    offers = [RouteCandidate("A", 0, 4, throughput=80.0, rtt=0.002),
+              RouteCandidate("B", 4, 8, throughput=50.0, rtt=0.003)]
     chain = plan_route(offers, num_layers=8)            # [offer A, offer B]; RouteError if nothing covers 0..8
     chain = plan_route(offers, 8, exclude={"B"})        # re-route around a failed peer
     chain = plan_route(offers, 8, banned={"B": "lied"}) # banned peers (client/verify.py) are never chained
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import RouteError
 
-__all__ = ["CLIENT", "FULL_PENALTY", "PeerOffer", "chain_cost", "link_cost_from_rtts", "plan_route", "step_cost"]
+__all__ = ["CLIENT", "FULL_PENALTY", "RouteCandidate", "chain_cost", "link_cost_from_rtts", "plan_route", "step_cost"]
 
 CLIENT = ""
 """The client's own name in link costs."""
@@ -33,11 +34,12 @@ FULL_PENALTY = 60.0  # seconds added for a peer that announces no free session: 
 
 
 @dataclass(frozen=True)
-class PeerOffer:
-    """One peer's offer as the client sees it: layer range, announced speed and load, the RTT the client measured.
+class RouteCandidate:
+    """A peer the client may chain, as it sees it: layer range, announced speed and load, the RTT it measured
+    (what :func:`plan_route` chooses from and returns).
 
-    ``throughput``: single-request steps per second the stage announces (0 = unknown). ``queue``: steps waiting
-    at the stage. ``rtt``: the client's measured round trip to the peer in seconds (None = not measured).
+    ``throughput``: steps per second one session gets at the stage, as it announces (0 = unknown). ``queue``: steps
+    waiting at the stage. ``rtt``: the client's measured round trip to the peer in seconds (None = not measured).
     ``addrs``: where to dial it. ``fingerprint``/``num_layers``/``layer_hashes``: its checkpoint's identity (routing
     ignores them; the client chains only offers of one fingerprint, see :mod:`sangama_p2p.net.lineup`).
     """
@@ -55,7 +57,7 @@ class PeerOffer:
     layer_hashes: tuple[tuple[str, str], ...] = ()
 
 
-def step_cost(offer: PeerOffer) -> float:
+def step_cost(offer: RouteCandidate) -> float:
     """Seconds one step is expected to spend at ``offer``: its compute time, times the queue ahead plus one.
 
     A peer announcing no free session gets :data:`FULL_PENALTY` on top: its figure is an estimate (sized for a
@@ -65,7 +67,7 @@ def step_cost(offer: PeerOffer) -> float:
     return (1 + max(offer.queue, 0)) / tps + (FULL_PENALTY if offer.free_sessions <= 0 else 0.0)
 
 
-def link_cost_from_rtts(offers: Sequence[PeerOffer]) -> Callable[[str, str], float]:
+def link_cost_from_rtts(offers: Sequence[RouteCandidate]) -> Callable[[str, str], float]:
     """One-way latency estimates from the client's RTTs: client<->p is rtt/2; p->q between two peers is estimated
     as (rtt_p + rtt_q)/4 (no peer-to-peer measurement is available to the client); a peer to itself costs 0."""
     rtts = {o.peer_id: (o.rtt if o.rtt is not None else _UNKNOWN_RTT) for o in offers}
@@ -83,13 +85,13 @@ def link_cost_from_rtts(offers: Sequence[PeerOffer]) -> Callable[[str, str], flo
 
 
 def plan_route(
-    offers: Sequence[PeerOffer],
+    offers: Sequence[RouteCandidate],
     num_layers: int,
     *,
     exclude: Collection[str] = (),
     banned: Mapping[str, str] | None = None,
     link_cost: Callable[[str, str], float] | None = None,
-) -> list[PeerOffer]:
+) -> list[RouteCandidate]:
     """The cheapest chain of offers covering layers ``[0, num_layers)`` in order (see the module docstring).
 
     Peers in ``exclude`` are skipped, and so are those in ``banned`` (peer id -> reason: peers this client caught
@@ -103,7 +105,7 @@ def plan_route(
     usable = [o for o in offers if o.peer_id not in exclude and o.peer_id not in banned and 0 <= o.start < o.end
               and o.end <= num_layers and o.peer_id != CLIENT]
     link = link_cost or link_cost_from_rtts(usable)
-    by_start: dict[int, list[PeerOffer]] = {}
+    by_start: dict[int, list[RouteCandidate]] = {}
     for o in usable:
         by_start.setdefault(o.start, []).append(o)
     for group in by_start.values():
@@ -149,7 +151,7 @@ def plan_route(
     return chain[::-1]
 
 
-def chain_cost(chain: Sequence[PeerOffer], link_cost: Callable[[str, str], float] | None = None) -> float:
+def chain_cost(chain: Sequence[RouteCandidate], link_cost: Callable[[str, str], float] | None = None) -> float:
     """Estimated seconds per trip of ``chain`` under the same cost model as :func:`plan_route`."""
     link = link_cost or link_cost_from_rtts(chain)
     total, here = 0.0, CLIENT

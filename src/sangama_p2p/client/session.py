@@ -31,7 +31,7 @@ from ..positions import is_decode_step, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
 from ..net.stage_stream import describe_stage_stream
 from .links import Delivery, Link, LinkLost, LinkPool
-from .routing import PeerOffer
+from .routing import RouteCandidate
 
 __all__ = ["ChainBroken", "ChainSession", "NonFiniteHidden", "SessionParams", "StageRefused", "check_result"]
 
@@ -67,7 +67,7 @@ class SessionParams:
 class ChainSession:
     """One session on one route. ``await open()``, then ``await step(...)`` per trip, then ``await close()``."""
 
-    def __init__(self, pool: LinkPool, route: Sequence[PeerOffer], params: SessionParams, *,
+    def __init__(self, pool: LinkPool, route: Sequence[RouteCandidate], params: SessionParams, *,
                  open_timeout: float, step_timeout: float, stall_factor: float = 0.0,
                  stall_floor: float = 1.0) -> None:
         self.pool = pool
@@ -93,7 +93,7 @@ class ChainSession:
         p = self.params
         links: list[Link | None] = [None] * len(self.route)
 
-        async def connect(i: int, offer: PeerOffer) -> None:
+        async def connect(i: int, offer: RouteCandidate) -> None:
             try:
                 links[i] = await self.pool.get(offer.peer_id, offer.addrs)
             except SangamaError as exc:

@@ -34,7 +34,7 @@ import trio
 
 from ..errors import RouteError, SangamaError
 from ..net.bans import BanList
-from .routing import PeerOffer
+from .routing import RouteCandidate
 from .session import ChainBroken, ChainSession, SessionParams
 from .verify import Verdict, alternate_route, find_liar, resolve_fraction, should_verify
 
@@ -153,7 +153,7 @@ class TripVerifier:
                     session.peers, list(tokens), alt.peers, list(answer))
         full = [*context, *sent]
 
-        async def run(route: Sequence[PeerOffer]) -> tuple[int, ...]:
+        async def run(route: Sequence[RouteCandidate]) -> tuple[int, ...]:
             s = self._session(route)
             try:
                 await s.open()
@@ -169,7 +169,7 @@ class TripVerifier:
         lengths = sorted({len(base) - 1 - i * step for i in range(RECHECKS)} - {0}, reverse=True)
         lengths = [n for n in lengths if n > 0]
 
-        async def recheck(route: Sequence[PeerOffer], i: int) -> tuple[int, ...]:
+        async def recheck(route: Sequence[RouteCandidate], i: int) -> tuple[int, ...]:
             prefix = base[:lengths[i]]  # IndexError past the last: find_liar stops there
             s = self._session(route)
             try:
@@ -209,7 +209,7 @@ class TripVerifier:
             del out[self.verified:]
             raise ChainBroken(f"{verdict.liar} lied: {verdict.reason}", misbehaving=frozenset({verdict.liar}))
 
-    async def _second_chain(self, session: ChainSession, offers: Sequence[PeerOffer],
+    async def _second_chain(self, session: ChainSession, offers: Sequence[RouteCandidate],
                             banned: frozenset[str]) -> ChainSession | None:
         """The generation's second chain: kept while it still fits ``session``'s ranges and shares none of its
         peers or the banned ones, else a new one (None when the swarm has none)."""
@@ -251,7 +251,7 @@ class TripVerifier:
             return await work
         raise RouteError(f"a verifying trip took over {limit:.2f} s")
 
-    def _session(self, route: Sequence[PeerOffer]) -> ChainSession:
+    def _session(self, route: Sequence[RouteCandidate]) -> ChainSession:
         cfg = self.client.config
         return ChainSession(self.client._pool(), route, self.params, open_timeout=cfg.open_timeout,
                             step_timeout=cfg.step_timeout)

@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import RouteError, SangamaError
-from .routing import PeerOffer, step_cost
+from .routing import RouteCandidate, step_cost
 
 __all__ = ["PUBLIC_FRACTION", "Verdict", "alternate_route", "find_liar", "mixed_routes", "referee",
            "resolve_fraction", "should_verify", "suspects"]
@@ -51,7 +51,7 @@ __all__ = ["PUBLIC_FRACTION", "Verdict", "alternate_route", "find_liar", "mixed_
 PUBLIC_FRACTION = 0.05
 """The fraction of trips verified by default in a public swarm (no fleet secret); a private fleet verifies none."""
 
-Route = Sequence[PeerOffer]
+Route = Sequence[RouteCandidate]
 Answer = tuple[int, ...]
 
 
@@ -70,15 +70,16 @@ def should_verify(rng: random.Random, fraction: float) -> bool:
     return fraction >= 1.0 or (fraction > 0.0 and rng.random() < fraction)
 
 
-def _cost(o: PeerOffer) -> float:
+def _cost(o: RouteCandidate) -> float:
     return step_cost(o) + (o.rtt if o.rtt is not None else 0.05)
 
 
-def alternate_route(offers: Sequence[PeerOffer], route: Route, *, exclude: Collection[str] = ()) -> list[PeerOffer] | None:
+def alternate_route(offers: Sequence[RouteCandidate], route: Route, *,
+                    exclude: Collection[str] = ()) -> list[RouteCandidate] | None:
     """A chain over the same ranges as ``route`` with another peer at every position (none of ``route``'s, none of
     ``exclude``), the cheapest per position; None when some range has no other peer."""
     used = {o.peer_id for o in route}
-    alt: list[PeerOffer] = []
+    alt: list[RouteCandidate] = []
     for stage in route:
         options = [o for o in offers if (o.start, o.end) == (stage.start, stage.end) and o.peer_id not in used
                    and o.peer_id not in exclude]
@@ -90,7 +91,7 @@ def alternate_route(offers: Sequence[PeerOffer], route: Route, *, exclude: Colle
     return alt
 
 
-def mixed_routes(main: Route, alt: Route) -> list[tuple[int, list[PeerOffer]]]:
+def mixed_routes(main: Route, alt: Route) -> list[tuple[int, list[RouteCandidate]]]:
     """``(i, main with alt's stage at position i)`` for every position (none for a one-stage chain: that is alt)."""
     if len(main) != len(alt) or any((a.start, a.end) != (b.start, b.end) for a, b in zip(main, alt)):
         raise RouteError("chains mix only over the same ranges")
@@ -99,7 +100,8 @@ def mixed_routes(main: Route, alt: Route) -> list[tuple[int, list[PeerOffer]]]:
     return [(i, [*main[:i], alt[i], *main[i + 1:]]) for i in range(len(main))]
 
 
-def referee(offers: Sequence[PeerOffer], stage: PeerOffer, *, exclude: Collection[str]) -> PeerOffer | None:
+def referee(offers: Sequence[RouteCandidate], stage: RouteCandidate, *,
+            exclude: Collection[str]) -> RouteCandidate | None:
     """A third peer for ``stage``'s range (none of ``exclude``), the cheapest; None if there is none."""
     options = [o for o in offers if (o.start, o.end) == (stage.start, stage.end) and o.peer_id not in exclude]
     return min(options, key=lambda o: (_cost(o), o.peer_id)) if options else None
@@ -159,7 +161,7 @@ def _show(answer: Answer | None) -> str:
 
 
 async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt: Route,
-                    offers: Sequence[PeerOffer], *, exclude: Collection[str] = (), rounds: int = 3,
+                    offers: Sequence[RouteCandidate], *, exclude: Collection[str] = (), rounds: int = 3,
                     recheck: Callable[[Route, int], Awaitable[Answer]] | None = None,
                     rechecks: int = 5) -> Verdict:
     """Find the one peer whose answers differ from the others': re-run the trip on ``main`` and ``alt``, on every

@@ -25,7 +25,7 @@ from .dial import remember
 from .node import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
-__all__ = ["RECORDS_PROTOCOL", "Announcer", "Offer", "find_serving_peers", "publish"]
+__all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "find_serving_peers", "publish"]
 
 RECORDS_PROTOCOL = "/sangama/records/1"  # request: nothing; response: msgpack list of signed record values
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Offer:
+class ServingOffer:
     """What a serving peer announces for one model (the record fields it controls).
 
     ``fingerprint``, ``num_layers`` and ``layer_hashes`` are its checkpoint's identity
@@ -45,7 +45,7 @@ class Offer:
     start: int
     end: int
     throughput: float = 0.0
-    free_cache: int = 0
+    free_sessions: int = 0
     ttl: float = DEFAULT_TTL
     fingerprint: str = ""
     num_layers: int = 0
@@ -64,7 +64,7 @@ def _reachability(node: Node) -> str:
     return "direct"
 
 
-async def publish(node: Node, offer: Offer, *, seq: int,
+async def publish(node: Node, offer: ServingOffer, *, seq: int,
                   on_signed: Callable[[SignedRecord], None] | None = None) -> SignedRecord:
     """Sign ``offer`` with the node's key and store it in the DHT, and provide the model's key.
 
@@ -77,7 +77,7 @@ async def publish(node: Node, offer: Offer, *, seq: int,
         start=offer.start,
         end=offer.end,
         throughput=offer.throughput,
-        free_cache=offer.free_cache,
+        free_sessions=offer.free_sessions,
         addrs=[str(a) for a in node.advertised_addrs()],
         reachability=_reachability(node),
         ttl=offer.ttl,
@@ -101,13 +101,13 @@ async def publish(node: Node, offer: Offer, *, seq: int,
 class Announcer:
     """Keeps a peer's offers published: re-signs and re-publishes each one after a third of its TTL.
 
-    ``update`` replaces an offer (e.g. new throughput or free cache) and publishes it at once. Sequence numbers start
+    ``update`` replaces an offer (e.g. new throughput or free sessions) and publishes it at once. Sequence numbers start
     at the current time in milliseconds, so a restarted peer's records still win over its old ones.
     """
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self._offers: dict[str, Offer] = {}
+        self._offers: dict[str, ServingOffer] = {}
         self._seq = int(time.time() * 1000)
         self._wake = trio.Event()
         self.published: dict[str, SignedRecord] = {}
@@ -125,7 +125,7 @@ class Announcer:
         finally:
             await stream.close()
 
-    async def update(self, offer: Offer) -> SignedRecord:
+    async def update(self, offer: ServingOffer) -> SignedRecord:
         self._offers[offer.model_id] = offer
         signed = await self._publish(offer)
         self._wake.set()
@@ -136,7 +136,7 @@ class Announcer:
         self._offers.pop(model_id, None)
         self.published.pop(model_id, None)
 
-    async def _publish(self, offer: Offer) -> SignedRecord:
+    async def _publish(self, offer: ServingOffer) -> SignedRecord:
         self._seq += 1
         signed = await publish(self.node, offer, seq=self._seq,
                                on_signed=lambda r: self.signed.__setitem__(offer.model_id, r))

@@ -18,7 +18,7 @@ reported as ``conflicts``: one of them serves other weights under the same metad
 
 Usage::
 
-    lineup = choose_lineup(offers, local_fingerprint=None)   # offers: ServingRecord or client PeerOffer
+    lineup = choose_lineup(offers, local_fingerprint=None)   # offers: ServingRecord or client RouteCandidate
     lineup.members, lineup.num_layers                        # chain only these; the model's depth
     for out in lineup.left_out: print(out.peer_id, out.reason)
 """
@@ -33,7 +33,10 @@ from typing import Any, Generic, Protocol, TypeVar
 __all__ = ["Conflict", "LeftOut", "Lineup", "choose_lineup", "covers"]
 
 
-class _Offer(Protocol):
+class _Serving(Protocol):
+    """What a lineup reads of a peer serving layers: a :class:`~.records.ServingRecord` or a client's
+    :class:`~sangama_p2p.client.routing.RouteCandidate` (``throughput`` in steps per second of one session)."""
+
     peer_id: str
     start: int
     end: int
@@ -42,7 +45,7 @@ class _Offer(Protocol):
     num_layers: int
 
 
-T = TypeVar("T", bound=_Offer)
+T = TypeVar("T", bound=_Serving)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def _short(fp: str) -> str:
     return fp[:12]
 
 
-def _out(o: _Offer, reason: str) -> LeftOut:
+def _out(o: _Serving, reason: str) -> LeftOut:
     return LeftOut(o.peer_id, o.start, o.end, o.fingerprint, o.num_layers, reason)
 
 
@@ -141,7 +144,7 @@ def choose_lineup(offers: Sequence[T], *, local_fingerprint: str | None = None,
                   _conflicts(members))
 
 
-def _conflicts(members: Sequence[_Offer]) -> tuple[Conflict, ...]:
+def _conflicts(members: Sequence[_Serving]) -> tuple[Conflict, ...]:
     held: dict[str, dict[str, list[str]]] = {}  # part -> hash -> peers
     for o in members:
         for part, digest in getattr(o, "layer_hashes", ()):

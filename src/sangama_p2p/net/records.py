@@ -68,8 +68,8 @@ class ServingRecord:
     peer_id: str
     start: int
     end: int
-    throughput: float  # tokens per second the stage sustains
-    free_cache: int  # sessions it can still open
+    throughput: float  # steps per second one session gets (``StageServer.throughput``; record key "tps")
+    free_sessions: int  # sessions it can still open (record key "free")
     addrs: tuple[str, ...]  # announced public addresses first
     reachability: str
     version: str
@@ -114,7 +114,7 @@ def sign_record(
     start: int,
     end: int,
     throughput: float,
-    free_cache: int,
+    free_sessions: int,
     addrs: tuple[str, ...] | list[str],
     reachability: str = "direct",
     version: str = "",
@@ -142,7 +142,7 @@ def sign_record(
         "start": int(start),
         "end": int(end),
         "tps": float(throughput),
-        "free": int(free_cache),
+        "free": int(free_sessions),
         "addrs": [str(a) for a in addrs][:MAX_ADDRS],
         "reach": reachability,
         "sw": version,
@@ -231,7 +231,7 @@ def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
         start=body["start"],
         end=body["end"],
         throughput=body["tps"],
-        free_cache=body["free"],
+        free_sessions=body["free"],
         addrs=tuple(body["addrs"]),
         reachability=body["reach"],
         version=body["sw"],

@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from ..errors import NetworkError, StageError
-from ..net.discovery import Announcer, Offer
+from ..net.discovery import Announcer, ServingOffer
 
 __all__ = ["StageAnnouncer"]
 
@@ -28,7 +28,7 @@ class StageAnnouncer:
     def __init__(self, server: Any) -> None:
         self.server = server
         self.announcer = Announcer(server.node)
-        self.offer: Offer | None = None
+        self.offer: ServingOffer | None = None
         self._soon = trio.Event()
 
     def publish_soon(self) -> None:
@@ -40,21 +40,21 @@ class StageAnnouncer:
         signed = self.announcer.signed.get(self.server.config.model_id)
         return signed.record.addrs if signed is not None else ()
 
-    def current(self) -> Offer:
+    def current(self) -> ServingOffer:
         s = self.server
         ident = s.identity
         if ident is None:
             raise StageError("a stage announces its checkpoint's fingerprint: build it with StageServer.load, or pass "
                              "identity= (model.fingerprint.stage_identity)")
-        return Offer(s.config.model_id, s.model.start, s.model.end, throughput=round(float(s.throughput), 3),
-                     free_cache=int(s.free_sessions), ttl=s.config.record_ttl, fingerprint=ident.fingerprint,
+        return ServingOffer(s.config.model_id, s.model.start, s.model.end, throughput=round(float(s.throughput), 3),
+                     free_sessions=int(s.free_sessions), ttl=s.config.record_ttl, fingerprint=ident.fingerprint,
                      num_layers=ident.num_layers, layer_hashes=tuple(ident.layer_hashes))
 
-    def changed(self, offer: Offer) -> bool:
+    def changed(self, offer: ServingOffer) -> bool:
         old = self.offer
         if old is None:
             return True
-        if old.free_cache != offer.free_cache:
+        if old.free_sessions != offer.free_sessions:
             return True
         base = max(old.throughput, 1e-9)
         return abs(offer.throughput - old.throughput) / base > 0.1

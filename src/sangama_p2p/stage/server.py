@@ -209,7 +209,10 @@ class StageServer:
 
     @property
     def throughput(self) -> float:
-        """Measured single-request steps per second (what the DHT record announces)."""
+        """Steps per second one session gets here: 1 / the smoothed duration of a decode-like step (batched
+        steps count once: each session in the batch advances one step; prefills are left out), or of the one-token
+        step measured at start before any. One token per step without guesses, up to ``1 + guesses`` with them.
+        What the DHT record (``tps``) and ``InfoResponse.throughput`` announce, and what routing divides by."""
         step_s = self.scheduler.stats.ewma_step_s or self._measured_step_s
         return 1.0 / step_s if step_s > 0 else 0.0
 

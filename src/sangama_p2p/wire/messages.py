@@ -220,14 +220,17 @@ class InfoRequest:
 
 @dataclass(frozen=True, slots=True)
 class InfoResponse:
-    """A peer's served range, measured throughput and load, straight from the peer (fresher than the DHT)."""
+    """A peer's served range, measured throughput and load, straight from the peer (fresher than the DHT).
+
+    ``throughput``: steps per second one session gets at the stage (1 / its smoothed step time; one token per step
+    without guesses), see :attr:`sangama_p2p.stage.server.StageServer.throughput`."""
 
     TAG: ClassVar[int] = 17
     peer: str
     model_id: str
     start: int
     end: int
-    throughput_tps: float
+    throughput: float
     free_sessions: int
     queue: int
     version: str
@@ -239,9 +242,9 @@ class InfoResponse:
         check_uint("end", self.end)
         if self.end <= self.start:
             raise InvalidMessageError(f"layer range [{self.start}, {self.end}) is empty")
-        _set(self, "throughput_tps", check_float("throughput_tps", self.throughput_tps))
-        if self.throughput_tps < 0.0:
-            raise InvalidMessageError(f"throughput_tps must be >= 0, got {self.throughput_tps}")
+        _set(self, "throughput", check_float("throughput", self.throughput))
+        if self.throughput < 0.0:
+            raise InvalidMessageError(f"throughput must be >= 0, got {self.throughput}")
         check_uint("free_sessions", self.free_sessions)
         check_uint("queue", self.queue)
         check_text("version", self.version)
