@@ -8,6 +8,8 @@ import pkgutil
 import re
 from pathlib import Path
 
+import pytest
+
 import sangama_p2p
 from sangama_p2p import errors
 
@@ -85,3 +87,22 @@ def test_translate_keeps_ours_and_wraps_foreign_ones():
     assert str(stage) == "next hop: TimeoutError" and stage.code == errors.ErrorCode.OVERLOADED
     group = BaseExceptionGroup("x", [ValueError("a"), ExceptionGroup("y", [KeyError("k")])])
     assert errors.describe(group) == "ValueError: a; KeyError: 'k'"
+
+
+def test_raising_a_translation_keeps_the_cause_of_ours_and_sets_the_foreign_one():
+    def reraise(exc: Exception) -> None:
+        try:
+            raise exc
+        except Exception as caught:
+            raise errors.translate(caught, errors.NetworkError, "dial")  # noqa: B904 - translate sets the cause
+
+    key = KeyError("k")
+    ours = errors.StreamClosed("gone")
+    ours.__cause__ = key
+    with pytest.raises(errors.StreamClosed) as info:
+        reraise(ours)
+    assert info.value is ours and info.value.__cause__ is key  # not its own cause
+    refused = ConnectionRefusedError(111, "refused")
+    with pytest.raises(errors.NetworkError) as info:
+        reraise(refused)
+    assert info.value.__cause__ is refused and info.value.__suppress_context__

@@ -318,11 +318,15 @@ def describe(exc: BaseException) -> str:
 
 def translate(exc: BaseException, cls: type[SangamaError], what: str, *args: object) -> SangamaError:
     """The error to raise for ``exc``, caught while doing ``what``: ours unchanged, a foreign one as
-    ``cls(f"{what}: {describe(exc)}", *args)`` with ``__cause__`` set. Use as ``raise translate(exc, ...) from exc``.
+    ``cls(f"{what}: {describe(exc)}", *args)`` with ``__cause__`` set (as ``raise ... from exc`` would).
+
+    Use as ``raise translate(exc, ...)``, without ``from exc``: ``raise ours from ours`` would make an error of ours
+    its own cause and drop the cause it was raised with.
 
     Cancellation and interpreter exits are not ours to translate: callers catch ``Exception``, never those."""
     if isinstance(exc, SangamaError):
         return exc
     out = cls(f"{what}: {describe(exc)}", *args)  # type: ignore[call-arg]
     out.__cause__ = exc
+    out.__suppress_context__ = True
     return out
