@@ -231,6 +231,43 @@ def test_a_record_that_fails_authentication_ends_the_lane(attack):
     trio.run(main)
 
 
+def test_a_framed_stream_over_a_lane_keeps_the_lanes_error():
+    """A forged record reaches the stage's reader as the lane's LaneError (it used to be re-wrapped as StreamClosed,
+    which the stage treats as a clean end), and a record cut short as the lane's TruncatedFrameError."""
+
+    async def main():
+        with trio.fail_after(20):
+            async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
+                lanes: list[LaneStream] = []
+                arrived = trio.Event()
+
+                async def on_lane(lane: LaneStream) -> None:
+                    lanes.append(lane)
+                    arrived.set()
+
+                listener = LaneListener(b, on_lane)
+                await nursery.start(listener.run)
+                pid = await _pair(a, b)
+                for cut in (False, True):
+                    arrived = trio.Event()
+                    lane = await open_lane(a, pid)
+                    await arrived.wait()
+                    fs = FramedStream(lanes[-1])
+                    record = lane.seal(encode_message_frame(InfoRequest()))
+                    if cut:
+                        await lane.sock.send_all(record[:-3])
+                        await lane.sock.send_eof()
+                        with pytest.raises(TruncatedFrameError):
+                            await fs.recv()
+                    else:
+                        await lane.sock.send_all(record[:-1] + bytes([record[-1] ^ 1]))
+                        with pytest.raises(LaneError, match="failed authentication"):
+                            await fs.recv()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_no_lane_protocol_or_a_dead_port_falls_back_and_is_remembered():
     async def main():
         with trio.fail_after(30):

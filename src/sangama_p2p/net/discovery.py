@@ -19,7 +19,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError, RecordError
+from ..errors import NetworkError, RecordError, translate
 from .dht import providers_from_network, values_from_network
 from .dial import remember
 from .node import Node
@@ -91,10 +91,8 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
     try:
         await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
         await node.dht.provide(provider_key(offer.model_id))
-    except RecordError:
-        raise
-    except Exception as exc:  # py-libp2p raises ValueError and others on refusal
-        raise NetworkError(f"cannot publish record for {offer.model_id!r}: {exc}") from exc
+    except Exception as exc:  # py-libp2p raises ValueError and others on refusal; ours (RecordError) pass through
+        raise translate(exc, NetworkError, f"cannot publish record for {offer.model_id!r}")
     return signed
 
 

@@ -27,7 +27,7 @@ from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
 from .._version import __version__
-from ..errors import RecordError
+from ..errors import RecordError, translate
 
 __all__ = [
     "DEFAULT_TTL",
@@ -175,23 +175,23 @@ def decode_record(key: str, value: bytes, *, now: float | None = None) -> Servin
         if not isinstance(body_bytes, bytes) or not isinstance(signature, bytes):
             raise TypeError("envelope fields are not bytes")
         body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types; unpacking a non-pair raises ValueError/TypeError
-        raise RecordError(f"record is not a msgpack [body, signature] envelope: {exc}") from exc
+    except Exception as exc:  # untrusted bytes: msgpack raises several types, unpacking a non-pair ValueError/TypeError
+        raise translate(exc, RecordError, "record is not a msgpack [body, signature] envelope")
     record, public_key_bytes = _parse_body(body)
     if key != record_key(record.model_id, record.peer_id):
         raise RecordError(f"record for {record.peer_id} / {record.model_id!r} is stored under the wrong key {key!r}")
     try:
         public_key = deserialize_public_key(public_key_bytes)
-    except Exception as exc:
-        raise RecordError(f"record's public key does not parse: {exc}") from exc
+    except Exception as exc:  # untrusted bytes: libp2p's key parsers raise protobuf's, cryptography's and others
+        raise translate(exc, RecordError, "record's public key does not parse")
     if public_key.get_type() != KeyType.Ed25519:
         raise RecordError("record's public key is not Ed25519")
     if ID.from_pubkey(public_key).to_base58() != record.peer_id:
         raise RecordError(f"record's public key is not the key of peer {record.peer_id} (forged signer)")
     try:
         valid = public_key.verify(SIGNING_DOMAIN + body_bytes, signature)
-    except Exception as exc:
-        raise RecordError(f"record signature check failed: {exc}") from exc
+    except Exception as exc:  # untrusted signature bytes: the verifier's own errors
+        raise translate(exc, RecordError, "record signature check failed")
     if not valid:
         raise RecordError(f"record signature of {record.peer_id} is invalid (tampered or forged)")
     now = time.time() if now is None else now
@@ -254,7 +254,7 @@ def _unhex(text: str, what: str) -> bytes:
     try:
         raw = bytes.fromhex(text)
     except (TypeError, ValueError) as exc:
-        raise RecordError(f"{what} {text!r:.40} is not hex") from exc
+        raise translate(exc, RecordError, f"{what} {text!r:.40} is not hex")
     if len(raw) != 16:
         raise RecordError(f"{what} must be 16 bytes (32 hex digits), got {len(raw)}")
     return raw
@@ -280,7 +280,7 @@ def _is_multiaddr(text: Any) -> bool:
         return False
     try:
         multiaddr.Multiaddr(text)
-    except Exception:
+    except (ValueError, multiaddr.exceptions.Error):  # its parse errors (StringParseError is a ValueError)
         return False
     return True
 
@@ -288,7 +288,7 @@ def _is_multiaddr(text: Any) -> bool:
 def _is_peer_id(text: str) -> bool:
     try:
         ID.from_base58(text)
-    except Exception:
+    except ValueError:  # not base58 (UnicodeEncodeError included), or not a multihash
         return False
     return True
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from ..errors import StreamClosed
+from ..errors import StreamClosed, translate
 from ..wire.codec import decode, encode_message_frame
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
 from ..wire.messages import Message
@@ -52,9 +52,9 @@ class FramedStream:
         try:
             return await self.stream.read(n)
         except Exception as exc:  # StreamEOF, StreamReset, MuxedConnUnavailable, ...: all end this stream
-            if type(exc).__name__ in ("StreamEOF", "StreamClosed"):
+            if type(exc).__name__ in ("StreamEOF", "StreamClosed"):  # libp2p's end of stream, or ours (a reset)
                 return b""
-            raise StreamClosed(f"stream from {self.peer} failed: {type(exc).__name__}: {exc}") from exc
+            raise translate(exc, StreamClosed, f"stream from {self.peer} failed")  # a lane's LaneError stays one
 
     @property
     def link_kind(self) -> str:
@@ -140,7 +140,7 @@ class FramedStream:
                             await self.stream.write(frame)
                     except Exception as exc:  # py-libp2p raises several unrelated types on a dead stream
                         self.closed = True
-                        raise StreamClosed(f"cannot write to {self.peer}: {type(exc).__name__}: {exc}") from exc
+                        raise translate(exc, StreamClosed, f"cannot write to {self.peer}")
                 if scope.cancelled_caught:
                     self.closed = True
                     try:
@@ -191,7 +191,7 @@ class MemoryStream:
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return b""
             except trio.BrokenResourceError as exc:
-                raise StreamClosed("stream was reset") from exc
+                raise translate(exc, StreamClosed, "stream was reset")
         k = len(self._buf) if n is None else n
         out, self._buf = self._buf[:k], self._buf[k:]
         return out
@@ -200,7 +200,7 @@ class MemoryStream:
         try:
             await self._send.send(bytes(data))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise StreamClosed("the other end is gone") from exc
+            raise translate(exc, StreamClosed, "the other end is gone")
 
     async def close(self) -> None:
         await self._send.aclose()

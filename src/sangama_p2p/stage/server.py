@@ -40,7 +40,7 @@ from typing import Any
 import trio
 
 from .._version import __version__
-from ..errors import ErrorCode, InvalidMessageError, SangamaError, StageError, StreamClosed, WireError
+from ..errors import ErrorCode, InvalidMessageError, LaneError, SangamaError, StageError, StreamClosed, WireError
 from ..model.device import resolve_device
 from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
@@ -277,6 +277,8 @@ class StageServer:
                 self._dispatch(fs, outbox, msg, time.monotonic_ns())
         except StreamClosed:
             pass
+        except LaneError as exc:  # a record on its lane failed authentication: the lane is over, nothing to answer
+            log.info("lane from %s failed: %s", fs.peer, exc)
         except Exception as exc:  # a bug must cost this stream, not every session of the stage
             if not isinstance(exc, WireError):
                 log.exception("stream from %s failed", fs.peer)
