@@ -12,7 +12,7 @@ from typing import Any
 
 from .api.server import ApiConfig
 from .client.config import ClientConfig
-from .errors import ModelError, SangamaError
+from .errors import ModelError, SangamaError, translate
 from .guesses import parse_guesses
 from .model.spec import parse_layer_range
 from .net.config import HostConfig, check_toml_types
@@ -63,7 +63,7 @@ class PeerConfig:
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SangamaError(f"cannot read peer config {path}: {exc}") from exc
+            raise translate(exc, SangamaError, f"cannot read peer config {path}")
         unknown = set(data) - {"host", "stage", "client", "api"}
         if unknown:
             raise SangamaError(f"unknown tables in {path}: {sorted(unknown)} (expected host, stage, client, api)")
@@ -120,4 +120,4 @@ def _build(cls: Any, table: dict[str, Any], where: str) -> Any:
     try:
         return cls(**table)
     except TypeError as exc:
-        raise SangamaError(f"bad {where}: {exc}") from exc
+        raise translate(exc, SangamaError, f"bad {where}")

@@ -40,7 +40,7 @@ def _addr_rank(addr: multiaddr.Multiaddr) -> int:
     for proto in ("ip4", "ip6"):
         try:
             ip = ipaddress.ip_address(addr.value_for_protocol(proto))
-        except Exception:
+        except (LookupError, ValueError):  # no such protocol in the address (ProtocolLookupError), or not an IP
             continue
         if ip.is_loopback:
             return 2

@@ -16,7 +16,7 @@ from typing import Any
 
 import multiaddr
 
-from ..errors import NetworkError, SangamaError
+from ..errors import NetworkError, SangamaError, translate
 
 __all__ = ["DEFAULT_LISTEN", "HostConfig", "Limits", "check_toml_types", "parse_multiaddrs"]
 
@@ -86,7 +86,7 @@ class HostConfig:
         try:
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise NetworkError(f"cannot read host config {path}: {exc}") from exc
+            raise translate(exc, NetworkError, f"cannot read host config {path}")
         table = dict(data.get("host", {}))
         secret_file = table.pop("fleet_secret_file", None)
         if secret_file:
@@ -120,7 +120,7 @@ class HostConfig:
         try:
             return cls(**table)
         except TypeError as exc:
-            raise NetworkError(f"bad [host] table in {path}: {exc}") from exc
+            raise translate(exc, NetworkError, f"bad [host] table in {path}")
 
 
 _TOML_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -158,5 +158,5 @@ def parse_multiaddrs(addrs: tuple[str, ...] | list[str], *, what: str = "address
         try:
             out.append(multiaddr.Multiaddr(str(text)))
         except Exception as exc:  # multiaddr raises several unrelated types
-            raise NetworkError(f"bad multiaddr in {what}: {text!r}: {exc}") from exc
+            raise translate(exc, NetworkError, f"bad multiaddr in {what}: {text!r}")
     return out

@@ -321,7 +321,7 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
             return False
         try:
             validator.validate(key, value)
-        except Exception as exc:
+        except Exception as exc:  # untrusted value: our RecordValidator raises RecordError, libp2p's its own types
             log.debug("dropping invalid value for %s: %s", key, exc)
             return False
         values.append(value)
@@ -331,7 +331,7 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
         with trio.move_on_after(QUERY_TIMEOUT):
             try:
                 record = await dht.value_store._get_from_peer(peer, key_bytes, return_record=True)
-            except Exception as exc:
+            except Exception as exc:  # a dead or misbehaving peer must not stop the lookup
                 log.debug("GET_VALUE from %s failed: %s", peer, exc)
                 return False
             return keep(record.value if isinstance(record, Record) else None)

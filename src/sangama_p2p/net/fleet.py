@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..errors import NetworkError
+from ..errors import NetworkError, translate
 
 __all__ = ["mismatch_error", "psk_from_secret", "read_fleet_secret"]
 
@@ -28,7 +28,7 @@ def read_fleet_secret(path: Path) -> bytes:
     try:
         secret = Path(path).expanduser().read_bytes().strip()
     except OSError as exc:
-        raise NetworkError(f"cannot read fleet secret file {path}: {exc}") from exc
+        raise translate(exc, NetworkError, f"cannot read fleet secret file {path}")
     if len(secret) < 16:
         raise NetworkError(f"fleet secret in {path} is too short (need at least 16 bytes, e.g. `openssl rand -hex 32`)")
     return secret

@@ -29,7 +29,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
 
-from ..errors import NetworkError
+from ..errors import NetworkError, SangamaError, describe, translate
 from .addrs import order_addrs, strip_p2p
 from .config import HostConfig
 from .fleet import mismatch_error
@@ -45,7 +45,7 @@ def offers_protocol(host: Any, peer_id: Any, protocol: object) -> bool | None:
     """Whether identify lists ``protocol`` for ``peer_id``; ``None`` while nobody knows (not identified yet)."""
     try:
         protocols = host.get_peerstore().get_protocols(peer_id)
-    except Exception:  # not in the peerstore (yet)
+    except KeyError:  # PeerStoreError: not in the peerstore (yet)
         return None
     if not protocols:
         return None
@@ -116,10 +116,7 @@ class Node:
 
     def stop_serving(self, protocol: str) -> None:
         """Stop answering ``protocol``; never raises."""
-        try:
-            self.host.remove_stream_handler(protocol)  # type: ignore[arg-type]
-        except Exception:  # the host may already be gone
-            pass
+        self.host.remove_stream_handler(protocol)  # type: ignore[arg-type]  # a dict pop: cannot fail
 
     def connections(self, peer_id: ID) -> list[INetConn]:
         """Open connections to ``peer_id``."""
@@ -162,8 +159,8 @@ class Node:
         """Connect to a ``.../p2p/<id>`` address (e.g. a bootstrap node) and return the peer id."""
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(str(addr)))
-        except Exception as exc:
-            raise NetworkError(f"bad peer address {addr!r} (it must end in /p2p/<peer id>): {exc}") from exc
+        except Exception as exc:  # multiaddr's parse errors, and libp2p's for a missing or bad /p2p/ part
+            raise translate(exc, NetworkError, f"bad peer address {addr!r} (it must end in /p2p/<peer id>)")
         await self.connect(info.peer_id, info.addrs)
         return info.peer_id
 
@@ -182,8 +179,9 @@ class Node:
                 if _security_failed(exc):  # TCP opened, Noise negotiation read garbage: a PSK mismatch
                     have = self.config.fleet_secret is not None
                     raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=have) from exc
-                cause = exc.__cause__ or exc
-                raise NetworkError(f"cannot connect to {peer_id} at {addr}: {cause}") from exc
+                if isinstance(exc, SangamaError):
+                    raise
+                raise NetworkError(f"cannot connect to {peer_id} at {addr}: {describe(exc.__cause__ or exc)}") from exc
             negative_cache = getattr(swarm, "_negative_peer_cache", None)
             if negative_cache is not None:
                 negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection

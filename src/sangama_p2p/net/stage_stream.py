@@ -17,7 +17,7 @@ import multiaddr
 import trio
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError
+from ..errors import NetworkError, translate
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget
 from .dial import dial_peer
 from .holepunch import stream_link
@@ -39,8 +39,8 @@ async def open_stage_stream(node: Any, lanes: LaneDialer, peer: str, *, timeout:
     try:
         pid = ID.from_base58(peer)
         maddrs = [multiaddr.Multiaddr(a) for a in addrs]
-    except Exception as exc:
-        raise NetworkError(f"bad peer id or address for {peer!r}: {exc}") from exc
+    except Exception as exc:  # base58 / multihash ValueErrors, multiaddr's parse errors, a non-str
+        raise translate(exc, NetworkError, f"bad peer id or address for {peer!r}")
     with trio.move_on_after(timeout) as scope:
         await dial_peer(node, pid, addrs=maddrs, model_id=model_id, timeout=timeout)
         stream = await lanes.stage_stream(pid)

@@ -32,7 +32,7 @@ from typing import Any, Union
 
 import trio
 
-from ..errors import ErrorCode, OutboxFull, SangamaError
+from ..errors import ErrorCode, NetworkError, OutboxFull, SangamaError, translate
 from ..net.streams import FramedStream
 from ..wire.messages import ErrorMessage, Message
 
@@ -170,7 +170,7 @@ class Outbox:
                     self._written(nbytes)
                 del item  # not held while the next one is awaited
         except Exception as exc:  # a failed dial (any library error) fails this link, never the server
-            self._fail([], exc)
+            self._fail([], translate(exc, NetworkError, "opening or writing the stream"))
         finally:
             self.ready.set()
             self.done.set()

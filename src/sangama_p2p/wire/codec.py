@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import msgpack
 
-from sangama_p2p.errors import InvalidMessageError, MalformedFrameError, UnsupportedVersionError
+from sangama_p2p.errors import InvalidMessageError, MalformedFrameError, UnsupportedVersionError, translate
 from sangama_p2p.wire.framing import DEFAULT_MAX_FRAME, encode_frame
 from sangama_p2p.wire.limits import MAX_U64, SESSION_ID_BYTES
 from sangama_p2p.wire.messages import MESSAGE_TYPES, Message, Step, StepResult, TraceStamp
@@ -164,7 +164,7 @@ def decode(payload: bytes | bytearray | memoryview) -> Message:
     try:
         fields = msgpack.unpackb(view[PRELUDE_SIZE:header_end], use_list=False, raw=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise MalformedFrameError(f"bad msgpack header for {codec.cls.__name__}: {exc}") from exc
+        raise translate(exc, MalformedFrameError, f"bad msgpack header for {codec.cls.__name__}")
     if type(fields) is not tuple or len(fields) != len(codec.names):
         raise MalformedFrameError(f"{codec.cls.__name__} header must be an array of {len(codec.names)} fields")
     try:

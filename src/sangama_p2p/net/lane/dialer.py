@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from ...errors import LaneError, NetworkError, StreamClosed, WireError
+from ...errors import LaneError, NetworkError, StreamClosed, WireError, describe, translate
 from ...wire.framing import DEFAULT_MAX_FRAME
 from ...wire.messages import ErrorMessage, LaneOffer
 from ...wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
@@ -39,7 +39,7 @@ async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
     try:
         stream = await node.host.new_stream(peer_id, [LANE_PROTOCOL])
     except Exception as exc:  # py-libp2p raises several unrelated types when the protocol is not served
-        raise LaneError(f"{peer_id} offers no lanes: {type(exc).__name__}: {exc}") from exc
+        raise translate(exc, LaneError, f"{peer_id} offers no lanes")
     fs = FramedStream(stream, max_frame=4096)
     try:
         link = stream_link(stream)
@@ -48,8 +48,8 @@ async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
         ip = _ip_of(link.remote_addr)
         try:
             msg = await fs.recv()
-        except (WireError, StreamClosed) as exc:
-            raise LaneError(f"bad lane offer from {peer_id}: {exc}") from exc
+        except (WireError, StreamClosed) as exc:  # ours, re-classed on purpose: any failure here means "no lane"
+            raise LaneError(f"bad lane offer from {peer_id}: {describe(exc)}") from exc
     finally:
         await fs.aclose()
     if isinstance(msg, ErrorMessage):
@@ -59,7 +59,7 @@ async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
     try:
         sock = await trio.open_tcp_stream(ip, msg.port)
     except OSError as exc:
-        raise LaneError(f"cannot reach the lane port {ip}:{msg.port}: {exc}") from exc
+        raise translate(exc, LaneError, f"cannot reach the lane port {ip}:{msg.port}")
     try:
         hello, dialler_nonce = seal_hello(msg.token, msg.key)
         try:
@@ -68,8 +68,8 @@ async def _open_lane(node: Any, peer_id: Any, max_frame: int) -> LaneStream:
             lane = LaneStream(sock, lane_key(msg.key, msg.token, dialler_nonce, stage_nonce), peer_id, dialer=True,
                               max_frame=max_frame)
             ready = await lane.read_record()
-        except (StreamClosed, WireError, trio.BrokenResourceError, OSError) as exc:  # a reset, a cut record
-            raise LaneError(f"the lane handshake with {peer_id} failed: {type(exc).__name__}: {exc}") from exc
+        except (StreamClosed, WireError, trio.BrokenResourceError, OSError) as exc:  # a reset, a cut record: no lane
+            raise LaneError(f"the lane handshake with {peer_id} failed: {describe(exc)}") from exc
         if ready != READY:
             raise LaneError(f"{peer_id} did not confirm the lane")
     except BaseException:
@@ -120,7 +120,7 @@ class LaneDialer:
         try:
             stream = await open_movable(self.node.host, peer_id, STAGE_PROTOCOL)
         except Exception as exc:  # py-libp2p raises several unrelated types
-            raise NetworkError(f"cannot open a stage stream to {peer_id}: {exc}") from exc
+            raise translate(exc, NetworkError, f"cannot open a stage stream to {peer_id}")
         if isinstance(stream, MovableStream):  # relayed now: onto the punched connection once there is one
             self.node.nursery.start_soon(watch_and_move, self.node.host, stream, peer_id)
         return stream
@@ -134,4 +134,4 @@ def _ip_of(remote_addr: str) -> str:
     try:
         return str(ipaddress.ip_address(parts[2]))
     except ValueError as exc:
-        raise LaneError(f"bad IP in {remote_addr!r}") from exc
+        raise translate(exc, LaneError, f"bad IP in {remote_addr!r}")

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ...errors import ErrorCode, LaneError, StreamClosed, WireError
+from ...errors import ErrorCode, LaneError, StreamClosed, WireError, translate
 from ...wire.framing import DEFAULT_MAX_FRAME, ByteBudget
 from ...wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
 from ...wire.protocols import LANE_PROTOCOL
@@ -74,7 +74,7 @@ class LaneListener:
                 port = self.bound_port
         except OSError as exc:
             await self._close_listeners()
-            raise LaneError(f"cannot listen for lanes on port {self.port} of {', '.join(hosts)}: {exc}") from exc
+            raise translate(exc, LaneError, f"cannot listen for lanes on port {self.port} of {', '.join(hosts)}")
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -217,7 +217,7 @@ def listen_hosts(node: Any) -> tuple[str, ...]:
         for proto in ("ip4", "ip6"):
             try:
                 value = addr.value_for_protocol(proto)
-            except Exception:  # that protocol is not in the address
+            except LookupError:  # that protocol is not in the address (multiaddr's ProtocolLookupError)
                 continue
             if value and value not in hosts:
                 hosts.append(value)
