@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import ChatTemplateError, CheckpointError
+from ..errors import ChatTemplateError, CheckpointError, translate
 
 __all__ = [
     "END_OF_TURN_TOKENS",
@@ -165,7 +165,7 @@ def _read_text(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot read {path}")
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -175,7 +175,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot read {path}")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, translate
 from .spec import ModelSpec
 from .weights import layer_of
 
@@ -114,11 +114,11 @@ def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
                 raise CheckpointError(f"{path}: safetensors header of {n} bytes")
             raw = f.read(n)
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot read {path}")
     try:
         header = json.loads(raw)
     except ValueError as exc:
-        raise CheckpointError(f"corrupt safetensors header in {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"corrupt safetensors header in {path}")
     if not isinstance(header, dict):
         raise CheckpointError(f"corrupt safetensors header in {path}: not an object")
     header.pop("__metadata__", None)
@@ -194,7 +194,7 @@ class _Maps:
                     size = f.seek(0, 2)
                     self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
             except OSError as exc:
-                raise CheckpointError(f"cannot map {path}: {exc}") from exc
+                raise translate(exc, CheckpointError, f"cannot map {path}")
         return self._maps[path]
 
     def bytes_of(self, e: TensorEntry) -> memoryview:

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..errors import CheckpointError, ModelError, UnsupportedModelError
+from ..errors import CheckpointError, ModelError, UnsupportedModelError, translate
 from .presets import DensePreset, Preset, QwenMoePreset, generation_config, get_preset, hf_config, with_options
 from .tokenizer import EOS_TOKEN, PAD_TOKEN, atomic_write, train_bpe, write_tokenizer_files
 
@@ -233,7 +233,7 @@ def checkpoint_num_params(out_dir: str | Path) -> int:
         with safe_open(str(path), framework="pt") as f:
             return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     except Exception as exc:  # safetensors raises its own error types
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot read {path}")
 
 
 def truncate_vocab(src: str | Path, dst: str | Path, vocab: int) -> Path:

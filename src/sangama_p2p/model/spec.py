@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import CheckpointError, LayerRangeError, UnsupportedModelError
+from ..errors import CheckpointError, LayerRangeError, UnsupportedModelError, translate
 
 __all__ = ["ARCHITECTURES", "ModelSpec", "LayerRange", "parse_layer_range", "parse_stages"]
 
@@ -121,7 +121,7 @@ class ModelSpec:
         try:
             config = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {cfg_path}: {exc}") from exc
+            raise translate(exc, CheckpointError, f"cannot read {cfg_path}")
         if not isinstance(config, dict):
             raise CheckpointError(f"{cfg_path} does not hold a JSON object")
         return cls.from_hf_config(config)
@@ -143,7 +143,7 @@ class ModelSpec:
         except KeyError as exc:
             raise CheckpointError(f"config.json for {model_type} lacks required key {exc}") from exc
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"config.json for {model_type} has a bad value: {exc}") from exc
+            raise translate(exc, CheckpointError, f"config.json for {model_type} has a bad value")
 
 
 def _eos(config: Mapping[str, Any]) -> tuple[int, ...]:

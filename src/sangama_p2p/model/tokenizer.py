@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from ..errors import CheckpointError, ModelError
+from ..errors import CheckpointError, ModelError, translate
 
 __all__ = [
     "EOS_TOKEN",
@@ -88,7 +88,7 @@ class Tokenizer:
         try:
             tok = tokenizers.Tokenizer.from_file(str(tok_path))
         except Exception as exc:  # tokenizers raises plain Exception subclasses
-            raise CheckpointError(f"corrupt tokenizer file {tok_path}: {exc}") from exc
+            raise translate(exc, CheckpointError, f"corrupt tokenizer file {tok_path}")
         return cls(tok, _eos_ids_from_dir(path, tok))
 
 
@@ -134,7 +134,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot read {path}")
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data
@@ -160,7 +160,7 @@ def _eos_ids_from_dir(path: Path, tok: tokenizers.Tokenizer) -> list[int]:
             try:
                 found = _as_ids(source.get("eos_token_id"))
             except (TypeError, ValueError) as exc:
-                raise CheckpointError(f"bad eos_token_id in {path / name}: {exc}") from exc
+                raise translate(exc, CheckpointError, f"bad eos_token_id in {path / name}")
             ids.extend(i for i in found if i not in ids)
     if ids:
         return ids

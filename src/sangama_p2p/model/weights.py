@@ -21,7 +21,7 @@ from typing import Iterable, Protocol, Union, runtime_checkable
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError, translate
 
 __all__ = [
     "FusedWeight",
@@ -141,7 +141,7 @@ class SafetensorsSource:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"corrupt shard index {index}: {exc}") from exc
+                raise translate(exc, CheckpointError, f"corrupt shard index {index}")
             files = {str(k): str(v) for k, v in weight_map.items()}
         elif single.is_file():
             files = {}
@@ -158,7 +158,7 @@ class SafetensorsSource:
                 try:
                     self._handles[fname] = safe_open(str(fpath), framework="pt")
                 except Exception as exc:  # safetensors raises its own error types
-                    raise CheckpointError(f"corrupt safetensors file {fpath}: {exc}") from exc
+                    raise translate(exc, CheckpointError, f"corrupt safetensors file {fpath}")
             return self._handles[fname]
 
         if files:
@@ -195,8 +195,8 @@ class SafetensorsSource:
         self.reads.append(name)
         try:
             return self._handle(fname).get_tensor(raw)  # type: ignore[attr-defined]
-        except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {raw} from {self.path / fname}: {exc}") from exc
+        except Exception as exc:  # safetensors' own error types (a truncated or corrupt file)
+            raise translate(exc, CheckpointError, f"cannot read tensor {raw} from {self.path / fname}")
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         if name in self._where:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointError, UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError, translate
 from ..spec import FULL, LINEAR, ModelSpec
 from .reader import GGUFFile
 from .transforms import GGUF_ARCHES
@@ -96,7 +96,7 @@ def hf_config_from_gguf(f: GGUFFile) -> dict[str, Any]:
         )
         return cfg
     except (TypeError, ValueError, ZeroDivisionError) as exc:
-        raise CheckpointError(f"bad metadata value in {f.path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"bad metadata value in {f.path}")
 
 
 def _dense(f: GGUFFile, arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> None:

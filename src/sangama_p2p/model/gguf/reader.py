@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CheckpointError, UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError, translate
 from .quants import BLOCK_SIZES, QType, row_bytes, type_name, unsupported_type
 
 __all__ = ["GGUFFile", "GGUFMetadata", "TensorInfo", "read_metadata", "split_paths"]
@@ -111,7 +111,7 @@ class _Cursor:
                     break
                 out.append(str(buf[pos : pos + n], "utf-8"))
                 pos += n
-        except struct.error:
+        except struct.error:  # a length prefix past the end: the count check below says where
             pass
         except UnicodeDecodeError as exc:
             raise CheckpointError(f"bad UTF-8 string in GGUF header of {self.path}") from exc
@@ -145,7 +145,7 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
     try:
         mm = np.memmap(path, mode="c")  # copy-on-write: torch gets writable views, the file is never written
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot map GGUF file {path}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot map GGUF file {path}")
     cur = _Cursor(memoryview(mm), path)
     magic, version, n_tensors, n_kv = _HEAD.unpack(cur.take(_HEAD.size))
     if magic != b"GGUF":

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...errors import CheckpointError, UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError, translate
 from .mix import PRESETS, TensorPlan, plan_types
 from .quantizer import quantize
 from .quants import QType, dequantize_rows, row_bytes, type_name
@@ -122,7 +122,7 @@ def requantize_gguf(src: str | Path, dst: str | Path, preset: str) -> Requantize
         types = plan_file(f, preset)
         nbytes = _write(f, dst, types, PRESETS[preset].file_type)
     except OSError as exc:
-        raise CheckpointError(f"cannot write GGUF {dst}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot write GGUF {dst}")
     finally:
         f.close()
     counts = Counter(type_name(t) for t in types.values())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from ...errors import CheckpointError, UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError, translate
 from .pretokenize import PRE_RULES, pre_tokenizer
 from .reader import GGUFFile, GGUFMetadata
 
@@ -112,7 +112,7 @@ def _bpe_model(meta: Mapping[str, Any], vocab: dict[str, int], ignore_merges: bo
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         return models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False)
     except Exception as exc:  # tokenizers raises plain Exceptions for merges naming unknown tokens
-        raise CheckpointError(f"{where}: bad BPE vocabulary or merges: {exc}") from exc
+        raise translate(exc, CheckpointError, f"{where}: bad BPE vocabulary or merges")
 
 
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -137,8 +137,8 @@ def _spm_model(meta: Mapping[str, Any], tokens: list[str], vocab: dict[str, int]
         raise CheckpointError(f"{where}: {len(tokens)} tokens but {len(scores)} scores")
     try:
         return models.BPE(vocab=vocab, merges=spm_merges(tokens, scores), fuse_unk=False, byte_fallback=True)
-    except Exception as exc:
-        raise CheckpointError(f"{where}: bad SentencePiece vocabulary: {exc}") from exc
+    except Exception as exc:  # tokenizers raises plain Exceptions
+        raise translate(exc, CheckpointError, f"{where}: bad SentencePiece vocabulary")
 
 
 def _byte_level_decoder(tok: Any) -> None:
@@ -198,8 +198,8 @@ def _post_processor(tok: Any, tokens: list[str], bos: int, eos: int, kind: str, 
         tok.post_processor = processors.TemplateProcessing(
             single=seq("$A", 0), pair=f"{seq('$A', 0)} {seq('$B', 1)}", special_tokens=specials
         )
-    except Exception as exc:
-        raise CheckpointError(f"{where}: cannot use BOS/EOS tokens {specials}: {exc}") from exc
+    except Exception as exc:  # tokenizers raises plain Exceptions
+        raise translate(exc, CheckpointError, f"{where}: cannot use BOS/EOS tokens {specials}")
 
 
 # ---- the writer's side: tokenizer.json -> tokenizer.ggml.* -------------------------------------------------------

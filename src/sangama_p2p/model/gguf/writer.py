@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ...errors import CheckpointError, UnsupportedModelError
+from ...errors import CheckpointError, UnsupportedModelError, translate
 from ..spec import FULL, ModelSpec
 from ..weights import SafetensorsSource
 from .quantizer import quantize
@@ -149,7 +149,7 @@ def _tokenizer(w: Any, hf_dir: Path, spec: ModelSpec) -> None:
     try:
         fields = gguf_tokenizer_fields(json.loads(tj.read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"cannot convert {tj}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot convert {tj}")
     if len(fields["tokens"]) < spec.vocab_size:  # llama.cpp pads the vocabulary to the embedding rows
         n = len(fields["tokens"])
         fields["tokens"] += [f"[PAD{i}]" for i in range(n, spec.vocab_size)]
@@ -170,7 +170,7 @@ def _tokenizer(w: Any, hf_dir: Path, spec: ModelSpec) -> None:
         try:
             tc = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {hf_dir / 'tokenizer_config.json'}: {exc}") from exc
+            raise translate(exc, CheckpointError, f"cannot read {hf_dir / 'tokenizer_config.json'}")
     add_bos = bool(tc.get("add_bos_token", spec.arch == "llama" and spec.bos_token_id is not None))
     w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
     w.add_bool("tokenizer.ggml.add_eos_token", bool(tc.get("add_eos_token", False)))
@@ -216,7 +216,7 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot write GGUF {out}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot write GGUF {out}")
     finally:
         writer.close()
         source.close()
