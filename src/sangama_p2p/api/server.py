@@ -31,7 +31,7 @@ from typing import Any
 
 import trio
 
-from ..errors import ApiError, SangamaError, group_leaves
+from ..errors import ApiError, SangamaError, group_leaves, translate
 from ..model.chat import render_chat
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder
@@ -67,7 +67,7 @@ class ApiConfig:
         try:
             key = Path(self.api_key_file).expanduser().read_text().strip()
         except OSError as exc:
-            raise SangamaError(f"cannot read the API key file {self.api_key_file}: {exc}") from exc
+            raise translate(exc, SangamaError, f"cannot read the API key file {self.api_key_file}")
         if not key:
             raise SangamaError(f"the API key file {self.api_key_file} is empty")
         return key

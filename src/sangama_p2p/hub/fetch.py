@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import DownloadError
+from ..errors import DownloadError, translate
 from .plan import Span
 
 __all__ = ["HubSettings", "Progress", "Sibling", "download_file", "fetch_spans", "repo_files"]
@@ -84,7 +84,7 @@ def repo_files(settings: HubSettings, repo: str, revision: str | None) -> tuple[
         info = HfApi(endpoint=settings.endpoint, token=settings.token).model_info(
             repo, revision=revision, files_metadata=True)
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise DownloadError(f"cannot list hf:{repo}@{revision or 'main'} on {settings.endpoint}: {exc}") from exc
+        raise translate(exc, DownloadError, f"cannot list hf:{repo}@{revision or 'main'} on {settings.endpoint}")
     if not info.sha:
         raise DownloadError(f"{settings.endpoint} gave no commit for hf:{repo}@{revision or 'main'}")
     files = {}
@@ -184,11 +184,12 @@ def download_file(settings: HubSettings, repo: str, commit: str, sib: Sibling, p
                                     token=settings.token, local_files_only=settings.offline,
                                     tqdm_class=progress.tqdm_class(sib.name)))
     except LocalEntryNotFoundError as exc:
+        if not settings.offline:
+            raise translate(exc, DownloadError, f"hf:{repo}: cannot fetch {sib.name}")
         raise DownloadError(f"hf:{repo}: {sib.name} is not in the cache {cache} and offline mode is on "
-                            f"(HF_HUB_OFFLINE)" if settings.offline else f"hf:{repo}: cannot fetch {sib.name}: {exc}"
-                            ) from exc
+                            f"(HF_HUB_OFFLINE)") from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise DownloadError(f"hf:{repo}: cannot fetch {sib.name}: {exc}") from exc
+        raise translate(exc, DownloadError, f"hf:{repo}: cannot fetch {sib.name}")
     if isinstance(cached, str) and Path(cached) == path:
         return path  # checked when it was fetched (or by whoever put it in the cache)
     if sib.sha256 and path.resolve().name != sib.sha256:  # the blob is named by the X-Linked-Etag it came with
@@ -230,7 +231,7 @@ def fetch_spans(settings: HubSettings, repo: str, commit: str, name: str, spans:
     try:  # one HEAD: where the Hub redirects (its CDN), so that each range is one round trip, not two
         meta = get_hf_file_metadata(url, token=settings.token, endpoint=settings.endpoint)
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise DownloadError(f"hf:{repo}: cannot reach {name}: {exc}") from exc
+        raise translate(exc, DownloadError, f"hf:{repo}: cannot reach {name}")
     if meta.commit_hash and meta.commit_hash != commit:
         raise DownloadError(f"hf:{repo}: {name} answered for commit {meta.commit_hash}, asked for {commit}")
     url = meta.location or url
@@ -272,6 +273,6 @@ def _fetch_span(settings: HubSettings, url: str, start: int, end: int, fd: int, 
         except httpx2.TransportError as exc:
             tries = 0 if at > before else tries + 1
             if tries >= _RETRIES:
-                raise DownloadError(f"{url}: range {start}-{end - 1} failed {_RETRIES} times: {exc}") from exc
+                raise translate(exc, DownloadError, f"{url}: range {start}-{end - 1} failed {_RETRIES} times")
             time.sleep(0.2 * tries)
     return end - start

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, DownloadError
+from ..errors import CheckpointError, DownloadError, translate
 from ..model.gguf.quants import row_bytes
 from ..model.gguf.reader import _parse
 from .fetch import HubSettings, Progress, fetch_spans
@@ -43,7 +43,7 @@ class PartialFile:
             if int(data["size"]) != self.size or self.path.stat().st_size != self.size:
                 return []
             return [(int(a), int(b)) for a, b in data["spans"]]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError):  # no manifest, or a torn one: hold nothing, fetch again
             return []
 
     def ensure(self, spans: list[Span], ctx: "Fetcher") -> int:
@@ -109,7 +109,7 @@ def safetensors_header(part: PartialFile, ctx: Fetcher) -> tuple[dict[str, Any],
     try:
         header = json.loads(part.read(8, 8 + n))
     except ValueError as exc:
-        raise DownloadError(f"{part.path.name}: corrupt safetensors header from the Hub: {exc}") from exc
+        raise translate(exc, DownloadError, f"{part.path.name}: corrupt safetensors header from the Hub")
     if not isinstance(header, dict):
         raise DownloadError(f"{part.path.name}: corrupt safetensors header from the Hub")
     header.pop("__metadata__", None)

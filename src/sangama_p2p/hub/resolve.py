@@ -22,7 +22,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import CheckpointError, DownloadError, LayerRangeError
+from ..errors import CheckpointError, DownloadError, LayerRangeError, translate
 from ..model.spec import ModelSpec
 from .fetch import HubSettings, Progress, Sibling, download_file, repo_files
 from .partial import Fetcher, PartialFile, gguf_header, safetensors_header
@@ -211,7 +211,7 @@ def _index_map(snapshot: Path) -> dict[str, str] | None:
     try:
         return {str(k): str(v) for k, v in json.loads(index.read_text())["weight_map"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"corrupt shard index {index}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"corrupt shard index {index}")
 
 
 def _index_files(snapshot: Path) -> list[str]:
