@@ -30,7 +30,7 @@ import trio
 
 from .api.server import ApiConfig
 from .config import PeerConfig
-from .errors import SangamaError
+from .errors import SangamaError, translate
 from .model.tokenizer import Tokenizer
 from .net.identity import KeyPair
 from .peer import Generation, Peer as TrioPeer
@@ -100,7 +100,7 @@ class Peer:
                 host_uses_signal_set_wakeup_fd=True,
             )
         except RuntimeError as exc:  # "Attempted to call run() from inside a run()"
-            raise SangamaError(f"cannot start trio in this thread (one aio.Peer per event loop thread): {exc}") from exc
+            raise translate(exc, SangamaError, "cannot start trio in this thread (one aio.Peer per event loop thread)")
         try:
             await asyncio.shield(ready)
         except BaseException:

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelError, SangamaError
+from ..errors import ModelError, SangamaError, translate
 from ..model.chat import load_chat_template, render_chat
 from ..model.emit import TokenPrinter
 from ..model.spec import LayerRange, ModelSpec, parse_stages
@@ -108,7 +108,7 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
         try:
             return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError as exc:
-            raise ModelError(f"--prompt-ids must be comma-separated integers: {exc}") from exc
+            raise translate(exc, ModelError, "--prompt-ids must be comma-separated integers")
     text = args.prompt if args.prompt is not None else args.text
     if text is None:
         raise ModelError("give a prompt: TEXT, --prompt TEXT or --prompt-ids 1,2,3")

@@ -278,9 +278,11 @@ class ThreadFleet:
 
     def stop(self) -> None:
         if self._token is not None and self._stop is not None:
+            import trio  # loaded already: the fleet's thread runs it
+
             try:
                 self._token.run_sync_soon(self._stop.set)
-            except Exception:  # trio.RunFinishedError: already stopped
+            except trio.RunFinishedError:  # already stopped
                 pass
         if self._thread is not None:
             self._thread.join(timeout=30)

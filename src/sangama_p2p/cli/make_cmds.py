@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, translate
 
 # model.make and model.gguf import torch (1.4-2.6 s): imported in the handlers, as cli/main.py imports this module
 # to build its parser
@@ -79,7 +79,7 @@ def _make_model(args: argparse.Namespace) -> int:
                          tie_word_embeddings=getattr(args, "tie", None),
                          rope_scaling=getattr(args, "rope_scaling", None))
     except OSError as exc:  # a path that cannot be created or written: the user's to fix, not a crash
-        raise CheckpointError(f"cannot write the model to {args.out}: {exc}") from exc
+        raise translate(exc, CheckpointError, f"cannot write the model to {args.out}")
     n = checkpoint_num_params(out)
     print(f"{out}  {args.arch}/{args.preset}  {n:,} parameters ({args.dtype}, seed {args.seed})")
     if getattr(args, "gguf", None):

@@ -21,7 +21,7 @@ import msgpack
 import trio
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError
+from ..errors import NetworkError, translate
 from .dial import dial_peer
 from .discovery import RECORDS_PROTOCOL, find_serving_peers
 from .holepunch import link_info
@@ -130,14 +130,14 @@ async def fetch_records(
             raise
         except Exception as exc:  # stream reset/EOF errors differ between muxers
             if not chunks:
-                raise NetworkError(f"reading records from {peer_id} failed: {exc}") from exc
+                raise translate(exc, NetworkError, f"reading records from {peer_id} failed")
         finally:
             await stream.close()
         rtt_ms = (time.perf_counter() - start) * 1000
         try:
             values = msgpack.unpackb(b"".join(chunks), raw=False)
-        except Exception as exc:
-            raise NetworkError(f"{peer_id} sent undecodable records: {exc}") from exc
+        except Exception as exc:  # untrusted bytes: msgpack raises several types
+            raise translate(exc, NetworkError, f"{peer_id} sent undecodable records")
         if not isinstance(values, list):
             raise NetworkError(f"{peer_id} sent records that are not a list")
         records = []

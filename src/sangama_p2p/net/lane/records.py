@@ -11,7 +11,7 @@ import trio
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ...errors import LaneError, StreamClosed
+from ...errors import LaneError, StreamClosed, translate
 from ...wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
 from ..streams import PeerConn
 from .handshake import DOWN, TAG_BYTES, UP, record_nonce
@@ -73,7 +73,7 @@ class LaneStream:
             try:
                 data = await self.sock.receive_some(RECV_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise StreamClosed(f"lane to {self.remote} failed: {type(exc).__name__}: {exc}") from exc
+                raise translate(exc, StreamClosed, f"lane to {self.remote} failed")
             if not data:
                 self._eof = True
                 self._records.finish()  # a record cut off raises TruncatedFrameError
@@ -127,7 +127,7 @@ class LaneStream:
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            raise StreamClosed(f"cannot write to lane {self.remote}: {type(exc).__name__}: {exc}") from exc
+            raise translate(exc, StreamClosed, f"cannot write to lane {self.remote}")
         return record[sent:]
 
     async def write_raw(self, data: bytes | bytearray | memoryview) -> None:
@@ -135,7 +135,7 @@ class LaneStream:
         try:
             await self.sock.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise StreamClosed(f"cannot write to lane {self.remote}: {type(exc).__name__}: {exc}") from exc
+            raise translate(exc, StreamClosed, f"cannot write to lane {self.remote}")
 
     async def close(self) -> None:
         self._drop()
@@ -168,7 +168,7 @@ async def receive_exactly(sock: trio.SocketStream, n: int, what: str) -> bytes:
         try:
             chunk = await sock.receive_some(n - len(data))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise LaneError(f"connection failed before {what}: {type(exc).__name__}: {exc}") from exc
+            raise translate(exc, LaneError, f"connection failed before {what}")
         if not chunk:
             raise LaneError(f"connection closed before {what}")
         data += chunk
