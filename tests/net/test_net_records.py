@@ -157,6 +157,9 @@ def test_missing_field_and_garbage_are_rejected():
     for garbage in (b"", b"\x00\x01", msgpack.packb([1, 2, 3]), msgpack.packb({"a": 1}), b"\xff" * 9000):
         with pytest.raises(RecordError):
             decode_record(KEY, garbage)
+    with pytest.raises(RecordError, match=r"envelope: ValueError: too many values to unpack") as info:
+        decode_record(KEY, msgpack.packb([1, 2, 3]))  # the parser's error is named, and kept as the cause
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_wrong_namespace_and_wrong_key_are_rejected():
