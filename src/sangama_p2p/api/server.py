@@ -238,7 +238,7 @@ class ApiServer:
             try:
                 body = json.loads(await request.body())
             except (ValueError, UnicodeDecodeError) as exc:
-                raise ApiError(f"the body is not valid JSON: {exc}") from exc
+                raise translate(exc, ApiError, "the body is not valid JSON")
             req = parse_request(body, chat=chat, default_max_tokens=self.config.max_tokens,
                                 default_guesses=self.config.guesses)
             model = self._model(req.model)
