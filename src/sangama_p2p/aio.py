@@ -127,7 +127,7 @@ class Peer:
         if self._token is not None and self._jobs is not None:
             try:
                 self._token.run_sync_soon(self._jobs.close)
-            except trio.RunFinishedError:
+            except trio.RunFinishedError:  # the trio run has ended already
                 pass
         await asyncio.shield(self._done)  # the trio run ends: jobs cancelled, peer closed
 
@@ -197,7 +197,7 @@ class Peer:
 
         try:
             self._token.run_sync_soon(cancel)
-        except trio.RunFinishedError:
+        except trio.RunFinishedError:  # the trio run has ended: nothing left to cancel
             pass
 
     # the peer's API ---------------------------------------------------------------------------------------------

@@ -322,7 +322,7 @@ class ApiServer:
                 except Exception as exc:  # noqa: BLE001 - handed to the request, which types it (or re-raises)
                     try:
                         send.send_nowait(exc)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):  # the request is gone
                         pass
 
     async def _events(self, req: ApiRequest, pieces: AsyncIterator[tuple[str, list[int]]],

@@ -179,13 +179,13 @@ class LocalFleet:
             for c in alive:
                 try:
                     os.killpg(c.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
+                except (ProcessLookupError, PermissionError):  # already gone, or no longer ours to signal
                     pass
             deadline = time.monotonic() + wait
             for c in alive:
                 try:
                     c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+                except subprocess.TimeoutExpired:  # still alive: the next, stronger signal follows
                     pass
         for c in self.children:
             if c.proc.stdout is not None:

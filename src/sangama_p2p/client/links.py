@@ -100,7 +100,7 @@ class Link:
             for channel in list(self.subscribers.values()):
                 try:
                     channel.send_nowait((self.peer, LinkLost(self.peer, reason)))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                except (trio.BrokenResourceError, trio.ClosedResourceError):  # that session's reader is gone
                     pass
             while self._probes:
                 self._probes.popleft().close()

@@ -82,7 +82,7 @@ class PartialFile:
         for p in (self.path, self.manifest):
             try:
                 p.unlink()
-            except FileNotFoundError:
+            except FileNotFoundError:  # already gone
                 pass
 
 

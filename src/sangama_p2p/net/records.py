@@ -299,7 +299,7 @@ def select_best(key: str, values: list[bytes], *, now: float | None = None) -> i
     for index, value in enumerate(values):
         try:
             record = decode_record(key, value, now=now)
-        except RecordError:
+        except RecordError:  # an invalid or expired copy never wins
             continue
         rank = (record.seq, record.expires_at)
         if rank > best_rank:

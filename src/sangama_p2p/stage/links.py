@@ -55,7 +55,7 @@ def tensor_bytes(tensor: Any) -> int:
         return n
     try:
         return int(tensor.numel() * tensor.element_size())
-    except AttributeError:
+    except AttributeError:  # neither nbytes nor numel: counted as no tensor bytes
         return 0
 
 
@@ -131,7 +131,7 @@ class Outbox:
             return False
         try:
             self._send.send_nowait((item, nbytes))  # type: ignore[arg-type]
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        except (trio.ClosedResourceError, trio.BrokenResourceError):  # closed or failed: the caller reports the loss
             return False
         self._queued += 1
         self.queued_bytes += nbytes

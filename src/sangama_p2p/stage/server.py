@@ -275,7 +275,7 @@ class StageServer:
                 if msg is None:
                     break
                 self._dispatch(fs, outbox, msg, time.monotonic_ns())
-        except StreamClosed:
+        except StreamClosed:  # the stream ended or was reset: nobody left to answer
             pass
         except LaneError as exc:  # a record on its lane failed authentication: the lane is over, nothing to answer
             log.info("lane from %s failed: %s", fs.peer, exc)

@@ -309,7 +309,7 @@ def trim_heap() -> None:
     temporaries of a few MB, which glibc otherwise keeps in the process (measured: ~10 MB on llama/small Q4_K)."""
     try:
         fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not glibc: nothing to trim
         return
     fn(0)
 

@@ -246,7 +246,7 @@ def type_name(qtype: int) -> str:
 
     try:
         return gguf.GGMLQuantizationType(qtype).name
-    except ValueError:
+    except ValueError:  # a type number gguf-py does not name
         return f"ggml type {qtype}"
 
 
