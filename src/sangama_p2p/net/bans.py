@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import NetworkError
+from ..errors import NetworkError, translate
 
 __all__ = ["DEFAULT_BAN_S", "Ban", "BanList", "default_bans_path", "load_bans"]
 
@@ -124,7 +124,7 @@ def load_bans(path: Path, *, now: float | None = None) -> list[Ban]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise NetworkError(f"cannot read the ban list {path}: {exc}") from exc
+        raise translate(exc, NetworkError, f"cannot read the ban list {path}")
     rows = data.get("bans") if isinstance(data, dict) else None
     if not isinstance(rows, list) or len(rows) > _MAX_BANS:
         raise NetworkError(f"{path} is not a ban list (expected {{\"bans\": [...]}})")
@@ -136,7 +136,7 @@ def load_bans(path: Path, *, now: float | None = None) -> list[Ban]:
             b = Ban(str(row["peer_id"]), str(row["reason"]), float(row["since"]), float(row["until"]),
                     str(row.get("model_id", "")))
         except (KeyError, TypeError, ValueError) as exc:
-            raise NetworkError(f"{path}: malformed ban {row!r}: {exc}") from exc
+            raise translate(exc, NetworkError, f"{path}: malformed ban {row!r}")
         if now is None or b.until > now:
             out.append(b)
     return out
