@@ -242,18 +242,23 @@ class ChainClient:
     async def _open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
                           pin: str | None = None, avoid: frozenset[str] = frozenset()) -> ChainSession:
         """Route (on a survey at most ``max_age`` old), open the session on every stage; re-route around peers
-        that fail (on a fresh survey when ``config.rediscover``). ``pin``: chain only peers of this fingerprint
+        that fail (on a fresh survey when ``config.rediscover``). A re-used survey that yields no route is taken
+        again before this gives up (a peer that replaced a dead one may have joined since). ``pin``: chain only peers of this fingerprint
         (a generation's re-routes keep to the checkpoint it started on). ``avoid``: peers left out wherever a
         route without them exists (the peers of a chain that stalled: one of them swallowed the trip)."""
         tries = 0
         refused: StageRefused | None = None
         while True:
+            asked = trio.current_time()
             offers = await self.survey(frozenset(exclude), max_age=max_age)
             try:
                 route, fingerprint = self._route(offers, exclude | self._avoidable(offers, exclude, pin, avoid), pin)
             except RouteError as exc:
                 if refused is not None:  # the peers that could serve refused: say why, with their code
                     raise refused from exc
+                if self.surveyed_at < asked:  # a re-used survey lacks peers that joined since it: ask once more
+                    max_age = 0.0
+                    continue
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
                                    step_timeout=self.config.step_timeout, stall_factor=self.config.stall_factor,
