@@ -9,8 +9,8 @@ Every class runs at once, each from its own peer id (so one class's per-peer cap
 * ``replay``: every 3 s, one lane hello sent on two connections at once; the lane that got ready then replays one
   of its records (and, every other round, a record of another lane is written onto it);
 * ``quota``: sessions opened until the per-peer quota refuses one, left idle past the stage's idle expiry (which
-  frees a session between ``session_idle_s`` and 1.25 x that after its last step), then stepped (the answer must be
-  EXPIRED); again;
+  frees a session up to ``min(session_idle_s / 4, 10)`` s after ``session_idle_s`` without a step), then stepped
+  (the answer must be EXPIRED); again;
 * ``partial``: every 30 s, 6 lanes announce 48 MiB records (more than the 256 MiB input budget) and send 16 MiB of
   them, held 5 s;
 * ``nan``: 2 sessions a second opened and stepped with NaN / +Inf / -Inf hidden states;
@@ -197,8 +197,8 @@ async def quota(t: Target, rng: random.Random) -> None:
                 break
         t.tally["sessions opened"] += len(opened)
         t.tally[f"rounds: {len(opened)} opened, then {answer}"] += 1
-        # left idle past the stage's expiry: it checks every min(idle_s / 4, 10) s, so a session goes between idle_s
-        # and 1.25 x idle_s after its last step (+5 s for a loaded machine)
+        # left idle past the stage's expiry: it checks every min(idle_s / 4, 10) s, so a session goes up to that much
+        # after idle_s without a step (+5 s for a loaded machine)
         await trio.sleep(t.args.idle_s + min(t.args.idle_s / 4, 10) + 5)
         if opened:
             await fs.send(Step(opened[0], 0, 0, (1, 2), zeros, (), ()))
