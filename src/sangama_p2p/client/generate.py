@@ -171,7 +171,7 @@ class ChainClient:
         self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
 
         async def probe(rec: Any) -> None:
-            with trio.move_on_after(self.config.probe_timeout):
+            with trio.move_on_after(self._probe_s):
                 try:
                     link = await pool.get(rec.peer_id, tuple(rec.addrs))
                     info, rtt = await link.probe()
@@ -197,6 +197,13 @@ class ChainClient:
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
         self.surveyed_at = trio.current_time()
         return [o for o in self.offers if o.peer_id not in exclude]
+
+    @property
+    def _probe_s(self) -> float:
+        """A probe's time: ``probe_timeout`` for the answer, plus ``lane_timeout`` when a new link first tries a lane
+        (a lane port that never answers, or one crowded by idle connections, fails only after it; then the libp2p
+        stream is opened): else such a peer counts as silent although its libp2p stream answers at once."""
+        return self.config.probe_timeout + (self.config.lane_timeout if self.config.lanes else 0.0)
 
     def _mark_silent(self, peer: str) -> None:
         """Remember that ``peer`` did not answer, with the version of the record it had: surveys skip it (no probe,
@@ -301,7 +308,7 @@ class ChainClient:
         pool, dead = self._pool(), set()
 
         async def probe(offer: PeerOffer) -> None:
-            with trio.move_on_after(self.config.probe_timeout):
+            with trio.move_on_after(self._probe_s):
                 try:
                     link = await pool.get(offer.peer_id, offer.addrs)
                     await link.probe()
