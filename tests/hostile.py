@@ -18,14 +18,14 @@ from sangama_p2p.net.lane import LaneStream
 from sangama_p2p.net.lane.handshake import NONCE_BYTES, READY, lane_key, seal_hello
 from sangama_p2p.net.lane.records import receive_exactly
 from sangama_p2p.net.streams import FramedStream
-from sangama_p2p.wire.codec import encode_message_frame
+from sangama_p2p.wire.codec import decode, encode_message_frame
 from sangama_p2p.wire.framing import DEFAULT_MAX_FRAME
 from sangama_p2p.wire.messages import CloseSession, ErrorMessage, InfoRequest, LaneOffer, OpenSession, Step
 from sangama_p2p.wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 from sangama_p2p.wire.tensor import Tensor
 
 __all__ = [
-    "FUZZ_KINDS", "answer_of", "closed_on_us", "fetch_offer", "flood_unread", "fuzz_frame", "hold_idle",
+    "FUZZ_KINDS", "answer_of", "closed_on_us", "decodes", "fetch_offer", "flood_unread", "fuzz_frame", "hold_idle",
     "non_finite_hidden", "open_session", "partial_record", "raw_stage_stream", "ready_after_hello", "replay_hello",
 ]
 
@@ -183,9 +183,9 @@ def fuzz_frame(rng: random.Random, kind: str, *, width: int = 8, max_frame: int 
     if kind == "empty":
         return struct.pack(">I", 0)
     frame = bytearray(_valid(rng, width))
-    if kind == "bitflip":
-        for _ in range(rng.randint(1, 8)):
-            frame[rng.randrange(4, len(frame))] ^= 1 << rng.randrange(8)
+    if kind == "bitflip":  # distinct bits: two flips of one bit would give the valid frame back
+        for bit in rng.sample(range(8 * (len(frame) - 4)), rng.randint(1, 8)):
+            frame[4 + bit // 8] ^= 1 << (bit % 8)
     elif kind == "truncated":
         frame = frame[: rng.randrange(4, len(frame))]
     elif kind == "version":
@@ -196,6 +196,18 @@ def fuzz_frame(rng: random.Random, kind: str, *, width: int = 8, max_frame: int 
     else:
         raise ValueError(f"unknown fuzz kind {kind!r}")
     return bytes(frame)
+
+
+def decodes(frame: bytes) -> bool:
+    """Whether ``frame`` is in fact a well-formed message (a bit flip in a session id leaves one): any answer to it
+    is a fair one, where a malformed frame must get an error or a closed stream."""
+    if len(frame) < 4 or struct.unpack(">I", frame[:4])[0] != len(frame) - 4:
+        return False
+    try:
+        decode(frame[4:])
+    except WireError:
+        return False
+    return True
 
 
 async def answer_of(fs: FramedStream, timeout: float) -> str:

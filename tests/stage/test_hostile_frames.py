@@ -15,7 +15,7 @@ from sangama_p2p.net.lane import open_lane
 from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.messages import CloseSession, InfoRequest, SessionOpened, Step
 
-from ..hostile import FUZZ_KINDS, answer_of, fuzz_frame, non_finite_hidden, open_session, raw_stage_stream
+from ..hostile import FUZZ_KINDS, answer_of, decodes, fuzz_frame, non_finite_hidden, open_session, raw_stage_stream
 
 SPLIT = [(0, 4), (4, 8)]
 PROMPT = [2, 7, 1, 8, 2, 8]
@@ -47,7 +47,8 @@ def test_fuzzed_frames_and_non_finite_steps_get_typed_answers_and_the_stage_keep
                             await fs.stream.write(frame)
                             if kind == "truncated":
                                 await fs.stream.close()  # our end of the stream: the stage sees the cut
-                        answers.setdefault(kind, set()).add(await answer_of(fs, 5))
+                        if not decodes(frame):  # a bit flip may leave a well-formed message: any answer is fair
+                            answers.setdefault(kind, set()).add(await answer_of(fs, 5))
                         await fs.aclose()
                 fs = await raw_stage_stream(a, pid, addrs)
                 for value in (math.nan, math.inf, -math.inf):
