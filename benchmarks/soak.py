@@ -118,6 +118,8 @@ class Honest:
                     self.rows.append({"client": i, "phase": phase, "start": t0, "end": time.monotonic(),
                                       "tokens": len(tokens or ()), "outcome": outcome, "error": error,
                                       "failovers": failovers})
+                    if outcome != "ok":  # said at once too: a long run's failures are read while it goes on
+                        print(f"  client {i}: generation {outcome} at {phase}: {error or tokens}", flush=True)
                     if error:
                         await trio.sleep(0.5)
 
