@@ -135,3 +135,35 @@ def test_a_peer_that_did_not_answer_is_not_probed_again_until_it_publishes_a_new
     assert first.tokens == second.tokens
     assert probes_first == 1
     assert probes_total == 2  # none in the second generation, one after the "newer" record
+
+
+def test_a_generation_on_a_cached_survey_with_no_route_surveys_again_and_finds_a_new_peer(ckpt):
+    """After a stage died, the survey that found no spare is re-used by the next generation (``survey_max_age``):
+    a peer that joined since for the dead range is not in it. No route there means one fresh survey, not an error."""
+    import pytest
+
+    from sangama_p2p.errors import RouteError
+    from sangama_p2p.net.discovery import find_serving_peers
+
+    want = local_chain(ckpt, [(0, 4), (4, 8)]).generate(PROMPT, 6).tokens
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [(0, 4), (4, 8)]) as f:
+                config = ClientConfig(MODEL, step_timeout=10, survey_max_age=600.0)
+                async with ChainClient(f.clients[0], config) as client:
+                    assert (await client.generate(PROMPT, 6)).tokens == want
+                    f.kill(1)
+                    await trio.sleep(0.2)
+                    with pytest.raises(RouteError, match="layer 4"):  # no spare: the fresh survey has only 0:4
+                        await client.generate(PROMPT, 6)
+                    surveyed = client.surveyed_at
+                    new = (await f.add_stage(4, 8)).node.peer_id.to_base58()
+                    while new not in {r.peer_id for r in await find_serving_peers(f.clients[0], MODEL)}:
+                        await trio.sleep(0.1)
+                    assert client.surveyed_at == surveyed  # still young enough to be re-used
+                    res = await client.generate(PROMPT, 6)
+        return res, new
+
+    res, new = trio.run(main)
+    assert res.tokens == want and res.route[1] == new

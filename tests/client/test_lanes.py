@@ -47,3 +47,41 @@ def test_links_use_lanes_when_both_sides_allow_and_tokens_do_not_change(ckpt, st
     else:  # the client keeps to libp2p, the stages use lanes between themselves
         assert kinds[0] == ["libp2p"]
         assert "lane" in kinds[1] and "lane" in kinds[2] and "libp2p" in kinds[2], kinds
+
+
+def test_a_lane_port_that_never_answers_costs_the_lane_timeout_not_the_peer(ckpt):
+    """Issue 15, item 2, under load: a lane handshake that hangs (a port whose connections are never answered, as
+    a crowd of idle connections makes it) fails only after ``lane_timeout``; the survey's probe must still have its
+    ``probe_timeout`` for the libp2p stream after it, else the peer counts as silent and no chain is found. Here
+    ``lane_timeout`` alone is longer than ``probe_timeout``: the old probe budget could never be met."""
+    import os
+    import socket
+
+    from sangama_p2p.net.streams import FramedStream
+    from sangama_p2p.wire.messages import LaneOffer
+    from sangama_p2p.wire.protocols import LANE_PROTOCOL
+
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split).generate(PROMPT, 6).tokens
+    with socket.socket() as dead:  # listens (connects succeed, into the backlog) and never accepts or answers
+        dead.bind(("127.0.0.1", 0))
+        dead.listen(64)
+
+        async def offer_dead_port(stream) -> None:
+            fs = FramedStream(stream)
+            await fs.send(LaneOffer(dead.getsockname()[1], os.urandom(16), os.urandom(32)))
+            await fs.aclose()
+
+        async def main():
+            with trio.fail_after(60):
+                async with fleet(ckpt, split) as f:
+                    for node, _, _ in f.stages:
+                        node.serve(LANE_PROTOCOL, offer_dead_port)
+                    config = ClientConfig(MODEL, probe_timeout=0.5, lane_timeout=1.0)
+                    async with ChainClient(f.clients[0], config) as client:
+                        res = await client.generate(PROMPT, 6)
+                        kinds = [link.fs.link_kind for link in client.pool.links.values()]
+            return res, kinds
+
+        res, kinds = trio.run(main)
+    assert res.tokens == want and kinds == ["libp2p", "libp2p"]

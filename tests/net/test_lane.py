@@ -12,24 +12,16 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from sangama_p2p.errors import LaneError, TruncatedFrameError
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.lane import LaneDialer, LaneListener, LaneStream, open_lane
-from sangama_p2p.net.lane.handshake import NONCE_BYTES, READY, lane_key, seal_hello
-from sangama_p2p.net.lane.records import receive_exactly
+from sangama_p2p.net.lane.handshake import lane_key, seal_hello
 from sangama_p2p.net.streams import FramedStream
 from sangama_p2p.wire.codec import encode, encode_message_frame
 from sangama_p2p.wire.messages import CloseSession, InfoRequest, LaneOffer
 from sangama_p2p.wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 
+from ..hostile import closed_on_us, ready_after_hello, replay_hello
 from .net_swarm import config
 
 SID = b"s" * 16
-
-
-async def _closed_on_us(sock) -> bool:
-    """True when the other end closed the connection (cleanly, or with a reset when our bytes were unread)."""
-    try:
-        return await sock.receive_some(100) == b""
-    except trio.BrokenResourceError:
-        return True
 
 
 def _offer_port(port: int):
@@ -82,16 +74,6 @@ def test_lane_carries_frames_both_ways_and_belongs_to_the_dialling_peer():
     trio.run(main)
 
 
-async def _ready(sock, offer, dialler_nonce: bytes, peer_id) -> LaneStream | None:
-    """The dialler's side after its hello: the lane if the stage answered ready, None if it closed on us."""
-    try:
-        stage_nonce = await receive_exactly(sock, NONCE_BYTES, "ready")
-    except LaneError:
-        return None
-    lane = LaneStream(sock, lane_key(offer.key, offer.token, dialler_nonce, stage_nonce), peer_id, dialer=True)
-    return lane if await lane.read_record() == READY else None
-
-
 def test_offers_are_single_use_and_need_the_key():
     """A stolen token without the key (or a token used twice) gets no lane; the real owner still does."""
     accepted: list = []
@@ -108,20 +90,20 @@ def test_offers_are_single_use_and_need_the_key():
                 # 1. the token with a hello under the wrong key: closed, no lane, offer kept
                 thief = await trio.open_tcp_stream("127.0.0.1", offer.port)
                 await thief.send_all(seal_hello(offer.token, b"x" * 32)[0])
-                assert await _closed_on_us(thief)
+                assert await closed_on_us(thief)
                 # 2. an unknown token: closed
                 stranger = await trio.open_tcp_stream("127.0.0.1", offer.port)
                 await stranger.send_all(seal_hello(b"t" * 16, offer.key)[0])
-                assert await _closed_on_us(stranger)
+                assert await closed_on_us(stranger)
                 # 3. the owner: ready
                 sock = await trio.open_tcp_stream("127.0.0.1", offer.port)
                 hello, nonce = seal_hello(offer.token, offer.key)
                 await sock.send_all(hello)
-                assert await _ready(sock, offer, nonce, b.peer_id) is not None
+                assert await ready_after_hello(sock, offer, nonce, b.peer_id) is not None
                 # 4. the same hello again: closed
                 again = await trio.open_tcp_stream("127.0.0.1", offer.port)
                 await again.send_all(hello)
-                assert await _closed_on_us(again)
+                assert await closed_on_us(again)
                 await trio.sleep(0.05)
                 assert len(accepted) == 1
                 nursery.cancel_scope.cancel()
@@ -143,18 +125,12 @@ def test_a_handshake_replayed_on_a_second_connection_at_once_is_refused():
                 listener = LaneListener(b, on_lane)
                 await nursery.start(listener.run)
                 for _ in range(5):
-                    offer = listener.offer(a.peer_id)
-                    socks = [await trio.open_tcp_stream("127.0.0.1", offer.port) for _ in range(2)]
-                    hello, nonce = seal_hello(offer.token, offer.key)
                     # split so that both stage tasks have read the token before either has the whole hello
-                    for part in (hello[:20], hello[20:]):
-                        for sock in socks:
-                            await sock.send_all(part)
-                        await trio.sleep(0.02)
-                    ready = [await _ready(sock, offer, nonce, b.peer_id) for sock in socks]
+                    ready = await replay_hello(listener.offer(a.peer_id), b.peer_id)
                     assert sum(r is not None for r in ready) == 1
-                    for sock in socks:
-                        await sock.aclose()
+                    for lane in ready:
+                        if lane is not None:
+                            await lane.close()
                 await trio.sleep(0.05)
                 assert len(accepted) == 5
                 nursery.cancel_scope.cancel()
@@ -397,7 +373,7 @@ def test_idle_connections_cannot_hold_the_handshake_slots():
                 lane = await open_lane(a, await _pair(a, b))
                 assert isinstance(lane, LaneStream)
                 t0 = trio.current_time()
-                assert await _closed_on_us(idle[-1])  # the newest idle one: cut at the timeout
+                assert await closed_on_us(idle[-1])  # the newest idle one: cut at the timeout
                 assert 0.5 < trio.current_time() - t0 < 1.5
                 assert not listener._handshakes
                 for sock in idle:

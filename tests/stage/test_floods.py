@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import gc
 import os
-import struct
 
 import trio
 
-from sangama_p2p.errors import StreamClosed
-from sangama_p2p.net.lane import LaneStream, open_lane
-from sangama_p2p.wire.codec import encode_message_frame
-from sangama_p2p.wire.messages import InfoRequest
+from sangama_p2p.net.lane import open_lane
+
+from ..hostile import flood_unread, partial_record
 
 ONE = [(0, 8)]
 MiB = 1 << 20
@@ -35,20 +33,6 @@ async def _back_to(baseline: int, within: float) -> int:
     return rss
 
 
-async def _partial_record(lane: LaneStream, announced: int, sent: int, chunk: bytes) -> int:
-    """Announce a record of ``announced`` bytes and send ``sent`` of them; return how many the stage took."""
-    try:
-        await lane.sock.send_all(struct.pack(">I", announced))
-        done = 0
-        while done < sent:
-            with trio.fail_after(5):
-                await lane.sock.send_all(chunk)
-            done += len(chunk)
-        return done
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
-        return -1  # the stage closed the lane (over its budget) or stopped reading
-
-
 def test_partial_records_stay_within_the_input_budget_and_memory_returns(ckpt, fl):
     chunk = bytes(MiB)
 
@@ -64,7 +48,7 @@ def test_partial_records_stay_within_the_input_budget_and_memory_returns(ckpt, f
                 took = []
                 async with trio.open_nursery() as nursery:
                     async def one(lane):
-                        took.append(await _partial_record(lane, 48 * MiB, 24 * MiB, chunk))
+                        took.append(await partial_record(lane, 48 * MiB, 24 * MiB, chunk))
 
                     for lane in lanes:
                         nursery.start_soon(one, lane)
@@ -99,17 +83,9 @@ def test_replies_that_are_never_read_stay_within_the_outbox_bound_and_memory_ret
                 a = f.clients[0]
                 await a.connect(server.node.peer_id, server.node.listen_addrs())
                 lane = await open_lane(a, server.node.peer_id)
-                frame = encode_message_frame(InfoRequest())
                 await trio.sleep(0.2)
                 baseline = _rss()
-                sent = 0
-                with trio.move_on_after(8):  # the attacker sends InfoRequests and reads nothing
-                    try:
-                        while True:
-                            await lane.write_raw(b"".join(lane.seal(frame) for _ in range(100)))
-                            sent += 100
-                    except StreamClosed:
-                        pass
+                sent, _ = await flood_unread(lane, 8)  # the attacker sends InfoRequests and reads nothing
                 during = _rss()
                 (outbox,) = server._inbound.values()
                 print(f"replies: {sent} requests sent, outbox peak {outbox.peak_bytes} bytes, "

@@ -7,34 +7,11 @@ import trio
 
 from sangama_p2p.client import ChainClient, ClientConfig
 
+from ..hostile import hold_idle
+
 SPLIT = [(0, 4), (4, 8)]
 PROMPT = [1, 5, 9, 2, 7, 3]
 IDLE = 256  # connections the attacker keeps open on each stage's lane port
-
-
-async def _hold_idle(port: int, n: int, opened: list[int]) -> None:
-    """Keep ``n`` connections to ``port`` open, sending nothing; reopen each one the stage closes (after 0.2 s)."""
-
-    async def one() -> None:
-        while True:
-            try:
-                sock = await trio.open_tcp_stream("127.0.0.1", port)
-            except OSError:
-                await trio.sleep(0.2)
-                continue
-            opened[0] += 1
-            try:
-                while await sock.receive_some(64):
-                    pass
-            except (trio.BrokenResourceError, OSError):
-                pass
-            finally:
-                await sock.aclose()
-            await trio.sleep(0.2)
-
-    async with trio.open_nursery() as nursery:
-        for _ in range(n):
-            nursery.start_soon(one)
 
 
 def test_idle_connections_on_the_lane_port_do_not_take_the_stage_away(ckpt, fl):
@@ -46,7 +23,7 @@ def test_idle_connections_on_the_lane_port_do_not_take_the_stage_away(ckpt, fl):
         with trio.fail_after(120):
             async with fl.fleet(ckpt, SPLIT) as f, trio.open_nursery() as attack:
                 for _, server, _ in f.stages:
-                    attack.start_soon(_hold_idle, server.lane_listener.bound_port, IDLE, opened)
+                    attack.start_soon(hold_idle, server.lane_listener.bound_port, IDLE, opened)
                 while opened[0] < IDLE * len(SPLIT):
                     await trio.sleep(0.05)
                 for _ in range(10):  # a fresh client each time: each one sets its links (and lanes) up again

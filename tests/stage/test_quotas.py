@@ -10,19 +10,19 @@ import trio
 from sangama_p2p.errors import ErrorCode, LaneError
 from sangama_p2p.net.lane import LaneStream, open_lane
 from sangama_p2p.net.streams import FramedStream
-from sangama_p2p.wire.messages import ErrorMessage, OpenSession, SessionOpened, Step
-from sangama_p2p.wire.protocols import STAGE_PROTOCOL
+from sangama_p2p.wire.messages import ErrorMessage, SessionOpened, Step
+
+from ..hostile import open_session, raw_stage_stream
 
 ONE = [(0, 8)]  # one stage holding every layer: it is the first and the last
 
 
 async def _raw(client_node, server) -> FramedStream:
-    await client_node.connect(server.node.peer_id, server.node.listen_addrs())
-    return FramedStream(await client_node.host.new_stream(server.node.peer_id, [STAGE_PROTOCOL]))
+    return await raw_stage_stream(client_node, server.node.peer_id, server.node.listen_addrs())
 
 
 def _open(sid, client, length=16):
-    return OpenSession(sid, "test-org/tiny-pipeline", 0, 8, None, None, client, length, 0.0, 1.0, 0, 0, False)
+    return open_session(sid, client, length, model_id="test-org/tiny-pipeline", start=0, end=8)
 
 
 def test_one_peer_is_held_to_its_session_quota_while_another_still_opens(ckpt, fl):

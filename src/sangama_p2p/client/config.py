@@ -23,9 +23,10 @@ class ClientConfig:
     the fingerprint group chosen by :func:`sangama_p2p.net.lineup.choose_lineup`). ``step_timeout``: a trip that
     takes longer counts as a failed stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
     giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/2`` round trip
-    (RTT measurement, liveness probe). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
+    (RTT measurement, liveness probe; a new link that tries a lane first has ``lane_timeout`` more). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).
-    ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one).
+    ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one;
+    one that yields no route is taken again at once).
     ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
     states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
     exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.

@@ -132,7 +132,7 @@ class ChainClient:
         self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
 
         async def probe(rec: Any) -> None:
-            with trio.move_on_after(self.config.probe_timeout):
+            with trio.move_on_after(self._probe_s):
                 try:
                     link = await pool.get(rec.peer_id, tuple(rec.addrs))
                     info, rtt = await link.probe()
@@ -158,6 +158,13 @@ class ChainClient:
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
         self.surveyed_at = trio.current_time()
         return [o for o in self.offers if o.peer_id not in exclude]
+
+    @property
+    def _probe_s(self) -> float:
+        """A probe's time: ``probe_timeout`` for the answer, plus ``lane_timeout`` when a new link first tries a lane
+        (a lane port that never answers, or one crowded by idle connections, fails only after it; then the libp2p
+        stream is opened): else such a peer counts as silent although its libp2p stream answers at once."""
+        return self.config.probe_timeout + (self.config.lane_timeout if self.config.lanes else 0.0)
 
     def _mark_silent(self, peer: str) -> None:
         """Remember that ``peer`` did not answer, with the version of the record it had: surveys skip it (no probe,
@@ -203,18 +210,23 @@ class ChainClient:
     async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
                           pin: str | None = None, avoid: frozenset[str] = frozenset()) -> ChainSession:
         """Route (on a survey at most ``max_age`` old), open the session on every stage; re-route around peers
-        that fail (on a fresh survey when ``config.rediscover``). ``pin``: chain only peers of this fingerprint
+        that fail (on a fresh survey when ``config.rediscover``). A re-used survey that yields no route is taken
+        again before this gives up (a peer that replaced a dead one may have joined since). ``pin``: chain only peers of this fingerprint
         (a generation's re-routes keep to the checkpoint it started on). ``avoid``: peers left out wherever a
         route without them exists (the peers of a chain that stalled: one of them swallowed the trip)."""
         tries = 0
         refused: StageRefused | None = None
         while True:
+            asked = trio.current_time()
             offers = await self.survey(frozenset(exclude), max_age=max_age)
             try:
                 route, fingerprint = self._route(offers, exclude | self._avoidable(offers, exclude, pin, avoid), pin)
             except RouteError as exc:
                 if refused is not None:  # the peers that could serve refused: say why, with their code
                     raise refused from exc
+                if self.surveyed_at < asked:  # a re-used survey lacks peers that joined since it: ask once more
+                    max_age = 0.0
+                    continue
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
                                    step_timeout=self.config.step_timeout, stall_factor=self.config.stall_factor,
@@ -257,7 +269,7 @@ class ChainClient:
         pool, dead = self._pool(), set()
 
         async def probe(offer: RouteCandidate) -> None:
-            with trio.move_on_after(self.config.probe_timeout):
+            with trio.move_on_after(self._probe_s):
                 try:
                     link = await pool.get(offer.peer_id, offer.addrs)
                     await link.probe()
