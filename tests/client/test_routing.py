@@ -108,3 +108,23 @@ def test_any_route_is_contiguous_and_optimal(raw):
         assert chain is not None and chain[0].start == 0 and chain[-1].end == 8
         assert all(x.end == y.start for x, y in zip(chain, chain[1:]))
         assert cost(chain) == pytest.approx(best_cost)
+
+
+def test_an_error_inside_async_with_chain_client_comes_out_as_itself():
+    """Not wrapped in an ExceptionGroup by the client's nursery (a caller's ``except RouteError`` must catch it)."""
+    from types import SimpleNamespace
+
+    import trio
+
+    from sangama_p2p.client.config import ClientConfig
+    from sangama_p2p.client.generate import ChainClient
+    from sangama_p2p.errors import RouteError
+
+    node = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "12D3KooWclient"))  # no dial is made
+
+    async def main():
+        with pytest.raises(RouteError, match="no chain"):
+            async with ChainClient(node, ClientConfig("m")):
+                raise RouteError("no chain")
+
+    trio.run(main)

@@ -94,7 +94,9 @@ class ChainClient:
         self.pool = None
         await pool.aclose()
         pool.nursery.cancel_scope.cancel()
-        await cm.__aexit__(*exc)
+        # the nursery is told nothing of the block's own exception, so it propagates as itself (``except
+        # RouteError`` around ``async with ChainClient(...)`` catches it) instead of inside an ExceptionGroup
+        await cm.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
         """Close every stream this client opened (its sessions are freed by the stages)."""
