@@ -63,7 +63,7 @@ def test_send_nowait_writes_at_once_and_only_on_lanes():
 
 
 def test_a_frame_the_socket_takes_in_part_is_finished_before_the_next_one():
-    big = 1 << 20  # 4 MiB of hidden states against a ~16 KiB send buffer: the socket takes only part at once
+    big = 1 << 16  # 256 KiB of hidden states against a ~16 KiB send buffer: the socket takes only part at once
 
     async def main():
         with trio.fail_after(30):
@@ -97,7 +97,7 @@ def test_a_frame_the_socket_takes_in_part_is_finished_before_the_next_one():
 def test_outbox_writes_at_once_when_idle_and_keeps_the_order(sndbuf):
     """``put`` writes an idle lane's frame itself (its builder runs at once: the send stamp is the write); with a
     frame in flight or queued, later items queue behind it; every frame arrives whole and in order."""
-    numel = 1 << 18 if sndbuf else 4
+    numel = 1 << 15 if sndbuf else 4  # 128 KiB frames against an 8 KiB send buffer: written in parts
 
     async def main():
         with trio.fail_after(30):
