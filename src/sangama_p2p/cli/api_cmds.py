@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import guesses, positive_int
-from .hub_cmds import from_hub
 from .process import quiet_libp2p, until_signal
-from .swarm import add_host_args, add_verify_arg, client_peer_config, tokenizer_source
+from .swarm import add_host_args, add_verify_arg, client_model
 
 # the API server, trio and the peer (3-4 s to import: torch and libp2p) are imported in the handler: cli/main.py
 # imports every command module to build its parser (`sangama-peer --help` takes 0.1 s).
@@ -55,14 +54,7 @@ def _api(args: argparse.Namespace) -> int:
     from ..peer import Peer
 
     quiet_libp2p()
-    hub_path, hub_id = from_hub(args.model, metadata_only=True)  # hf:...: the tokenizer, template and config
-    if hub_id is not None:
-        args.model = str(hub_path)
-    config, model_id = client_peer_config(args, args.model)
-    if hub_id is not None:
-        model_id = hub_id
-        config = config.replace(client=config.client.replace(model_id=hub_id))
-    config, model_id, source = tokenizer_source(args, config, model_id, "api")
+    config, model_id, source = client_model(args, "api")
     file_config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     api = file_config.api or ApiConfig()
     flags: dict[str, Any] = {"host": args.host, "port": args.port, "api_key_file": args.api_key_file,

@@ -25,9 +25,8 @@ from ..model.chat import ChatPrompt, ChatTemplate, trim_to_fit
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder, Tokenizer
 from .argtypes import guesses, non_negative_int, positive_int
-from .hub_cmds import from_hub
 from .process import quiet_libp2p, sangama_errors
-from .swarm import add_host_args, add_verify_arg, client_peer_config, default_guesses, tokenizer_source
+from .swarm import add_host_args, add_verify_arg, client_model, default_guesses
 from .tables import print_where_time_goes
 
 if TYPE_CHECKING:
@@ -120,14 +119,7 @@ def _chat(args: argparse.Namespace) -> int:
     from ..peer import Peer
 
     quiet_libp2p()
-    hub_path, hub_id = from_hub(args.model, metadata_only=True)  # hf:...: the tokenizer, template and config
-    if hub_id is not None:
-        args.model = str(hub_path)
-    config, model_id = client_peer_config(args, args.model)
-    if hub_id is not None:
-        model_id = hub_id
-        config = dataclasses.replace(config, client=dataclasses.replace(config.client, model_id=hub_id))
-    config, model_id, source = tokenizer_source(args, config, model_id, "chat")
+    config, model_id, source = client_model(args, "chat")
     config = dataclasses.replace(config, tokenizer_path=None)  # the tokenizer is ours: read below, once
     model = open_chat_model(source)
     tokenizer, template = model.tokenizer, model.template

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import CheckpointError, NetworkError, SangamaError
 from ..model.spec import ModelSpec
 from .argtypes import fraction
+from .hub_cmds import from_hub
 
 if TYPE_CHECKING:
     from ..net.config import HostConfig
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 # Imports of the host, peer and client modules stay inside the functions below: each pulls in libp2p (0.8-1.4 s) or
 # torch (1.4-2.6 s), and every command module imports this one to build the parser (cli/main.py).
 
-__all__ = ["BOOTSTRAP_DIR", "add_host_args", "add_verify_arg", "client_peer_config", "default_bootstrap_addrs", "default_guesses",
-           "host_config", "need_tokenizer", "tokenizer_source"]
+__all__ = ["BOOTSTRAP_DIR", "add_host_args", "add_verify_arg", "client_model", "client_peer_config",
+           "default_bootstrap_addrs", "default_guesses", "host_config", "need_tokenizer", "tokenizer_source"]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parents[3] / "bootstrap"
 
@@ -142,3 +143,16 @@ def default_guesses(checkpoint: Path) -> int | str:
     except SangamaError:  # a directory with only the tokenizer: ask for guesses and let the swarm say
         return "auto"
     return "auto" if spec.mtp_num_layers else 0
+
+
+def client_model(args: argparse.Namespace, command: str) -> tuple[PeerConfig, str, Path]:
+    """(client config, model id, tokenizer source) for a client command's ``--model``, ``hf:ORG/REPO[...]`` included
+    (only its tokenizer, template and config are fetched: the stages hold the weights)."""
+    hub_path, hub_id = from_hub(args.model, metadata_only=True)
+    if hub_id is not None:
+        args.model = str(hub_path)
+    config, model_id = client_peer_config(args, args.model)
+    if hub_id is not None:
+        model_id = hub_id
+        config = config.replace(client=config.client.replace(model_id=hub_id))
+    return tokenizer_source(args, config, model_id, command)

@@ -105,7 +105,6 @@ class ChainTransport:
             return [None]
         if not trip.chunk:
             self.result.route = self.session.peers
-            self.result.links = self.session.link_kinds()
         emitted = 0 if trip.chunk else len(res.tokens)
         self.result.trips.append(trip_timing(trip.number, len(trip.tokens), emitted, trip_s, res.trace))
         return [Answer(tuple(res.tokens), tuple(res.guesses))]
@@ -143,6 +142,8 @@ class ChainTransport:
 
     async def close(self) -> None:
         self.client.active.pop(id(self.result), None)
+        if self.result.route:  # what carried each hop at the end (read once, not per trip)
+            self.result.links = self.session.link_kinds()
         try:
             if self.verifier is not None:
                 await self.verifier.aclose()

@@ -10,7 +10,7 @@ from typing import Any
 import multiaddr
 from libp2p.abc import INetConn
 
-__all__ = ["is_relayed", "is_wildcard", "order_addrs", "remote_addr", "strip_p2p"]
+__all__ = ["is_relayed", "is_site_local", "is_wildcard", "order_addrs", "remote_addr", "strip_p2p"]
 
 # Site-local ranges: dialled after public ones. Documentation and benchmark ranges (198.18/15, 203.0.113/24, ...)
 # count as public on purpose: network-namespace tests use them as "the internet".
@@ -18,6 +18,10 @@ _LOCAL_NETS = tuple(
     ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
 )
 
+
+def is_site_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """A link-local or private-range address: reachable only inside its site (dialled after public ones)."""
+    return ip.is_link_local or any(ip in net for net in _LOCAL_NETS if net.version == ip.version)
 
 
 def order_addrs(addrs: Any) -> list[multiaddr.Multiaddr]:
@@ -44,7 +48,7 @@ def _addr_rank(addr: multiaddr.Multiaddr) -> int:
             continue
         if ip.is_loopback:
             return 2
-        return 1 if ip.is_link_local or any(ip in net for net in _LOCAL_NETS if net.version == ip.version) else 0
+        return 1 if is_site_local(ip) else 0
     return 0  # dns names: assume public
 
 

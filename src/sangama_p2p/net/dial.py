@@ -37,6 +37,7 @@ from libp2p.abc import INetConn
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError
+from .addrs import is_site_local
 from .dht import values_from_network
 from .node import Node
 from .records import decode_record, record_key
@@ -48,9 +49,6 @@ log = logging.getLogger(__name__)
 
 ANNOUNCED, OBSERVED, PRIVATE, CIRCUIT = "announced", "observed", "private", "circuit"
 _RANK = {ANNOUNCED: 0, OBSERVED: 1, PRIVATE: 2, CIRCUIT: 3}
-_LOCAL_NETS = tuple(
-    ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
-)
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ def _kind(addr: str, announced: bool) -> str:
             ip = ipaddress.ip_address(parts[1])
         except ValueError:
             return OBSERVED
-        if ip.is_loopback or ip.is_link_local or any(ip in n for n in _LOCAL_NETS if n.version == ip.version):
+        if ip.is_loopback or is_site_local(ip):
             return PRIVATE
     return ANNOUNCED if announced else OBSERVED
 
