@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -183,6 +184,20 @@ def _expand_experts(names: list[str], n_experts: int) -> list[str]:
         projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
         out += [f"{m.group(1)}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
     return out
+
+
+def test_qwen35moe_gets_rope_sections_without_mrope_section(tmp_path: Path, tiny) -> None:
+    """llama.cpp refuses a qwen35moe file without ``rope.dimension_sections`` ("key not found"); a made text-only
+    config has no ``mrope_section``, so the writer splits the rotary pairs as Qwen3.5 does (llama.cpp's converter
+    wrote 3, 3, 2 of 8 pairs for the fixture, whose config has them)."""
+    config = json.loads((tiny["qwen3_5_moe"] / "config.json").read_text())
+    assert "mrope_section" not in (config.get("rope_parameters") or {})
+    (out,) = write_gguf(tiny["qwen3_5_moe"], tmp_path / "m.gguf", "F32")
+    spec, src, _ = open_gguf(out)
+    src.close()
+    half = spec.rotary_dim // 2
+    sections = [int(v) for v in GGUFFile(out).metadata["qwen35moe.rope.dimension_sections"]]
+    assert len(sections) == 4 and sum(sections) == half and sections[3] == 0 and sections[0] >= sections[1] >= sections[2]
 
 
 def test_writer_rejects_unknown_type(tmp_path: Path, tiny) -> None:

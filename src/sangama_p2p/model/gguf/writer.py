@@ -109,8 +109,12 @@ def _metadata(w: Any, spec: ModelSpec, config: dict[str, Any], name: str, qname:
         w.add_string(a + "rope.scaling.type", "linear")
         w.add_float32(a + "rope.scaling.factor", spec.rope_linear)
     rope = dict(config.get("rope_parameters") or {})
-    if not dense and rope.get("mrope_section"):
-        sections = [int(s) for s in rope["mrope_section"]]
+    if not dense:  # llama.cpp requires the M-RoPE sections of qwen35moe; a text-only config may lack them. Text
+        # positions are equal in every section, so any split of the rotary pairs is the same rotation: Qwen3.5's own
+        # (11, 11, 10 of 32 pairs; 3, 3, 2 of 8 in llama.cpp's converter output) where the config has none
+        half = spec.rotary_dim // 2
+        third = -(-half // 3)
+        sections = [int(s) for s in rope.get("mrope_section") or (third, third, half - 2 * third)]
         w.add_array(a + "rope.dimension_sections", (sections + [0, 0, 0, 0])[:4])
     w.add_float32(a + "rope.freq_base", spec.rope_theta)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", spec.rms_norm_eps)
