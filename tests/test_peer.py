@@ -152,3 +152,23 @@ def test_errors_are_typed(tiny: Path, tmp_path: Path) -> None:
             await p.serve(tiny, "0:2")
 
     trio.run(main)
+
+
+def test_a_client_peer_takes_its_tokenizer_from_a_gguf_file(tiny: Path, tmp_path: Path) -> None:
+    """``tokenizer_path`` may name a ``.gguf`` file (the demo and benchmarks pass the model they run): its embedded
+    tokenizer and end-of-sequence id, as the checkpoint's own, with no tensor read."""
+    from sangama_p2p.model.gguf import write_gguf
+
+    (gguf,) = write_gguf(tiny, tmp_path / "tiny.gguf", "Q8_0")
+    ref = open_checkpoint(tiny).tokenizer
+    seen: dict = {}
+
+    async def main() -> None:
+        config = PeerConfig(host=host(tmp_path, "c"), client=ClientConfig(model_id="tiny"), tokenizer_path=gguf)
+        async with Peer(config) as c:
+            seen["ids"] = c.encode("def fibonacci(n):")
+            seen["text"] = c.tokenizer.decode(seen["ids"])
+
+    trio.run(main)
+    assert seen["ids"] == ref.encode("def fibonacci(n):")
+    assert seen["text"] == "def fibonacci(n):"

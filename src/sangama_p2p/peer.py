@@ -31,6 +31,7 @@ from .client.config import ClientConfig
 from .client.generate import ChainClient, GenerationResult
 from .config import PeerConfig, default_model_id
 from .errors import LayerRangeError, ModelError, SangamaError, StageError
+from .model.chat_model import open_chat_model
 from .model.checkpoint import Checkpoint, open_checkpoint
 from .model.fingerprint import stage_identity
 from .model.spec import ModelSpec, parse_layer_range
@@ -275,6 +276,10 @@ class Peer:
     # generating -------------------------------------------------------------------------------------------------
 
     def _load_tokenizer(self, path: Path) -> None:
+        if path.suffix == ".gguf" and path.is_file():  # the file's metadata only (no tensor is indexed)
+            chat = open_chat_model(path)
+            self._tokenizer, self._eos = chat.tokenizer, chat.eos_ids
+            return
         self._tokenizer = Tokenizer.from_dir(path)
         try:
             self._eos = tuple(ModelSpec.from_dir(path).eos_token_ids)
