@@ -203,3 +203,23 @@ def test_process_rss_of_a_fused_stage(tmp_path: Path, qtype: str, bound: float) 
                          timeout=300, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["delta"] <= bound * got["in_file"], (got, got["delta"] / got["in_file"])
+
+
+def test_native_mlp_and_decode_experts_equal_the_generic_products(tmp_path: Path, tiny) -> None:
+    """The repacked SwiGLU chains its products in the kernels' dtype (one cast in, none between gate/up and down):
+    the same numbers as the generic ``linear`` composition, bit for bit; the decode loop over a row's experts adds
+    their outputs with the routing weights as ``add_``'s alpha (a fused multiply-add: equal to rounding)."""
+    from sangama_p2p.model.linear import linear
+
+    spec, src = _gguf(tmp_path, tiny["qwen3_5_moe"], "Q4_K")
+    stage = StageModel.load(spec, src, 0, spec.num_layers)
+    moe = stage.layers[0].ffn
+    x = torch.randn(1, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    for mlp in (moe.experts[-1], moe.shared):
+        assert mlp.native and mlp.takes == torch.bfloat16
+        gate, up = linear(x, mlp.gate_up.parts[0]).split(mlp.gate_up.sizes, dim=-1)
+        assert torch.equal(mlp.forward(x), linear(torch.nn.functional.silu(gate) * up, mlp.down))
+    n = spec.num_experts
+    experts, weights = [n - 1, 0, n // 2], [0.5, 0.3, 0.2]
+    want = sum(w * moe.experts[e].forward(x) for e, w in sorted(zip(experts, weights)))
+    torch.testing.assert_close(moe._decode_experts(x, experts, weights), want, rtol=1e-6, atol=1e-7)

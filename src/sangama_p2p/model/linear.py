@@ -92,6 +92,12 @@ class DenseMLP:
         self.gate_up = FusedLinear([load(f"{prefix}.gate_proj.weight"), load(f"{prefix}.up_proj.weight")], biases)
         self.down = load(f"{prefix}.down_proj.weight")
         self.down_bias = dense(load(f"{prefix}.down_proj.bias"), torch.float32) if bias else None
+        parts = self.gate_up.parts
+        # one repacked gate/up and a repacked down, no biases: their products chain in the kernels' own dtype
+        self.native = len(parts) == 1 and isinstance(parts[0], FusedWeight) and isinstance(self.down, FusedWeight) \
+            and not bias
+        pd = {parts[0].product_dtype, self.down.product_dtype} if self.native else {None}  # type: ignore[union-attr]
+        self.takes: torch.dtype | None = pd.pop() if len(pd) == 1 else None  # what forward_native takes uncast
 
     def weights(self) -> Iterator[Weight]:
         yield from self.gate_up.weights()
@@ -100,5 +106,17 @@ class DenseMLP:
             yield self.down_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dim() == 2 and not MIN_ROWS.get():
+            return self.forward_native(x).to(x.dtype)
         gate, up = self.gate_up(x)
         return linear(F.silu(gate) * up, self.down, self.down_bias)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, hidden]`` in the down product's output dtype (``self.native`` only; not
+        batch-invariant): what :meth:`forward` computes, without its last cast.
+
+        The SiLU and the product with ``up`` stay in fp32 (one rounding to bfloat16, at the down product's input).
+        Doing them in bfloat16 saved two casts a call (~4 us) but rounded twice more, and on the tiny MoE preset's
+        near-tied router that flipped a teacher-forced token against the dequantize-per-use path (15 -> 14 of 16)."""
+        gate, up = self.gate_up.parts[0].product(x).float().split(self.gate_up.sizes, dim=-1)  # type: ignore[union-attr]
+        return self.down.product(F.silu(gate).mul_(up))  # type: ignore[union-attr]

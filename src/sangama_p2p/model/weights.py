@@ -17,7 +17,7 @@ import abc
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Protocol, Union, runtime_checkable
+from typing import ClassVar, Iterable, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -57,10 +57,17 @@ class FusedWeight(abc.ABC):
 
     shape: tuple[int, ...]
     nbytes: int
+    # the dtype :meth:`product` returns and takes without a cast (None: the input's)
+    product_dtype: ClassVar[torch.dtype | None] = None
 
     @abc.abstractmethod
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] -> [..., out]`` in ``x``'s dtype."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in] -> [M, out]`` in the kernel's own output dtype (``x``'s unless a subclass says otherwise), for
+        callers that pass the result straight to another product or add it to a wider residual."""
+        return self.linear(x)
 
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
