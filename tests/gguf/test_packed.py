@@ -124,18 +124,23 @@ def test_memory_of_repacked_weights() -> None:
         assert repack(qt, torch.float32).nbytes <= ratio * qt.nbytes
 
 
-@pytest.mark.parametrize("parts", [[576, 192, 192], [64, 40], [40, 64]])
-def test_concatenated_projections_equal_the_parts(parts: list[int]) -> None:
-    """FusedLinear joins repacked q/k/v (or gate/up) into one product when the packed layout allows it."""
+@pytest.mark.parametrize("parts,products", [([576, 192, 192], 1), ([64, 40], 1), ([40, 64], 2),
+                                            ([1024, 512, 8, 8], 2), ([8, 64, 8], 2), ([8, 8, 8], 3)])
+def test_concatenated_projections_equal_the_parts(parts: list[int], products: int) -> None:
+    """FusedLinear joins repacked q/k/v (or gate/up) into one product when the packed layout allows it, and parts
+    that cannot all be joined in runs, in order (a part that fills no whole 64-row tile ends a run: a Gated
+    DeltaNet's q/k/v, z, beta and alpha are two products)."""
     cols = 576
     weights = [repack(QuantTensor(QType.Q8_0, torch.from_numpy(_blocks(QType.Q8_0, r, cols, seed=i)), cols),
                       torch.float32) for i, r in enumerate(parts)]
     fl = FusedLinear(weights)
-    joinable = all(r % 64 == 0 for r in parts[:-1])
-    assert len(fl.parts) == (1 if joinable else len(parts))
+    assert len(fl.parts) == products
+    assert sum(len(s) for s in fl.splits) == len(parts)
     x = torch.randn(3, cols)
-    for got, w in zip(fl(x), weights):
-        assert torch.allclose(got, w.linear(x), atol=1e-6)
+    got = fl(x)
+    assert len(got) == len(parts)
+    for y, w in zip(got, weights):
+        assert torch.allclose(y, w.linear(x), atol=1e-6)
 
 
 def test_float16_weights_multiply_in_fp16_without_overflow() -> None:

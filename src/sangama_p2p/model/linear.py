@@ -52,29 +52,55 @@ class FusedLinear:
     quantized per use).
 
     The concatenated weight replaces the parts (same bytes), so a decode step makes one call where it made three
-    or four: on CPU the per-call overhead, not the arithmetic, dominates small models.
+    or four: on CPU the per-call overhead, not the arithmetic, dominates small models. Repacked parts that cannot all
+    be joined are joined in runs, in order (a packed layout takes a part that fills no whole tile only last: a Gated
+    DeltaNet's q/k/v, z and 8-row beta in one product, its 8-row alpha in a second, where there were four).
     """
 
     def __init__(self, weights: list[Weight], biases: list[torch.Tensor] | None = None) -> None:
         self.sizes = [int(w.shape[0]) for w in weights]
+        bias_of = list(biases) if biases else [None] * len(weights)
         if all(isinstance(w, torch.Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:
-            self.parts: list[Weight] = [torch.cat(weights)]  # type: ignore[arg-type]
-            self.biases: list[torch.Tensor | None] = [torch.cat(biases) if biases else None]
-        elif isinstance(weights[0], FusedWeight) and (joined := weights[0].concat(weights)) is not None:
-            self.parts = [joined]
-            self.biases = [torch.cat(biases) if biases else None]
+            runs = [list(range(len(weights)))]
+            joined: list[Weight] = [torch.cat(weights)]  # type: ignore[arg-type]
+        elif all(isinstance(w, FusedWeight) for w in weights):
+            runs, joined = _join_runs(weights)  # type: ignore[arg-type]
         else:
-            self.parts = list(weights)
-            self.biases = list(biases) if biases else [None] * len(weights)
+            runs, joined = [[i] for i in range(len(weights))], list(weights)
+        self.parts: list[Weight] = joined
+        self.biases: list[torch.Tensor | None] = [
+            torch.cat([bias_of[i] for i in run]) if biases else None for run in runs]  # type: ignore[misc]
+        self.splits = [[self.sizes[i] for i in run] for run in runs]  # each part's outputs
 
     def weights(self) -> Iterator[Weight]:
         yield from self.parts
         yield from (b for b in self.biases if b is not None)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if len(self.parts) == 1:
-            return list(linear(x, self.parts[0], self.biases[0]).split(self.sizes, dim=-1))
-        return [linear(x, w, b) for w, b in zip(self.parts, self.biases)]
+        out: list[torch.Tensor] = []
+        for w, b, sizes in zip(self.parts, self.biases, self.splits):
+            y = linear(x, w, b)
+            out.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
+        return out
+
+
+def _join_runs(weights: list[FusedWeight]) -> tuple[list[list[int]], list[Weight]]:
+    """Maximal runs of consecutive repacked weights that their type joins, and the joined weights (each run built
+    once: ``joinable`` decides without copying)."""
+    runs: list[list[int]] = [[0]]
+    for i in range(1, len(weights)):
+        run = runs[-1] + [i]
+        if type(weights[run[0]]).joinable([weights[j] for j in run]):
+            runs[-1] = run
+        else:
+            runs.append([i])
+    joined: list[Weight] = []
+    for run in runs:
+        parts = [weights[j] for j in run]
+        one = parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)
+        assert one is not None, "concat must join what joinable accepts"
+        joined.append(one)
+    return runs, joined
 
 
 def norm_weight(w: Weight, spec: ModelSpec) -> torch.Tensor:

@@ -74,6 +74,11 @@ class FusedWeight(abc.ABC):
         """The weight as a dense tensor (what the kernel multiplies by)."""
 
     @staticmethod
+    def joinable(parts: list["FusedWeight"]) -> bool:
+        """Whether :meth:`concat` would join ``parts`` (checked without building the joined weight)."""
+        return False
+
+    @staticmethod
     def concat(parts: list["FusedWeight"]) -> "FusedWeight | None":
         return None
 

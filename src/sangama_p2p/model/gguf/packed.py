@@ -187,18 +187,25 @@ class Int4Weight(FusedWeight):
         return self
 
     @staticmethod
-    def concat(parts: list[FusedWeight]) -> "Int4Weight | None":
-        """The parts stacked along N (one product for q/k/v or gate/up), or None where the layout does not allow it:
-        the same K and number of planes, and every part but the last filling whole 64-row tiles of the packed
+    def joinable(parts: list[FusedWeight]) -> bool:
+        """The same K and number of planes, and every part but the last filling whole 64-row tiles of the packed
         layout."""
         if not all(isinstance(p, Int4Weight) for p in parts):
-            return None
+            return False
         ps: list[Int4Weight] = parts  # type: ignore[assignment]
         first = ps[0]
         if any(p.k != first.k or p.planes != first.planes or p.in_perm is not None for p in ps):
+            return False
+        return not any(p.padded != p.n or p.n % _ROW_TILE for p in ps[:-1])
+
+    @staticmethod
+    def concat(parts: list[FusedWeight]) -> "Int4Weight | None":
+        """The parts stacked along N (one product for q/k/v or gate/up), or None where the layout does not allow it
+        (:meth:`joinable`)."""
+        if not Int4Weight.joinable(parts):
             return None
-        if any(p.padded != p.n or p.n % _ROW_TILE for p in ps[:-1]):
-            return None
+        ps: list[Int4Weight] = parts  # type: ignore[assignment]
+        first = ps[0]
         packed = torch.cat([p.packed for p in ps])
         sz = torch.cat([p.scales_zeros for p in ps], dim=1)
         return Int4Weight(packed, sz, sum(p.n for p in ps[:-1]) + ps[-1].n, first.k, first.planes,
@@ -280,11 +287,16 @@ class FloatLinear(FusedWeight):
         return FloatLinear(self.weight.to(device))
 
     @staticmethod
-    def concat(parts: list[FusedWeight]) -> "FloatLinear | None":
+    def joinable(parts: list[FusedWeight]) -> bool:
         if not all(isinstance(p, FloatLinear) for p in parts):
+            return False
+        return len({p.weight.dtype for p in parts}) == 1  # type: ignore[attr-defined]
+
+    @staticmethod
+    def concat(parts: list[FusedWeight]) -> "FloatLinear | None":
+        if not FloatLinear.joinable(parts):
             return None
-        ws = [p.weight for p in parts]  # type: ignore[attr-defined]
-        return FloatLinear(torch.cat(ws)) if len({w.dtype for w in ws}) == 1 else None
+        return FloatLinear(torch.cat([p.weight for p in parts]))  # type: ignore[attr-defined]
 
 
 def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None] | None = None) -> Weight:
