@@ -11,7 +11,9 @@ Qwen3.5-MoE Q4_K_M.
 Each round runs, per file and thread count, llama-bench then ours, each in a fresh process: decode tokens/s (64
 tokens after a 4-token prompt; llama-bench `-p 0 -n 64`), prefill tokens/s (512 tokens; `-p 512 -n 0`) and the
 process's peak RSS (ru_maxrss of the child). Ours is `sangama-peer generate --local FILE --threads T`, one stage.
-Medians over the rounds; prints a table and writes benchmarks/results/vs_llamacpp.json.
+Medians over the rounds; prints a table and writes benchmarks/results/vs_llamacpp.json. ``--cpu-time``: instead,
+CPU milliseconds per decode token of both at one thread (256 minus 16 generated tokens, so start-up cancels; the
+steadier figure on a shared machine), written to benchmarks/results/vs_llamacpp_cpu.json.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "
                "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
 
 
-def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, float]:
-    """(stdout, peak RSS in MiB) of one child process."""
+def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, float, float]:
+    """(stdout, peak RSS in MiB, CPU seconds: user + system) of one child process."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -44,7 +46,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, float]:
         err.seek(0)
         if proc.returncode != 0:
             raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}): {err.read().decode()[-2000:]}")
-        return out.read().decode(), usage.ru_maxrss / 1024
+        return out.read().decode(), usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def find_or_build_llama_cpp(given: str | None) -> Path:
@@ -86,7 +88,7 @@ def made_qwen_moe(out_dir: Path) -> Path:
 def llama_bench(tree: Path, path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, float]:
     cmd = [str(tree / "build" / "bin" / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
            "-n", str(gen), "-r", "1", "-o", "json"]
-    out, rss = run_measured(cmd)
+    out, rss, _ = run_measured(cmd)
     return float(json.loads(out)[0]["avg_ts"]), rss
 
 
@@ -94,7 +96,7 @@ def ours(path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, flo
     ids = ",".join(str(1 + (i * 7919) % 1000) for i in range(prompt))
     cmd = [sys.executable, "-m", "sangama_p2p.cli.main", "generate", "--local", str(path), "--prompt-ids", ids,
            "--max-new-tokens", str(gen), "--ignore-eos", "--threads", str(threads), "--json"]
-    out, rss = run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1"))
+    out, rss, _ = run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1"))
     doc = json.loads(out)
     if gen > 1:
         return float(doc["decode_tokens_per_s"]), rss
@@ -103,8 +105,42 @@ def ours(path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, flo
 
 def baseline_rss() -> float:
     """Peak RSS of Python + torch + the package imported, nothing loaded (what our column carries beyond weights)."""
-    _, rss = run_measured([sys.executable, "-c", "import torch, sangama_p2p.model.chain, sangama_p2p.model.gguf"])
+    _, rss, _ = run_measured([sys.executable, "-c", "import torch, sangama_p2p.model.chain, sangama_p2p.model.gguf"])
     return rss
+
+
+def cpu_per_token(tree: Path, files: dict[str, Path], rounds: int) -> list[dict]:
+    """CPU ms per decode token of both programs at one thread, from whole processes in turn (ours, llama.cpp, ...):
+    (median CPU seconds at 256 generated tokens - at 16) / 240, which cancels start-up, loading and prefill; steadier
+    than tokens/s on a shared machine, where a process's CPU time counts only the time it ran."""
+    long, short = 256, 16
+    ids = "1,2,3,4"
+
+    def ours_cpu(path: Path, n: int) -> float:
+        cmd = [sys.executable, "-m", "sangama_p2p.cli.main", "generate", "--local", str(path), "--prompt-ids", ids,
+               "--max-new-tokens", str(n), "--ignore-eos", "--threads", "1", "--json"]
+        return run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1"))[2]
+
+    def llama_cpu(path: Path, n: int) -> float:
+        cmd = [str(tree / "build" / "bin" / "llama-bench"), "-m", str(path), "-t", "1", "-p", "0", "-n", str(n),
+               "-r", "1", "-o", "json"]
+        return run_measured(cmd)[2]
+
+    rows = []
+    for label, path in files.items():
+        ours_cpu(path, short)  # warm the page cache and the interpreter's caches once
+        cpu: dict[tuple[str, int], list[float]] = {}
+        for _ in range(rounds):
+            for n in (long, short):
+                cpu.setdefault(("ours", n), []).append(ours_cpu(path, n))
+                cpu.setdefault(("llama.cpp", n), []).append(llama_cpu(path, n))
+        med = {key: statistics.median(v) for key, v in cpu.items()}
+        ours_ms = (med[("ours", long)] - med[("ours", short)]) / (long - short) * 1e3
+        llama_ms = (med[("llama.cpp", long)] - med[("llama.cpp", short)]) / (long - short) * 1e3
+        rows.append({"file": label, "ours_cpu_ms_per_token": round(ours_ms, 2),
+                     "llama_cpp_cpu_ms_per_token": round(llama_ms, 2), "ratio": round(llama_ms / ours_ms, 3),
+                     "cpu_s": {f"{who} {n}": [round(x, 3) for x in v] for (who, n), v in cpu.items()}})
+    return rows
 
 
 def main() -> None:
@@ -114,12 +150,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--files", nargs="*", default=None, metavar="LABEL=PATH")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="instead: CPU ms per decode token of both programs at one thread (cpu_per_token)")
     args = ap.parse_args()
     tree = find_or_build_llama_cpp(args.llama_cpp)
     files = dict(f.split("=", 1) for f in args.files) if args.files else default_files()
     files = {k: Path(v) for k, v in files.items()}
     if not args.files:
         files["made Qwen3.5-MoE Q4_K"] = made_qwen_moe(Path.home() / ".cache" / "sangama-bench")
+    if args.cpu_time:
+        rows = cpu_per_token(tree, files, args.rounds)
+        print(f"{'file':<24} {'ours CPU ms/token':>18} {'llama.cpp CPU ms/token':>23} {'ratio':>6}")
+        for row in rows:
+            print(f"{row['file']:<24} {row['ours_cpu_ms_per_token']:>18.2f} {row['llama_cpp_cpu_ms_per_token']:>23.2f} "
+                  f"{row['ratio']:>6.2f}")
+        RESULTS.mkdir(exist_ok=True)
+        doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg": os.getloadavg(),
+               "rounds": args.rounds, "llama_cpp": str(tree), "rows": rows}
+        (RESULTS / "vs_llamacpp_cpu.json").write_text(json.dumps(doc, indent=1) + "\n")
+        return
     threads = [int(t) for t in args.threads.split(",")]
     kinds = [("decode", 4, 64)] + ([] if args.no_prefill else [("prefill", 512, 1)])
     samples: dict[tuple, list] = {}
