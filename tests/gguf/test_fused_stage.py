@@ -208,7 +208,8 @@ def test_process_rss_of_a_fused_stage(tmp_path: Path, qtype: str, bound: float) 
 def test_native_mlp_and_decode_experts_equal_the_generic_products(tmp_path: Path, tiny) -> None:
     """The repacked SwiGLU chains its products in the kernels' dtype (one cast in, none between gate/up and down):
     the same numbers as the generic ``linear`` composition, bit for bit; the decode loop over a row's experts adds
-    their outputs with the routing weights as ``add_``'s alpha (a fused multiply-add: equal to rounding)."""
+    their outputs with the routing weights as ``add_``'s alpha, the shared expert's gate as one number (equal to
+    rounding)."""
     from sangama_p2p.model.linear import linear
 
     spec, src = _gguf(tmp_path, tiny["qwen3_5_moe"], "Q4_K")
@@ -221,5 +222,6 @@ def test_native_mlp_and_decode_experts_equal_the_generic_products(tmp_path: Path
         assert torch.equal(mlp.forward(x), linear(torch.nn.functional.silu(gate) * up, mlp.down))
     n = spec.num_experts
     experts, weights = [n - 1, 0, n // 2], [0.5, 0.3, 0.2]
-    want = sum(w * moe.experts[e].forward(x) for e, w in sorted(zip(experts, weights)))
+    routed = sum(w * moe.experts[e].forward(x) for e, w in sorted(zip(experts, weights)))
+    want = moe._add_shared(x, routed)  # the shared expert, gated as the many-row path gates it
     torch.testing.assert_close(moe._decode_experts(x, experts, weights), want, rtol=1e-6, atol=1e-7)

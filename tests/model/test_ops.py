@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sangama_p2p.model.ops import apply_rope, delta_rule_short, delta_rule_steps, rope_tables, rotate_half_index
+from sangama_p2p.model.ops import (apply_rope, delta_rule_one, delta_rule_short, delta_rule_steps, rope_tables,
+                                   rotate_half_index)
 
 
 def _delta_inputs(bsz: int, t: int, seed: int, heads: int = 4, dk: int = 16, dv: int = 8):
@@ -35,6 +36,19 @@ def test_delta_rule_short_equals_the_position_loop(bsz, t):
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-6)
     torch.testing.assert_close(keep, ref_keep, rtol=0, atol=1e-6)
     torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bsz", [1, 2, 5])
+def test_delta_rule_one_equals_the_position_loop_at_one_position(bsz):
+    """The decode step's batched products: the loop's output and state, in place, to rounding."""
+    q, k, v, log_decay, beta, state = _delta_inputs(bsz, 1, seed=7 + bsz, heads=8, dk=64, dv=64)
+    ref_state = state.clone()
+    ref_out = delta_rule_steps(q, k, v, log_decay.exp(), beta, ref_state)
+    ptr = state.data_ptr()
+    out = delta_rule_one(q, k, v, log_decay.exp(), beta, state)
+    assert state.data_ptr() == ptr and out.shape == ref_out.shape == (bsz, 1, 8, 64)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=2e-6)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=2e-6)
 
 
 def test_delta_rule_short_without_ring_and_with_strong_decay():

@@ -60,8 +60,9 @@ def test_partial_records_stay_within_the_input_budget_and_memory_returns(ckpt, f
                 assert sorted(took) == [-1] * 7 + [24 * MiB], took
                 assert budget.peak <= budget.limit and budget.used == 48 * MiB + 4
                 # the old code grew by 194 MiB here; inside a long pytest process the allocator keeps some freed
-                # chunks, so the figure read 110 MiB in a whole-suite run (the lone test: under 64 MiB)
-                assert during - baseline < 128 * MiB, (during - baseline) / MiB
+                # chunks, so the figure read 110 MiB in a whole-suite run and 131.6 MiB after tests/model, gguf and
+                # client in one process (the lone test: under 64 MiB); 160 still fails the old code
+                assert during - baseline < 160 * MiB, (during - baseline) / MiB
                 for lane in lanes:
                     await lane.close()
                 with trio.fail_after(5):

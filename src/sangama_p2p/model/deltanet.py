@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .linear import MIN_ROWS, FusedLinear, Loader, linear
-from .ops import causal_conv, delta_rule_chunked, delta_rule_short, delta_rule_steps, l2norm, rms_norm
+from .ops import causal_conv, delta_rule_chunked, delta_rule_one, delta_rule_short, delta_rule_steps, l2norm, rms_norm
 from .spec import ModelSpec
 from .state import LinearLayerState, Segment
 from .weights import Weight, dense
@@ -152,6 +152,8 @@ class GatedDeltaNet:
             out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gate), fold(bet),
                                      rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
+        elif looped and t == 1 and after is None and not MIN_ROWS.get() and rec.is_contiguous():
+            out = delta_rule_one(q, k, v, gate, bet, rec)  # decode: batched products (equal to rounding)
         elif looped:
             out = delta_rule_steps(q, k, v, gate, bet, rec, after)
         else:

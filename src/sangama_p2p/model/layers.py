@@ -153,7 +153,7 @@ class MoE:
             # below: 46 vs 95 us per layer for one row of the tiny model); the batch-invariant mode always
             return self._add_shared(x, st.dense(x, top_i, top_w))
         if n == 1 and not MIN_ROWS.get():  # one token (decode): no gathering or scattering at all
-            return self._add_shared(x, self._decode_experts(x, top_i[0].tolist(), top_w[0].tolist()))
+            return self._decode_experts(x, top_i[0].tolist(), top_w[0].tolist())
         if st is not None and not MIN_ROWS.get() and (out := st.grouped(x, top_i, top_w)) is not None:
             return self._add_shared(x, out)
         out = torch.zeros_like(x)
@@ -172,16 +172,23 @@ class MoE:
         return self._add_shared(x, out)
 
     def _decode_experts(self, x: torch.Tensor, experts: list[int], weights: list[float]) -> torch.Tensor:
-        """One row through its experts, summed with their routing weights (in expert order). Repacked experts take
-        the row cast once for all of them and give their outputs in the kernels' dtype, added in ``x``'s: per expert
-        one call less per product and no indexing of the weights (``add_`` takes each as a number)."""
+        """One row through its experts, summed with their routing weights (in expert order), then the shared expert
+        with its sigmoid gate. Repacked experts take the row cast once for all of them and give their outputs in the
+        kernels' dtype, added in ``x``'s: per expert one call less per product and no indexing of the weights
+        (``add_`` takes each as a number); the shared expert's gate is one number too (its sigmoid of one value,
+        not of the [N, hidden] broadcast that :meth:`_add_shared` takes for batch invariance)."""
         out = torch.zeros_like(x)
-        takes = {self.experts[e].takes for e in experts}
-        native = len(takes) == 1 and all(self.experts[e].native for e in experts)
+        mlps = [self.experts[e] for e in experts] + ([self.shared] if self.shared is not None else [])
+        takes = {m.takes for m in mlps}
+        native = len(takes) == 1 and all(m.native for m in mlps)
         xin = x.to(next(iter(takes)) or x.dtype) if native else x
         for slot, e in sorted(enumerate(experts), key=lambda se: se[1]):
             mlp = self.experts[e]
             out.add_(mlp.forward_native(xin) if native else mlp.forward(x), alpha=weights[slot])
+        if self.shared is not None:
+            logit = (x * dense(self.shared_gate, x.dtype).reshape(1, -1)).sum()
+            gate = float(torch.sigmoid(logit))
+            out.add_(self.shared.forward_native(xin) if native else self.shared.forward(x), alpha=gate)
         return out
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ __all__ = [
     "attend_invariant",
     "causal_conv",
     "delta_rule_chunked",
+    "delta_rule_one",
     "delta_rule_short",
     "delta_rule_steps",
     "l2norm",
@@ -145,6 +146,23 @@ def delta_rule_steps(
     if keep is not None and q.shape[1]:
         state.copy_(prev)
     return out
+
+
+def delta_rule_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> torch.Tensor:
+    """One position of the gated delta rule for B sessions (decode), with batched products: the maths and arguments
+    of :func:`delta_rule_steps` at T = 1 without a ring, ``state`` contiguous. Six ops where the loop takes about
+    25 (21 against 34 us for Qwen3.5-MoE's 8 heads of 64 x 64 here); the products sum in bmm's order, so the result
+    equals the loop's to rounding, not bit for bit (the batch-invariant mode keeps the loop)."""
+    b, _, h, dk = k.shape
+    dv = v.shape[-1]
+    s = state.view(b * h, dk, dv)
+    s.mul_(decay.reshape(b * h, 1, 1))
+    kr = k.reshape(b * h, 1, dk)
+    delta = (v.reshape(b * h, 1, dv) - torch.bmm(kr, s)).mul_(beta.reshape(b * h, 1, 1))
+    s.baddbmm_(kr.transpose(1, 2), delta)
+    return torch.bmm(q.reshape(b * h, 1, dk), s).view(b, 1, h, dv)
 
 
 @functools.lru_cache(maxsize=16)
