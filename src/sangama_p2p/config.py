@@ -35,7 +35,8 @@ class PeerConfig:
     (``None``: serve nothing until :meth:`Peer.serve`). ``stage`` holds the stage settings, a template: each
     ``serve`` call sets ``start`` and ``end`` (and ``model_id`` when it passes one). ``client`` holds those of
     generation (its ``model_id`` is the default model that ``generate`` asks for). ``tokenizer_path`` (a checkpoint
-    directory or a ``.gguf`` file) lets a client-only peer take text prompts and stop at the model's end-of-sequence tokens.
+    directory or a ``.gguf`` file) lets a client-only peer take text prompts and stop at the model's
+    end-of-sequence tokens.
     """
 
     host: HostConfig = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/0",))

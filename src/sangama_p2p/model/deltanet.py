@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from .linear import MIN_ROWS, FusedLinear, Loader, linear
-from .ops import causal_conv, delta_rule_chunked, delta_rule_one, delta_rule_short, delta_rule_steps, l2norm, rms_norm
+from .ops import (causal_conv, delta_rule_chunked, delta_rule_one, delta_rule_short, delta_rule_steps, l2norm,
+                  rms_norm)
 from .spec import ModelSpec
 from .state import LinearLayerState, Segment
 from .weights import Weight, dense

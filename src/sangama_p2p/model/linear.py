@@ -144,5 +144,6 @@ class DenseMLP:
         The SiLU and the product with ``up`` stay in fp32 (one rounding to bfloat16, at the down product's input).
         Doing them in bfloat16 saved two casts a call (~4 us) but rounded twice more, and on the tiny MoE preset's
         near-tied router that flipped a teacher-forced token against the dequantize-per-use path (15 -> 14 of 16)."""
-        gate, up = self.gate_up.parts[0].product(x).float().split(self.gate_up.sizes, dim=-1)  # type: ignore[union-attr]
+        both = self.gate_up.parts[0].product(x).float()  # type: ignore[union-attr]
+        gate, up = both.split(self.gate_up.sizes, dim=-1)
         return self.down.product(F.silu(gate).mul_(up))  # type: ignore[union-attr]
