@@ -108,26 +108,20 @@ def _fleet_once(topology: str, tokens: int, tmp: Path) -> dict[str, object]:
     import time
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.net.test_nat_fleet import PROMPT, _cli, _Proc, _status
+    from tests.net.test_nat_fleet import PROMPT, _bootstrap, _cli, _join, _make_tiny, _Proc, _status
 
     tiny = tmp / "tiny"
     if not tiny.exists():
-        subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
-                       capture_output=True, timeout=120)
+        _make_tiny(tiny)
     procs: list[_Proc] = []
     with NatLab(sides="abcd") as lab:
         if topology == "random-fully":
             lab.randomize_ports()
         try:
-            boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "boot.key"),
-                                ns=lab.ns["relay"]))
+            boot_p, boot = _bootstrap(lab, tmp)
             procs.append(boot_p)
-            boot_p.wait_for("  --bootstrap ", 60)
-            boot = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x][0]
             t_start = time.monotonic()
-            stages = [_Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
-                                 "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{side}.key"), "--no-lanes",
-                                 "--threads", "1", ns=lab.ns[f"priv{side}"]))
+            stages = [_join(tiny, boot, layers, tmp / f"{side}.key", lab.ns[f"priv{side}"])
                       for side, layers in zip("abc", ("0:3", "3:6", "6:8"))]
             procs.extend(stages)
             t_ready = max(s.wait_for("ready ", 120)[1] for s in stages)

@@ -87,10 +87,13 @@ def made_qwen_moe(out_dir: Path) -> Path:
     return gguf_path
 
 
+def llama_bench_cmd(tree: Path, path: Path, threads: int, *, prompt: int, gen: int) -> list[str]:
+    return [str(tree / "build" / "bin" / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
+            "-n", str(gen), "-r", "1", "-o", "json"]
+
+
 def llama_bench(tree: Path, path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, float]:
-    cmd = [str(tree / "build" / "bin" / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
-           "-n", str(gen), "-r", "1", "-o", "json"]
-    out, rss, _ = run_measured(cmd)
+    out, rss, _ = run_measured(llama_bench_cmd(tree, path, threads, prompt=prompt, gen=gen))
     return float(json.loads(out)[0]["avg_ts"]), rss
 
 
@@ -141,9 +144,7 @@ def cpu_per_token(tree: Path, files: dict[str, Path], rounds: int) -> list[dict]
         return run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1"))[2]
 
     def llama_cpu(path: Path, n: int) -> float:
-        cmd = [str(tree / "build" / "bin" / "llama-bench"), "-m", str(path), "-t", "1", "-p", "0", "-n", str(n),
-               "-r", "1", "-o", "json"]
-        return run_measured(cmd)[2]
+        return run_measured(llama_bench_cmd(tree, path, 1, prompt=0, gen=n))[2]
 
     rows = []
     for label, path in files.items():

@@ -35,6 +35,23 @@ def _offer_port(port: int):
     return handler
 
 
+class _Served:
+    """The lanes a listener hands over, in order (``on_lane`` for the listener; ``next()`` waits for the next)."""
+
+    def __init__(self) -> None:
+        self.lanes: list[LaneStream] = []
+        self._arrived = trio.Event()
+
+    async def on_lane(self, lane: LaneStream) -> None:
+        self.lanes.append(lane)
+        self._arrived.set()
+
+    async def next(self) -> LaneStream:
+        await self._arrived.wait()
+        self._arrived = trio.Event()
+        return self.lanes[-1]
+
+
 async def _pair(a, b):
     """Connect node ``a`` to node ``b`` over libp2p."""
     info = info_from_p2p_addr(b.advertised_addrs()[0])
@@ -176,18 +193,10 @@ def test_a_record_that_fails_authentication_ends_the_lane(attack):
     async def main():
         with trio.fail_after(20):
             async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
-                lanes: list[LaneStream] = []
-                arrived = trio.Event()
-
-                async def on_lane(lane: LaneStream) -> None:
-                    lanes.append(lane)
-                    arrived.set()
-
-                listener = LaneListener(b, on_lane)
-                await nursery.start(listener.run)
+                served = _Served()
+                await nursery.start(LaneListener(b, served.on_lane).run)
                 lane = await open_lane(a, await _pair(a, b))
-                await arrived.wait()
-                server = lanes[0]
+                server = await served.next()
                 frame = encode_message_frame(InfoRequest())
                 one, two = lane.seal(frame), lane.seal(frame)
                 wire = {"tamper": one[:-1] + bytes([one[-1] ^ 1]), "replay": one + one, "drop": two,
@@ -214,21 +223,12 @@ def test_a_framed_stream_over_a_lane_keeps_the_lanes_error():
     async def main():
         with trio.fail_after(20):
             async with open_host(config()) as a, open_host(config()) as b, trio.open_nursery() as nursery:
-                lanes: list[LaneStream] = []
-                arrived = trio.Event()
-
-                async def on_lane(lane: LaneStream) -> None:
-                    lanes.append(lane)
-                    arrived.set()
-
-                listener = LaneListener(b, on_lane)
-                await nursery.start(listener.run)
+                served = _Served()
+                await nursery.start(LaneListener(b, served.on_lane).run)
                 pid = await _pair(a, b)
                 for cut in (False, True):
-                    arrived = trio.Event()
                     lane = await open_lane(a, pid)
-                    await arrived.wait()
-                    fs = FramedStream(lanes[-1])
+                    fs = FramedStream(await served.next())
                     record = lane.seal(encode_message_frame(InfoRequest()))
                     if cut:
                         await lane.sock.send_all(record[:-3])

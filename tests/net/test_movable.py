@@ -60,21 +60,27 @@ async def _collect(stream: MovableStream, tag: bytes) -> list[int]:
     return got
 
 
+async def _opened(dialer_raw, served_raw):  # type: ignore[no-untyped-def]
+    """A movable stream opened over ``dialer_raw`` -> ``served_raw``: (the acceptor, the dialler's end, the served
+    end)."""
+    accepted: list[MovableStream] = []
+
+    async def on_stream(ms: MovableStream) -> None:
+        accepted.append(ms)
+
+    acceptor = MovableAcceptor(on_stream)
+    await dialer_raw.write(header(NEW, TOKEN))
+    await acceptor.handle(served_raw)
+    (served,) = accepted
+    return acceptor, MovableStream(dialer_raw, TOKEN), served
+
+
 def test_frames_cross_a_move_in_both_directions_each_exactly_once_and_in_order() -> None:
     async def main() -> None:
         a_old, b_old = memory_stream_pair(A, B)
         a_new, b_new = memory_stream_pair(A, B)
         old_a, new_a, old_b = _Counting(a_old), _Counting(a_new), _Counting(b_old)
-        accepted: list[MovableStream] = []
-
-        async def on_stream(ms: MovableStream) -> None:
-            accepted.append(ms)
-
-        acceptor = MovableAcceptor(on_stream)
-        await old_a.write(header(NEW, TOKEN))
-        await acceptor.handle(old_b)
-        dialer = MovableStream(old_a, TOKEN)
-        (served,) = accepted
+        acceptor, dialer, served = await _opened(old_a, old_b)
         go = trio.Event()
         results: dict[str, list[int]] = {}
         moved: list[bool] = []
@@ -105,26 +111,18 @@ def test_frames_cross_a_move_in_both_directions_each_exactly_once_and_in_order()
 def test_a_continuation_from_another_peer_is_refused_and_the_stream_stays() -> None:
     async def main() -> None:
         a_old, b_old = memory_stream_pair(A, B)
-        accepted: list[MovableStream] = []
-
-        async def on_stream(ms: MovableStream) -> None:
-            accepted.append(ms)
-
-        acceptor = MovableAcceptor(on_stream)
-        await a_old.write(header(NEW, TOKEN))
-        await acceptor.handle(b_old)
-        dialer = MovableStream(a_old, TOKEN)
+        acceptor, dialer, served = await _opened(a_old, b_old)
         c_new, b_from_c = memory_stream_pair(C, B)  # C learned the token and tries to take the stream over
         await c_new.write(header(NEXT, TOKEN))
         await acceptor.handle(b_from_c)
-        assert accepted[0].moves == 0
+        assert served.moves == 0
         await dialer.write(encode_frame(b"still here"))
-        assert await FrameReader(accepted[0].read, 64).next_frame() == b"still here"
+        assert await FrameReader(served.read, 64).next_frame() == b"still here"
         # and a move the acceptor does not answer fails within its timeout, leaving the stream in place
         a_new, b_new = memory_stream_pair(A, B)
         assert await dialer.move(a_new, timeout_s=0.2) is False
         await dialer.write(encode_frame(b"after"))
-        assert await FrameReader(accepted[0].read, 64).next_frame() == b"after"
+        assert await FrameReader(served.read, 64).next_frame() == b"after"
 
     trio.run(main)
 

@@ -76,6 +76,37 @@ class _Proc:
                 self.proc.kill()
 
 
+def _make_tiny(tiny: Path) -> Path:
+    """qwen3_5_moe/tiny (8 layers and an MTP head) at ``tiny``, through the CLI."""
+    subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
+                   capture_output=True, timeout=120)
+    return tiny
+
+
+def _local_tokens(tiny: Path, n: int) -> list[int]:
+    """The greedy tokens of ``generate --local`` for PROMPT (what every fleet generation must give)."""
+    local = subprocess.run(_cli("generate", "--local", str(tiny), "--prompt-ids", PROMPT, "--max-new-tokens",
+                                str(n), "--ignore-eos", "--json", "--threads", "1"),
+                           check=True, capture_output=True, text=True, timeout=120)
+    return json.loads(local.stdout.strip().splitlines()[-1])["tokens"]
+
+
+def _bootstrap(lab: NatLab, tmp: Path) -> tuple[_Proc, str]:
+    """A bootstrap node on the public relay host: the process and its address on the relay network."""
+    boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "boot.key"),
+                        ns=lab.ns["relay"]))
+    boot_p.wait_for("  --bootstrap ", 60)
+    boots = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x]
+    assert boots, boot_p.lines
+    return boot_p, boots[0]
+
+
+def _join(tiny: Path, boot: str, layers: str, key: Path, ns: str, *extra: str) -> _Proc:
+    """A stage behind its NAT (no lanes, one torch thread), serving ``layers``."""
+    return _Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                      "/ip4/0.0.0.0/tcp/4101", "--key", str(key), "--no-lanes", "--threads", "1", *extra, ns=ns))
+
+
 def _status(boot: str, ns: str) -> dict[str, dict]:
     """``status --json`` from ``ns``: each peer's entry by peer id."""
     out = subprocess.run(_cli("status", "--bootstrap", boot, "--model", "tiny", "--json", "--timeout", "10",
@@ -97,32 +128,20 @@ def _generate(tiny: Path, boot: str, ns: str, guesses: int) -> tuple[list[int], 
 
 
 def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then_go_direct(tmp_path: Path) -> None:
-    tiny = tmp_path / "tiny"
     # qwen3_5_moe/tiny: 8 layers and an MTP head, so the second generation can check 4 guesses per trip
-    subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
-                   capture_output=True, timeout=120)
-    local = subprocess.run(_cli("generate", "--local", str(tiny), "--prompt-ids", PROMPT, "--max-new-tokens",
-                                str(LONG), "--ignore-eos", "--json", "--threads", "1"),
-                           check=True, capture_output=True, text=True, timeout=120)
-    expected_long = json.loads(local.stdout.strip().splitlines()[-1])["tokens"]
+    tiny = _make_tiny(tmp_path / "tiny")
+    expected_long = _local_tokens(tiny, LONG)
     expected = expected_long[:TOKENS]  # greedy: the first tokens of a longer generation
     procs: list[_Proc] = []
     with NatLab(sides="abcde") as lab:
         try:
-            boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "boot.key"),
-                                ns=lab.ns["relay"]))
+            boot_p, boot = _bootstrap(lab, tmp_path)
             procs.append(boot_p)
-            boot_p.wait_for("  --bootstrap ", 60)
-            boots = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x]
-            assert boots, boot_p.lines
-            boot = boots[0]
             stages = []
             dead = f"/ip4/{NAT_WAN_IPS['a']}/tcp/4101"  # stage a announces its NAT's address, with no forward
             for side, layers in zip("abc", ("0:3", "3:6", "6:8")):
                 extra = ["--announce", dead] if side == "a" else []
-                stages.append(_Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot,
-                                         "--listen", "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{side}.key"),
-                                         "--no-lanes", "--threads", "1", *extra, ns=lab.ns[f"priv{side}"])))
+                stages.append(_join(tiny, boot, layers, tmp_path / f"{side}.key", lab.ns[f"priv{side}"], *extra))
             procs.extend(stages)
             readies = [s.wait_for("ready ", 90)[1] for s in stages]
             reach = [s.wait_for("  reachable ", 5)[0].split()[1] for s in stages]
@@ -166,9 +185,7 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then
             gen = _Proc(_cli("generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
                              "--prompt-ids", PROMPT, "--max-new-tokens", str(LONG), "--ignore-eos", "--jsonl",
                              ns=lab.ns["privd"]))
-            spare = _Proc(_cli("join", "--model", str(tiny), "--layers", "3:6", "--bootstrap", boot, "--listen",
-                               "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / "e.key"), "--no-lanes", "--threads",
-                               "1", ns=lab.ns["prive"]))
+            spare = _join(tiny, boot, "3:6", tmp_path / "e.key", lab.ns["prive"])
             procs.extend([gen, spare])
             spare.wait_for("ready ", 90)
             gen.wait_for('{"token"', 60)  # decoding
@@ -190,25 +207,15 @@ def test_three_natted_stages_and_a_natted_client_generate_right_after_ready_then
 def test_port_randomising_nats_generate_over_the_relay(tmp_path: Path) -> None:
     """``MASQUERADE --random-fully`` (carrier-grade NAT): the punch cannot predict the port, so the chain runs over
     the relay - correct tokens, links reported relayed, the relayed stage bytes counted. Prints the decode time."""
-    tiny = tmp_path / "tiny"
-    subprocess.run(_cli("make-model", "--arch", "qwen3_5_moe", "--preset", "tiny", str(tiny)), check=True,
-                   capture_output=True, timeout=120)
-    local = subprocess.run(_cli("generate", "--local", str(tiny), "--prompt-ids", PROMPT, "--max-new-tokens",
-                                str(TOKENS), "--ignore-eos", "--json", "--threads", "1"),
-                           check=True, capture_output=True, text=True, timeout=120)
-    expected = json.loads(local.stdout.strip().splitlines()[-1])["tokens"]
+    tiny = _make_tiny(tmp_path / "tiny")
+    expected = _local_tokens(tiny, TOKENS)
     procs: list[_Proc] = []
     with NatLab(sides="abc") as lab:
         lab.randomize_ports()
         try:
-            boot_p = _Proc(_cli("bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "boot.key"),
-                                ns=lab.ns["relay"]))
+            boot_p, boot = _bootstrap(lab, tmp_path)
             procs.append(boot_p)
-            boot_p.wait_for("  --bootstrap ", 60)
-            boot = [x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and RELAY_IP in x][0]
-            stages = [_Proc(_cli("join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
-                                 "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{side}.key"), "--no-lanes",
-                                 "--threads", "1", ns=lab.ns[f"priv{side}"]))
+            stages = [_join(tiny, boot, layers, tmp_path / f"{side}.key", lab.ns[f"priv{side}"])
                       for side, layers in (("a", "0:4"), ("b", "4:8"))]
             procs.extend(stages)
             for s in stages:

@@ -131,6 +131,11 @@ class MoE:
         self.shared = DenseMLP(load, "mlp.shared_expert") if spec.shared_expert_intermediate_size else None
         self.shared_gate = load("mlp.shared_expert_gate.weight") if self.shared else None
         self.stacked = StackedExperts.build(self.experts)  # many-row steps in a few products (model/experts.py)
+        # a decode row's MLPs (every expert, the shared one) chain natively in one dtype: the row is cast once
+        mlps = self.experts + ([self.shared] if self.shared is not None else [])
+        takes = {m.takes for m in mlps}
+        self._decode_native = len(takes) == 1 and all(m.native for m in mlps)
+        self._decode_dtype: torch.dtype | None = next(iter(takes)) if self._decode_native else None
 
     def weights(self) -> Iterator[Weight]:
         yield self.router
@@ -178,10 +183,8 @@ class MoE:
         (``add_`` takes each as a number); the shared expert's gate is one number too (its sigmoid of one value,
         not of the [N, hidden] broadcast that :meth:`_add_shared` takes for batch invariance)."""
         out = torch.zeros_like(x)
-        mlps = [self.experts[e] for e in experts] + ([self.shared] if self.shared is not None else [])
-        takes = {m.takes for m in mlps}
-        native = len(takes) == 1 and all(m.native for m in mlps)
-        xin = x.to(next(iter(takes)) or x.dtype) if native else x
+        native = self._decode_native
+        xin = x.to(self._decode_dtype or x.dtype) if native else x
         for slot, e in sorted(enumerate(experts), key=lambda se: se[1]):
             mlp = self.experts[e]
             out.add_(mlp.forward_native(xin) if native else mlp.forward(x), alpha=weights[slot])
