@@ -2,8 +2,8 @@
 # One prepared GPU check (issue 12, item 3), for a session that has a CUDA machine: at most ~8 minutes.
 #   1. the CUDA tests (pytest -m cuda; they skip, with the reason, where there is no GPU);
 #   2. a 3-stage fleet (16/16/16 layers) of a made Qwen3.5-MoE (qwen3_5_moe/mid: hidden 2048, 48 layers, 128 experts
-#      top-8, narrow experts; bfloat16 safetensors - on CUDA quantized GGUF weights are dequantized per use, so
-#      Q4_K there measures that path: set GGUF=Q4_K to make and run it too, which adds the quantizer's minutes)
+#      top-8, narrow experts; bfloat16 safetensors; set GGUF=Q4_K to make and run the Q4_K file too, through the
+#      CUDA int4 kernel, which adds the quantizer's minutes)
 #      on --device cuda, printing per-trip compute / queue / network beside the reference report's 14.3 / 0.3 / 6.2 ms.
 # Nothing here has run on a GPU yet (written in a session without one).
 # Usage: bash benchmarks/gpu_check.sh [WORKDIR]   (from the repository root, with the venv active)
@@ -20,7 +20,8 @@ sys.exit(0 if ok else 1)
 PY
 
 echo "== 1. CUDA tests"
-timeout 150 python -m pytest -m cuda -q -rs tests/model/test_device.py tests/gguf/test_quants.py 2>&1 | tail -15
+timeout 150 python -m pytest -m cuda -q -rs tests/model/test_device.py tests/gguf/test_quants.py \
+    tests/gguf/test_packed.py tests/gguf/test_fused_stage.py 2>&1 | tail -15
 
 echo "== 2. make qwen3_5_moe/mid (bfloat16)"
 t0=$(date +%s)

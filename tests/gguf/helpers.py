@@ -83,12 +83,13 @@ def top64_gap(logits: torch.Tensor, ref: dict[str, Any], rows: range) -> float:
 
 
 def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: list[int], steps: int = 1,
-                 fused: bool = True) -> torch.Tensor:
-    """Logits [T, vocab] of a chain of runtime stages over ``ids``: the first ``len(ids) - steps + 1`` tokens as one
-    prefill, then one token per step (the cache path). ``fused``: StageModel.load's switch."""
+                 fused: bool = True, **load: Any) -> torch.Tensor:
+    """Logits [T, vocab] (fp32, on the CPU) of a chain of runtime stages over ``ids``: the first
+    ``len(ids) - steps + 1`` tokens as one prefill, then one token per step (the cache path). ``fused`` and
+    ``load`` (``device``, ``dtype``): StageModel.load's arguments."""
     from sangama_p2p.model.stage import StageModel, StepInput
 
-    models = [StageModel.load(spec, source, a, b, fused=fused) for a, b in stages]
+    models = [StageModel.load(spec, source, a, b, fused=fused, **load) for a, b in stages]
     states = [m.new_session(len(ids)) for m in models]
     cut = len(ids) - steps + 1
     chunks = [(0, ids[:cut])] + [(cut + i, ids[cut + i : cut + i + 1]) for i in range(steps - 1)]
@@ -98,7 +99,7 @@ def chain_logits(spec: Any, source: Any, stages: list[tuple[int, int]], ids: lis
         for k, (m, st) in enumerate(zip(models, states)):
             step = StepInput(st, start, tokens=x) if k == 0 else StepInput(st, start, hidden=x)
             x = m.forward([step])
-        out.append(models[-1].logits(x))
+        out.append(models[-1].logits(x).float().cpu())
     return torch.cat(out)
 
 

@@ -225,3 +225,26 @@ def test_native_mlp_and_decode_experts_equal_the_generic_products(tmp_path: Path
     routed = sum(w * moe.experts[e].forward(x) for e, w in sorted(zip(experts, weights)))
     want = moe._add_shared(x, routed)  # the shared expert, gated as the many-row path gates it
     torch.testing.assert_close(moe._decode_experts(x, experts, weights), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("llama", "Q8_0"), ("llama", "Q6_K"),
+                                        ("qwen3_5_moe", "Q4_K")])
+def test_fused_stages_on_cuda_give_the_cpus_logits(tmp_path: Path, tiny, arch: str, qtype: str) -> None:
+    """Two fp32 stages on cuda:0 with the CUDA int4 layout give the fused CPU stages' logits: both products take
+    bfloat16 activations and scales and accumulate in fp32, so what differs is the order of the sums (and one
+    bfloat16 rounding of the output it can flip). Q6_K stays quantized there (an fp32 stage) and dequantizes per use."""
+    spec, src = _gguf(tmp_path, tiny[arch], qtype)
+    stages = [(0, 2), (2, spec.num_layers)]
+    gpu = StageModel.load(spec, src, 0, 2, device="cuda:0")
+    if qtype != "Q6_K":
+        assert any(isinstance(w, Int4Weight) and w.packed.is_cuda for w in gpu.weights())
+    ids = PROMPT + [7, 70, 700, 1]
+    cpu_logits = chain_logits(spec, src, stages, ids, steps=5)
+    gpu_logits = chain_logits(spec, src, stages, ids, steps=5, device="cuda:0")
+    scale = float(cpu_logits.abs().max())
+    assert float((gpu_logits - cpu_logits).abs().max()) < 0.05 * scale
+    same = gpu_logits.argmax(-1) == cpu_logits.argmax(-1)
+    top2 = cpu_logits.topk(2, dim=-1).values
+    assert all(float(top2[i, 0] - top2[i, 1]) < MARGIN for i in range(len(ids)) if not same[i])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sangama_p2p.errors import UnsupportedModelError
-from sangama_p2p.model.gguf.packed import Q4_1, Q5_1, FloatLinear, Int4Weight, int4_codes, repack
+from sangama_p2p.model.gguf.packed import Q4_1, Q5_1, FloatLinear, Int4Weight, inner_k_tiles, int4_codes, repack
 from sangama_p2p.model.gguf.quantizer import quantize
 from sangama_p2p.model.gguf.quants import QType, QuantTensor
 from sangama_p2p.model.linear import FusedLinear
@@ -221,3 +221,103 @@ def test_q6_k_is_held_in_float16_and_in_bfloat16_beyond_its_range() -> None:
         ref = _reference(QType.Q6_K, blocks, 256)
         assert bool(torch.isfinite(fused.weight).all())
         assert float((fused.weight.float() - ref).abs().max()) <= 2 ** -8 * float(ref.abs().max())
+
+
+# ---- the CUDA layout ----------------------------------------------------------------------------------------------
+
+
+def test_inner_k_tiles() -> None:
+    assert [inner_k_tiles(k) for k in (576, 1152, 96, 2048)] == [4, 8, 2, 8]
+    with pytest.raises(UnsupportedModelError, match="multiple of 32"):
+        inner_k_tiles(48)
+
+
+@pytest.mark.parametrize("qtype,rows,cols", [(QType.Q4_0, 100, 576), (QType.Q8_0, 100, 576), (QType.Q4_K, 40, 512),
+                                             (QType.Q5_0, 16, 96)])
+def test_cuda_layout_shapes_through_torchs_shape_functions(monkeypatch, qtype: int, rows: int, cols: int) -> None:
+    """Without a GPU: the CUDA packing, the kernel's call and the joins run on fake CUDA tensors (torch's
+    FakeTensorMode, whose shapes come from the two CUDA ops' own meta functions), so the shapes, dtypes and device
+    our packing hands them are ones they take. (The numbers are checked on a GPU: the cuda-marked tests below.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sangama_p2p.model.gguf import packed
+
+    # fake tensors cannot be copied across devices without CUDA: a moved tensor is a fresh fake one on the device
+    monkeypatch.setattr(packed, "_to_device", lambda t, dev: t if dev.type == "cpu" else torch.empty_like(t, device=dev))
+    qt = QuantTensor(qtype, torch.from_numpy(_blocks(qtype, rows, cols)), cols)
+    planes = 2 if qtype in (QType.Q5_0, QType.Q8_0) else 1
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        w = packed.pack_int4(qt, device="cuda")
+        big = -(-rows // 16) * 16
+        tiles = inner_k_tiles(planes * cols)
+        assert w.packed.device.type == "cuda" and w.packed.dtype == torch.int32
+        assert tuple(w.packed.shape) == (big // 8, planes * cols // (16 * tiles), 32, tiles // 2)
+        assert w.padded == big and tuple(w.scales_zeros.shape) == (planes * cols // 32, big, 2)
+        assert w.scales_zeros.device.type == "cuda" and w.scales_zeros.dtype == torch.bfloat16
+        # the kernel's call as product() makes it (fake CUDA tensors cannot take the strided views around it)
+        x = torch.randn(3, planes * cols, device="cuda", dtype=torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm(x, w.packed, 32, w.scales_zeros)
+        assert tuple(y.shape) == (3, big) and y.dtype == torch.bfloat16 and y.device.type == "cuda"
+        assert w.to("cuda") is w
+        with pytest.raises(UnsupportedModelError, match="packed for cuda"):
+            w.to("cpu")
+        tile = packed.pack_int4(QuantTensor(qtype, torch.from_numpy(_blocks(qtype, 64, cols, seed=1)), cols),
+                                device="cuda")
+        joined = Int4Weight.concat([tile, w])  # a whole 64-row tile, then the rest
+        assert joined is not None and joined.n == 64 + rows and joined.padded == 64 + big
+        y = torch.ops.aten._weight_int4pack_mm(x, joined.packed, 32, joined.scales_zeros)
+        assert tuple(y.shape) == (3, 64 + big)
+
+
+def test_repack_for_cuda_without_a_working_kernel_keeps_the_blocks(monkeypatch) -> None:
+    """Where torch's CUDA int4 kernel does not run (or disagrees), int4 types stay quantized, dequantized per use."""
+    from sangama_p2p.model.gguf import packed
+
+    monkeypatch.setattr(packed, "_CUDA_CHECKED", {torch.device("cuda", 0): False})
+    qt = QuantTensor(QType.Q4_K, torch.from_numpy(_blocks(QType.Q4_K, 16, 256)), 256)
+    assert repack(qt, torch.bfloat16, device="cuda:0") is qt
+
+
+def test_probe_of_a_missing_kernel_is_a_warning_not_an_error(caplog) -> None:
+    """The probe of a device whose kernel cannot run answers False, with one warning naming the device."""
+    from sangama_p2p.model.gguf import packed
+
+    with caplog.at_level("WARNING"):
+        ok = packed._probe_cuda_int4(torch.device("meta"))  # (meta tensors: the product cannot be compared)
+    assert ok is False and "dequantized per use" in caplog.text
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.cuda
+@_CUDA
+def test_cuda_int4_kernel_passes_its_probe() -> None:
+    from sangama_p2p.model.gguf.packed import cuda_int4_works
+
+    assert cuda_int4_works("cuda:0")
+
+
+@pytest.mark.cuda
+@_CUDA
+@pytest.mark.parametrize("qtype,rows,cols", _CASES, ids=[f"{gguf.GGMLQuantizationType(q).name}-{r}x{c}"
+                                                          for q, r, c in _CASES])
+def test_fused_product_on_cuda_equals_dequantized_product(qtype: int, rows: int, cols: int) -> None:
+    """The same bound as on the CPU: int4 types in the CUDA kernel's layout, Q6_K once in bfloat16."""
+    blocks = _blocks(qtype, rows, cols)
+    qt = QuantTensor(qtype, torch.from_numpy(blocks), cols)
+    fused = repack(qt, torch.bfloat16, device="cuda:0")
+    if qtype == QType.Q6_K:
+        assert isinstance(fused, torch.Tensor) and fused.is_cuda and fused.dtype == torch.bfloat16
+        return
+    assert isinstance(fused, Int4Weight) and fused.packed.is_cuda and fused.packed.dim() == 4
+    x = torch.randn(7, cols, generator=torch.Generator().manual_seed(1))
+    ref = x @ _reference(qtype, blocks, cols).t()
+    got = fused.linear(x.cuda()).float().cpu()
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert err < TOL, err
+    assert float((dense_of(fused) - _reference(qtype, blocks, cols)).abs().max()) < TOL * float(ref.abs().max())
+
+
+def dense_of(w: Int4Weight) -> torch.Tensor:
+    return w.dequantize(torch.float32).cpu()

@@ -2,8 +2,10 @@
 
 A stage on a CUDA device holds its weights, caches and the ring of rollback snapshots there (``StageModel.load`` and
 ``SessionState`` create every tensor on ``stage.device``); hidden states cross to and from the host once per trip
-(``StageModel.forward`` moves its input there, ``tensors.to_wire`` brings the output back). Quantized weights on
-CUDA stay in their GGUF blocks and are dequantized per use (the int4 repacking is the CPU kernel's layout).
+(``StageModel.forward`` moves its input there, ``tensors.to_wire`` brings the output back). Quantized weights are
+repacked on the CPU for the device's own int4 kernel (``_weight_int4pack_mm``) and moved there once, as on the CPU;
+where that kernel fails its one probe on the device they stay in their GGUF blocks and are dequantized per use
+(``model/gguf/packed.py``).
 """
 
 from __future__ import annotations

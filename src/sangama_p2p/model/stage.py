@@ -97,19 +97,21 @@ class StageModel:
         stage = cls(spec, start, end, dt, torch.device(device))
         stage.min_rows = 16 if batch_invariant else 0
         want_mtp = stage.is_last and mtp and spec.mtp_num_layers > 0 and source.has("mtp.fc.weight")
-        packer = getattr(source, "repack", None) if fused and stage.device.type == "cpu" else None
+        packer = getattr(source, "repack", None) if fused and stage.device.type in ("cpu", "cuda") else None
 
-        def pack(w: Weight) -> Weight:
-            return packer(w, dt) if packer is not None else w
+        def pack(w: Weight) -> Weight:  # (from the CPU: a CUDA stage's weights are packed there, then moved)
+            return packer(w, dt, stage.device) if packer is not None else w
 
         def get(name: str, *, raw: bool = False) -> Weight:
             if not source.has(name):
                 raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
             w = source.get(name, dt)
             stage.loaded_names.append(name)
+            if not raw:
+                w = pack(w)
             if isinstance(w, torch.Tensor) or hasattr(w, "to"):  # quantized weights move their blocks
                 w = w.to(stage.device)  # type: ignore[union-attr]
-            return w if raw else pack(w)
+            return w
 
         if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
             stage.embed = get("model.embed_tokens.weight", raw=True)  # looked up by rows (take_rows), not multiplied
@@ -122,7 +124,10 @@ class StageModel:
         if stage.is_last:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
             tied = spec.tie_word_embeddings
-            stage.head = pack(stage.embed) if tied else get("lm_head.weight")  # type: ignore[arg-type]
+            if tied and stage.device.type != "cpu" and packer is not None:  # packed from the file's blocks
+                stage.head = get("model.embed_tokens.weight")  # (the embedding's moved to the device already)
+            else:
+                stage.head = pack(stage.embed) if tied else get("lm_head.weight")  # type: ignore[arg-type]
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
         if release is not None:

@@ -3,7 +3,8 @@
 :func:`repack` turns what :class:`~.source.GGUFSource` returns into a :class:`~..weights.FusedWeight` that multiplies
 without ever being dequantized again:
 
-- **Int4** (torch's ``_weight_int4pack_mm_for_cpu``, group size 32): every type whose weights are affine per
+- **Int4** (torch's ``_weight_int4pack_mm_for_cpu`` on the CPU, ``_weight_int4pack_mm`` on CUDA, group size 32,
+  the same codes, scales and zeros in each device's own packing): every type whose weights are affine per
   32-element group, ``w = s * q + c``. Torch's kernel computes ``w = (q - 8) * s + z`` with ``scales_and_zeros``
   ``[K/32, N, 2]`` (checked numerically in the tests), so z = c + 8 s. One plane (4-bit codes) holds Q4_0 (z = 0),
   Q4_1 (z = m + 8d) and Q4_K (s = d*sc, z = 8 d*sc - dmin*m). Two planes, stacked along K (the activations go
@@ -22,14 +23,21 @@ without ever being dequantized again:
   than fp32's there.
 
 2-D F32 tensors (routers, the shared expert's gate) of a stage computing in bf16/fp16 are cast to it once. Anything
-else (1-D tensors, whose users take them in fp32; tensors already in the compute dtype; other devices than the CPU)
-is returned as is.
+else (1-D tensors, whose users take them in fp32; tensors already in the compute dtype) is returned as is.
+
+**On CUDA** (``device=cuda:N``) the blocks are turned into codes on the CPU, as above, and only the packed result
+goes to the device (``_convert_weight_to_int4pack``, which packs on the GPU). The first packing on a device checks
+the kernel once against the dequantized product of a probe weight (:func:`cuda_int4_works`); where it is missing or
+disagrees (a GPU older than sm80, a build without the kernel), the weights stay in their blocks and are dequantized
+per use, with a warning. Q6_K and float weights of a 16-bit stage are held once in the compute dtype (the per-use
+path casts them to it on every step: the same numbers); an fp32 stage keeps Q6_K per use.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -40,7 +48,9 @@ from ...errors import UnsupportedModelError
 from ..weights import FusedWeight, Weight
 from .quants import QK_K, QType, QuantTensor, _k_scale_min, dequantize_rows, fp16_at, type_name
 
-__all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "repack"]
+__all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "cuda_int4_works", "repack"]
+
+log = logging.getLogger(__name__)
 
 GROUP = 32  # the int4 kernel's group size: one (scale, zero) per 32 weights of a row
 _ROW_TILE = 64  # packed rows are laid out in tiles of 64: packings of whole tiles concatenate along N
@@ -123,9 +133,10 @@ def int4_codes(qtype: int, data: torch.Tensor, n_cols: int) -> tuple[torch.Tenso
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Int4Weight(FusedWeight):
-    """``W [n, k]`` as ``planes`` int4 planes side by side along K, in torch's packed CPU layout (``packed`` uint8
-    [N, planes*k/2], N = n padded to a multiple of 16) with bfloat16 ``scales_zeros`` [planes*k/32, N, 2]:
-    ``y = [x, x, ...] @ [plane_0, plane_1, ...].T``."""
+    """``W [n, k]`` as ``planes`` int4 planes side by side along K, N = n padded to a multiple of 16, with bfloat16
+    ``scales_zeros`` [planes*k/32, N, 2]: ``y = [x, x, ...] @ [plane_0, plane_1, ...].T``. ``packed`` is torch's
+    CPU layout (uint8 [N, planes*k/2]) or, on CUDA, its tensor-core layout (int32 [N/8, planes*k/(16 t), 32, t/2]
+    for t inner K tiles, :func:`inner_k_tiles`)."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
@@ -142,7 +153,7 @@ class Int4Weight(FusedWeight):
 
     @property
     def padded(self) -> int:
-        return self.packed.shape[0]
+        return self.packed.shape[0] * (8 if self.packed.dim() == 4 else 1)
 
     @property
     def nbytes(self) -> int:
@@ -167,23 +178,29 @@ class Int4Weight(FusedWeight):
             xb = xb.index_select(1, self.in_perm)
         if self.planes > 1:  # (cast, then concatenate: 2.6 us for a row of 576 here; a cast of the expanded row
             xb = torch.cat((xb,) * self.planes, dim=1)  # straight into the wide layout took 4.4 us)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scales_zeros)  # [M, N]
+        if self.packed.dim() == 4:  # the CUDA layout
+            y = torch.ops.aten._weight_int4pack_mm(xb, self.packed, GROUP, self.scales_zeros)  # [M, N]
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scales_zeros)
         return y if self.padded == self.n else y[:, : self.n]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the kernel multiplies by (bfloat16 products of the identity, 1024 columns at a time; for tests
         and rare dense uses)."""
-        out = torch.empty(self.n, self.k, dtype=dtype)
+        dev = self.packed.device
+        out = torch.empty(self.n, self.k, dtype=dtype, device=dev)
         for c0 in range(0, self.k, 1024):
             c1 = min(c0 + 1024, self.k)
-            eye = torch.zeros(c1 - c0, self.k)
+            eye = torch.zeros(c1 - c0, self.k, device=dev)
             eye[torch.arange(c1 - c0), torch.arange(c0, c1)] = 1.0
             out[:, c0:c1] = self.linear(eye).t()
         return out
 
     def to(self, device: torch.device | str) -> "Int4Weight":
-        if torch.device(device).type != "cpu":  # this packing is the CPU kernel's
-            raise UnsupportedModelError("int4-packed weights are a CPU layout; load other devices unpacked")
+        dev = torch.device(device)
+        here = self.packed.device
+        if dev.type != here.type or (dev.index is not None and dev.index != here.index):  # each layout is its kernel's
+            raise UnsupportedModelError(f"int4-packed weights are packed for {here}; repack them for {dev}")
         return self
 
     @staticmethod
@@ -219,15 +236,28 @@ def chunk_rows(k: int, planes: int) -> int:
     return max(_ROW_TILE, _TEMP_BYTES // (32 * k * planes) // _ROW_TILE * _ROW_TILE)
 
 
-def pack_int4(qt: QuantTensor, release: Callable[[torch.Tensor], None] | None = None) -> Int4Weight:
-    """Repack a quantized tensor (one of :data:`INT4_TYPES`, on the CPU) for the int4 kernel, a chunk of rows at a
-    time into outputs allocated once (so the peak is the result plus one chunk's temporaries); ``release`` is given
-    each chunk's blocks once they are packed (the source drops their mapped pages). Blocks whose columns llama.cpp
-    reordered are packed as stored; the activations are reordered instead."""
+def inner_k_tiles(k: int) -> int:
+    """K tiles per inner block of torch's CUDA int4 layout for K columns: the largest of 8, 4, 2 with 16 t | K."""
+    for tiles in (8, 4, 2):
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise UnsupportedModelError(f"the CUDA int4 layout needs K a multiple of 32, got {k}")
+
+
+def pack_int4(qt: QuantTensor, release: Callable[[torch.Tensor], None] | None = None,
+              device: torch.device | str = "cpu") -> Int4Weight:
+    """Repack a quantized tensor (one of :data:`INT4_TYPES`, its blocks on the CPU) for the int4 kernel of
+    ``device``, a chunk of rows at a time into outputs allocated once (so the peak is the result plus one chunk's
+    temporaries); ``release`` is given each chunk's blocks once they are packed (the source drops their mapped
+    pages). Blocks whose columns llama.cpp reordered are packed as stored; the activations are reordered instead."""
     n, k = qt.shape
     planes = _PLANES[qt.qtype]
+    dev = torch.device(device)
     big = -(-n // 16) * 16
-    packed = torch.empty(big, planes * k // 2, dtype=torch.uint8)
+    width = planes * k
+    packed = torch.empty(big, width // 2, dtype=torch.uint8) if dev.type == "cpu" else None
+    tiles = 0 if packed is not None else inner_k_tiles(width)
+    parts: list[torch.Tensor] = []  # the CUDA layout's chunks (rows of 8 are independent there: they concatenate)
     sz = torch.empty(planes, k // GROUP, big, 2, dtype=torch.bfloat16)
     step = chunk_rows(k, planes)
     for r0 in range(0, big, step):
@@ -244,10 +274,65 @@ def pack_int4(qt: QuantTensor, release: Callable[[torch.Tensor], None] | None = 
             sz[:, :, r0 : r0 + real, 1] = zero.transpose(1, 2)
             del c, scale, zero
         sz[:, :, r0 + real : r1] = 0
-        packed[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(r1 - r0, planes * k), 1)
+        if packed is not None:
+            packed[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(r1 - r0, width), 1)
+        else:
+            parts.append(_pack_cuda(codes.view(r1 - r0, width), dev, tiles))
         del codes
-    in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
-    return Int4Weight(packed, sz.view(planes * k // GROUP, big, 2), n, k, planes, qt.qtype, in_perm)
+    if packed is None:
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    in_perm = None if qt.col_perm is None else _to_device(torch.argsort(qt.col_perm), dev)
+    return Int4Weight(packed, _to_device(sz.view(planes * k // GROUP, big, 2), dev), n, k, planes, qt.qtype, in_perm)
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    return t if dev.type == "cpu" else t.to(dev)
+
+
+def _pack_cuda(codes: torch.Tensor, dev: torch.device, tiles: int) -> torch.Tensor:
+    """int32 codes [r, K] in 0..15 (CPU) as torch's CUDA int4 layout on ``dev``: two codes a byte, the even column
+    in the high nibble (the convention of torch's own ``_group_quantize_tensor``), packed on the device."""
+    u8 = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(_to_device(u8, dev), tiles)
+
+
+_CUDA_CHECKED: dict[torch.device, bool] = {}
+
+
+def cuda_int4_works(device: torch.device | str) -> bool:
+    """Whether torch's CUDA int4 kernel runs on ``device`` and gives what the CPU reference gives: one probe (a
+    Q4_0 and a Q8_0 weight of 72 x 256, odd rows padded, 5 rows of activations) per device and process, against
+    ``x @ dequantize(w).T`` within the tests' bound (1e-2 of the largest output). False, with a warning, when the
+    kernel is missing (a GPU older than sm80) or disagrees: the caller keeps the weights' blocks then."""
+    dev = torch.device(device)
+    if dev not in _CUDA_CHECKED:
+        _CUDA_CHECKED[dev] = _probe_cuda_int4(dev)
+    return _CUDA_CHECKED[dev]
+
+
+def _probe_cuda_int4(dev: torch.device) -> bool:
+    from .quantizer import quantize
+
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    try:
+        for qtype in (QType.Q4_0, QType.Q8_0):
+            w = torch.randn(72, 256, generator=g) * 0.05
+            qt = QuantTensor(qtype, torch.from_numpy(quantize(w.numpy(), qtype)), 256)
+            x = torch.randn(5, 256, generator=g)
+            ref = x @ qt.dequantize(torch.float32).t()
+            got = pack_int4(qt, device=dev).product(x.to(dev)).float().cpu()
+            worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+    except Exception as exc:  # noqa: BLE001 - whatever stops the probe (no kernel for this GPU, a torch build
+        # without it, a device torch cannot run it on) means the same: keep the blocks
+        log.warning("torch's CUDA int4 kernel does not run on %s (%s); GGUF weights stay in their blocks there and "
+                    "are dequantized per use", dev, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    if not worst < 1e-2:
+        log.warning("torch's CUDA int4 kernel disagrees with the reference on %s (error %.3g of the output); GGUF "
+                    "weights stay in their blocks there and are dequantized per use", dev, worst)
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -299,13 +384,18 @@ class FloatLinear(FusedWeight):
         return FloatLinear(torch.cat([p.weight for p in parts]))  # type: ignore[attr-defined]
 
 
-def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None] | None = None) -> Weight:
-    """The fused form of a weight a stage computing in ``dtype`` will multiply by (see the module docstring);
-    anything it does not apply to comes back unchanged. ``release`` is given the stored blocks that a repacked
-    weight no longer needs, a chunk at a time (never those a result still refers to)."""
+def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None] | None = None,
+           device: torch.device | str = "cpu") -> Weight:
+    """The fused form of a weight that a stage computing in ``dtype`` on ``device`` will multiply by (see the module
+    docstring); anything it does not apply to comes back unchanged, on the CPU (the caller moves it). ``release`` is
+    given the stored blocks that a repacked weight no longer needs, a chunk at a time (never those a result still
+    refers to)."""
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return _repack_for(dev, w, dtype, release)
     if isinstance(w, QuantTensor):
         if w.data.device.type != "cpu":
-            return w  # other devices stay on the dequantize-per-use path
+            return w  # blocks already elsewhere stay on the dequantize-per-use path
         if w.qtype in INT4_TYPES:
             return pack_int4(w, release)
         if w.qtype in _DENSE_TYPES:  # (columns put in order by the dequantization)
@@ -317,6 +407,26 @@ def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None
             return FloatLinear(w)
         if w.dtype == torch.float32:  # a router or gate (F32 in every GGUF) of a bf16/fp16 stage: cast once, not per
             return w.to(dtype)  # step (the same rounding the per-use path applies on every step)
+    return w
+
+
+def _repack_for(dev: torch.device, w: Weight, dtype: torch.dtype,
+                release: Callable[[torch.Tensor], None] | None) -> Weight:
+    """:func:`repack` for a CUDA stage: int4 types packed for the device's kernel (where it works), Q6_K and 2-D
+    float weights of a 16-bit stage once into its dtype, on the device."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if isinstance(w, QuantTensor):
+        if w.data.device.type != "cpu":
+            return w
+        if w.qtype in INT4_TYPES and cuda_int4_works(dev):
+            return pack_int4(w, release, dev)
+        if w.qtype in _DENSE_TYPES and half:
+            dense_w = _dequantize_chunked(w, dtype, release)
+            if dense_w is not None:
+                return dense_w.to(dev)
+        return w
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype != dtype and w.dtype.is_floating_point and half:
+        return w.to(dev).to(dtype)  # what the per-use path casts it to on every step
     return w
 
 
