@@ -56,13 +56,14 @@ def _agree(spec, src, stages: list[tuple[int, int]], steps: int, prompt: list[in
 
 
 # (arch, type, fewest teacher-forced agreements of 16, shortest common greedy prefix of 16). Measured: llama 16/16
-# for Q4_K, Q6_K, F16; llama Q8_0 15, prefix 13 (step 13's margin is 0.144, under the 0.22 the logits moved);
+# for Q4_K, F16; llama Q8_0 15, prefix 13 (step 13's margin is 0.144, under the 0.22 the logits moved); llama Q6_K
+# 15, prefix 14 (margin 0.234; 16/16 when it was held as an fp16 copy, before the two-code int4 layout);
 # qwen (the tiny MoE preset, whose random router has near-tied experts: a flipped expert moves logits by up to 3.6)
 # Q4_K 15, prefix 6 (margin 0.003), Q8_0 14, prefix 0 (margins 0.70 and 0.006).
 CASES = [
     ("llama", "Q4_K", 16, 16),
     ("llama", "Q8_0", 15, 13),
-    ("llama", "Q6_K", 16, 16),
+    ("llama", "Q6_K", 15, 14),
     ("llama", "F16", 16, 16),
     ("qwen3_5_moe", "Q4_K", 15, 6),
     ("qwen3_5_moe", "Q8_0", 14, 0),
@@ -234,12 +235,11 @@ def test_native_mlp_and_decode_experts_equal_the_generic_products(tmp_path: Path
 def test_fused_stages_on_cuda_give_the_cpus_logits(tmp_path: Path, tiny, arch: str, qtype: str) -> None:
     """Two fp32 stages on cuda:0 with the CUDA int4 layout give the fused CPU stages' logits: both products take
     bfloat16 activations and scales and accumulate in fp32, so what differs is the order of the sums (and one
-    bfloat16 rounding of the output it can flip). Q6_K stays quantized there (an fp32 stage) and dequantizes per use."""
+    bfloat16 rounding of the output it can flip)."""
     spec, src = _gguf(tmp_path, tiny[arch], qtype)
     stages = [(0, 2), (2, spec.num_layers)]
     gpu = StageModel.load(spec, src, 0, 2, device="cuda:0")
-    if qtype != "Q6_K":
-        assert any(isinstance(w, Int4Weight) and w.packed.is_cuda for w in gpu.weights())
+    assert any(isinstance(w, Int4Weight) and w.packed.is_cuda for w in gpu.weights())
     ids = PROMPT + [7, 70, 700, 1]
     cpu_logits = chain_logits(spec, src, stages, ids, steps=5)
     gpu_logits = chain_logits(spec, src, stages, ids, steps=5, device="cuda:0")

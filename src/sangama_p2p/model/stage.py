@@ -99,16 +99,16 @@ class StageModel:
         want_mtp = stage.is_last and mtp and spec.mtp_num_layers > 0 and source.has("mtp.fc.weight")
         packer = getattr(source, "repack", None) if fused and stage.device.type in ("cpu", "cuda") else None
 
-        def pack(w: Weight) -> Weight:  # (from the CPU: a CUDA stage's weights are packed there, then moved)
-            return packer(w, dt, stage.device) if packer is not None else w
+        def pack(w: Weight, head: bool = False) -> Weight:  # (on the CPU: a CUDA stage's are moved once packed)
+            return packer(w, dt, stage.device, head) if packer is not None else w
 
-        def get(name: str, *, raw: bool = False) -> Weight:
+        def get(name: str, *, raw: bool = False, head: bool = False) -> Weight:
             if not source.has(name):
                 raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
             w = source.get(name, dt)
             stage.loaded_names.append(name)
             if not raw:
-                w = pack(w)
+                w = pack(w, head)
             if isinstance(w, torch.Tensor) or hasattr(w, "to"):  # quantized weights move their blocks
                 w = w.to(stage.device)  # type: ignore[union-attr]
             return w
@@ -125,9 +125,11 @@ class StageModel:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
             tied = spec.tie_word_embeddings
             if tied and stage.device.type != "cpu" and packer is not None:  # packed from the file's blocks
-                stage.head = get("model.embed_tokens.weight")  # (the embedding's moved to the device already)
+                stage.head = get("model.embed_tokens.weight", head=True)  # (the embedding is on the device already)
+            elif tied:
+                stage.head = pack(stage.embed, head=True)  # type: ignore[arg-type]
             else:
-                stage.head = pack(stage.embed) if tied else get("lm_head.weight")  # type: ignore[arg-type]
+                stage.head = get("lm_head.weight", head=True)
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
         if release is not None:

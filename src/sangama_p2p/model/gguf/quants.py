@@ -185,13 +185,21 @@ def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32).mul_(dd).sub_(dm).reshape(n, QK_K)
 
 
+def q6_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K blocks [n, 210] as (low nibbles uint8 [n, 256], high 2 bits uint8 [n, 256], in element order, and the
+    sub-blocks' scales d * sc fp32 [n, 16]): w = scale * (low + 16 high - 32)."""
+    n = b.shape[0]
+    scale = fp16_at(b, 208) * b[:, 192:208].view(torch.int8).to(torch.float32)
+    ql = _nibbles(b[:, :128].reshape(n, 2, 64), 2).reshape(n, QK_K)
+    qh = _bits(b[:, 128:192].reshape(n, 2, 32), 4, 2, 2).reshape(n, QK_K)
+    return ql, qh, scale
+
+
 def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d = (fp16_at(b, 208) * b[:, 192:208].view(torch.int8).to(torch.float32)).reshape(n, QK_K // 16, 1)
-    ql = _nibbles(b[:, :128].reshape(n, 2, 64), 2).reshape(n, 8, 32)
-    qh = _bits(b[:, 128:192].reshape(n, 2, 32), 4, 2, 2).reshape(n, 8, 32)
+    ql, qh, scale = q6_k_parts(b)
     q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).view(torch.int8).sub_(32)
-    return q.reshape(n, QK_K // 16, 16).to(torch.float32).mul_(d).reshape(n, QK_K)
+    return q.reshape(n, QK_K // 16, 16).to(torch.float32).mul_(scale.reshape(n, QK_K // 16, 1)).reshape(n, QK_K)
 
 
 # IQ4_NL's non-linear 4-bit code book (ggml's kvalues_iq4nl), shared by IQ4_XS

@@ -115,12 +115,13 @@ class GGUFSource:
             return QuantTensor(info.qtype, part, info.shape[-1])
         return _narrow(part, dtype)
 
-    def repack(self, w: Weight, dtype: torch.dtype, device: torch.device | str = "cpu") -> Weight:
-        """The weight in the layout of ``device``'s fused kernel, built once at load (``packed.repack``); the mapped
-        pages of the blocks it was built from are dropped as it goes (``GGUFFile.release_view``)."""
+    def repack(self, w: Weight, dtype: torch.dtype, device: torch.device | str = "cpu", head: bool = False) -> Weight:
+        """The weight in the layout of ``device``'s fused kernel, built once at load (``packed.repack``; ``head``: the
+        output head); the mapped pages of the blocks it was built from are dropped as it goes
+        (``GGUFFile.release_view``)."""
         from .packed import repack
 
-        return repack(w, dtype, self.file.release_view, device)
+        return repack(w, dtype, self.file.release_view, device, head)
 
     def release_pages(self) -> None:
         """Forget the mapped pages read so far (the repacked weights hold their own copies), and hand the repacking's
