@@ -1,13 +1,15 @@
 """Load time and memory of a whole-model stage of each real SmolLM2 file, fused and dequantized per use.
 
-    python benchmarks/real_load.py [--rounds 2]
+    python benchmarks/real_load.py [--rounds 2] [--files LABEL=PATH ...]
 
 Files: ${SANGAMA_TEST_MODELS:-~/.cache/sangama-test}/SmolLM2-135M-Instruct.{Q4_1,F16,Q8_0,Q4_K_M}.gguf (Q4_1 from
 `.ci/fetch-models`; the others are made by `requantize_gguf`, as tests/real does). Each measurement is a fresh process
 (`tests/real/rss_probe.py`): open (header, tensor index; no tokenizer) and `StageModel.load`, then the memory the stage
 holds (anonymous + the GGUF mapping's resident pages, minus the same before the load) after the load and after a
 prefill + one decode step, against the stage's tensors' bytes in the file. Medians over rounds, the two paths
-alternating. Prints a table and writes benchmarks/results/real_load.json.
+alternating. Prints a table and writes benchmarks/results/real_load.json (real_load-files.json for ``--files``, e.g.
+``moe-Q4_K_M=~/.cache/sangama-bench/qwen35moe-small/model-Q4_K_M.gguf``, a made Qwen3.5-MoE re-quantized with
+``sangama-peer requantize ... Q4_K_M``, whose rows are whole 256-blocks, unlike SmolLM2's).
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ PROBE = Path(__file__).parent.parent / "tests" / "real" / "rss_probe.py"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--files", nargs="*", metavar="LABEL=PATH", help="these files instead of the SmolLM2 set")
     args = ap.parse_args()
     cache = Path(os.environ.get("SANGAMA_TEST_MODELS") or Path.home() / ".cache" / "sangama-test")
-    files = {label: cache / f"SmolLM2-135M-Instruct.{label}.gguf" for label in ("Q4_1", "F16", "Q8_0", "Q4_K_M")}
+    if args.files:
+        files = {a.split("=", 1)[0]: Path(a.split("=", 1)[1]).expanduser() for a in args.files}
+    else:
+        files = {label: cache / f"SmolLM2-135M-Instruct.{label}.gguf" for label in ("Q4_1", "F16", "Q8_0", "Q4_K_M")}
     files = {k: v for k, v in files.items() if v.exists()}
     runs: dict[tuple[str, bool], list[dict]] = {}
     for _ in range(args.rounds):
@@ -47,13 +53,14 @@ def main() -> None:
             "open_s": statistics.median(g["open_s"] for g in got), "load_s": statistics.median(g["load_s"] for g in got),
             "held_after_load_x": round(statistics.median(g["after_load"] for g in got) / in_file, 3),
             "held_after_steps_x": round(statistics.median(g["after_steps"] for g in got) / in_file, 3)})
-    print(f"{'file':<8} {'path':<8} {'file MiB':>8} {'open s':>7} {'load s':>7} {'held/file after load':>21} "
+    w = max(8, *(len(k) for k in files))
+    print(f"{'file':<{w}} {'path':<8} {'file MiB':>8} {'open s':>7} {'load s':>7} {'held/file after load':>21} "
           f"{'after steps':>12}")
     for r in rows:
-        print(f"{r['file']:<8} {r['path']:<8} {r['file_mib']:>8.1f} {r['open_s']:>7.3f} {r['load_s']:>7.3f} "
+        print(f"{r['file']:<{w}} {r['path']:<8} {r['file_mib']:>8.1f} {r['open_s']:>7.3f} {r['load_s']:>7.3f} "
               f"{r['held_after_load_x']:>21.2f} {r['held_after_steps_x']:>12.2f}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "real_load.json").write_text(json.dumps(
+    (RESULTS / ("real_load-files.json" if args.files else "real_load.json")).write_text(json.dumps(
         {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg": os.getloadavg(),
          "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
 

@@ -77,14 +77,23 @@ def default_files() -> dict[str, Path]:
     return {k: v for k, v in files.items() if v.exists()}
 
 
-def made_qwen_moe(out_dir: Path) -> Path:
-    """A made Qwen3.5-MoE in GGUF Q4_K (make-model's `small` preset) - the reference deployment's architecture."""
+def made_qwen_moe(out_dir: Path) -> dict[str, Path]:
+    """A made Qwen3.5-MoE (make-model's `small` preset) - the reference deployment's architecture - in GGUF Q4_K (the
+    converter's one type) and Q4_K_M (llama-quantize's per-tensor mix, re-quantized from an F16 file: Q4_K with
+    Q6_K for attn_v/ffn_down on the layers llama.cpp picks, and the head)."""
     path = out_dir / "qwen35moe-small"
-    gguf_path = path / "model-Q4_K.gguf"
-    if not gguf_path.exists():
-        subprocess.run([sys.executable, "-m", "sangama_p2p.cli.main", "make-model", str(path), "--arch", "qwen3_5_moe",
-                        "--preset", "small", "--gguf", "Q4_K"], check=True, stdout=subprocess.DEVNULL)
-    return gguf_path
+    q4k, f16, q4km = path / "model-Q4_K.gguf", path / "model-F16.gguf", path / "model-Q4_K_M.gguf"
+    cli = [sys.executable, "-m", "sangama_p2p.cli.main"]
+    if not q4k.exists():
+        subprocess.run([*cli, "make-model", str(path), "--arch", "qwen3_5_moe", "--preset", "small", "--gguf", "Q4_K"],
+                       check=True, stdout=subprocess.DEVNULL)
+    if not q4km.exists():
+        if not f16.exists():
+            from sangama_p2p.model.gguf import write_gguf
+
+            write_gguf(path, f16, "F16")
+        subprocess.run([*cli, "requantize", str(f16), str(q4km), "Q4_K_M"], check=True, stdout=subprocess.DEVNULL)
+    return {"made Qwen3.5-MoE Q4_K": q4k, "made Qwen3.5-MoE Q4_K_M": q4km}
 
 
 def llama_bench_cmd(tree: Path, path: Path, threads: int, *, prompt: int, gen: int) -> list[str]:
@@ -180,7 +189,7 @@ def main() -> None:
     files = dict(f.split("=", 1) for f in args.files) if args.files else default_files()
     files = {k: Path(v) for k, v in files.items()}
     if not args.files:
-        files["made Qwen3.5-MoE Q4_K"] = made_qwen_moe(Path.home() / ".cache" / "sangama-bench")
+        files.update(made_qwen_moe(Path.home() / ".cache" / "sangama-bench"))
     if args.cpu_time:
         rows = cpu_per_token(tree, files, args.rounds)
         print(f"{'file':<24} {'ours CPU ms/token':>18} {'llama.cpp CPU ms/token':>23} {'ratio':>6}")

@@ -1,4 +1,4 @@
-"""GGUF weights repacked once at load into the layouts of torch's fused low-bit CPU kernels.
+"""GGUF weights repacked once at load into the layouts of torch's fused low-bit kernels (CPU and CUDA).
 
 :func:`repack` turns what :class:`~.source.GGUFSource` returns into a :class:`~..weights.FusedWeight` that multiplies
 without ever being dequantized again:
@@ -20,7 +20,7 @@ without ever being dequantized again:
   scales and zeros are rounded to **bfloat16** and the activations are cast to bfloat16 per call (16 x is exact);
   the kernel accumulates in fp32 and rounds its output to bfloat16 once. N must be a multiple of 16 (rows of zeros
   pad it; the padding is cut from the output), K a multiple of 32 (always true of these block types).
-- **Dense** (:class:`FloatLinear`): F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products
+- **Dense** (:class:`~.dense.FloatLinear`): F16/BF16 tensors stay in their own dtype and are multiplied in it (fp16 products
   accumulate in fp32; the activations are scaled into fp16's range first), never upcast whole. An fp16 weight times
   16 rows or more (prefill) is multiplied in fp32 instead, a chunk of its rows upcast at a time: torch's fp16 GEMM
   on the CPU is 3-4x slower than fp32's there.
@@ -38,26 +38,25 @@ them to it on every step: the same numbers).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from ...errors import UnsupportedModelError
 from ..weights import FusedWeight, Weight
-from .quants import QK_K, QType, QuantTensor, _k_scale_min, dequantize_rows, fp16_at, q6_k_parts, type_name
+from .dense import TEMP_BYTES, FloatLinear, dequantize_chunked, trim_heap
+from .quants import QK_K, QType, QuantTensor, _k_scale_min, fp16_at, q6_k_parts, type_name
 
-__all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "cuda_int4_works", "repack"]
+__all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "cuda_int4_works", "repack", "trim_heap"]
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # the int4 kernel's group size: one (scale, zero) per 32 weights of a row
 _ROW_TILE = 64  # packed rows are laid out in tiles of 64: packings of whole tiles concatenate along N
-_TEMP_BYTES = 16 << 20  # the most the repacking of one chunk of rows allocates besides its result (about)
+_TEMP_BYTES = TEMP_BYTES  # the most the repacking of one chunk of rows allocates besides its result (about)
 
 Q4_1, Q5_1 = QType.Q4_1, QType.Q5_1  # d, m fp16 + codes; w = d*q + m
 # the types held as two codes a weight, and their group G (the block's, or Q6_K's 16-weight sub-block)
@@ -65,8 +64,6 @@ _WIDE = {QType.Q5_0: 32, Q5_1: 32, QType.Q5_K: 32, QType.Q8_0: 32, QType.Q6_K: 1
 INT4_TYPES = frozenset({QType.Q4_0, Q4_1, QType.Q4_K, *_WIDE})
 _TYPE_SIZE = {QType.Q4_0: 18, Q4_1: 20, QType.Q4_K: 144, QType.Q5_0: 22, Q5_1: 24, QType.Q5_K: 176, QType.Q8_0: 34,
               QType.Q6_K: 210}
-_FP16_MAX = 60000.0  # activations scaled below this before an fp16 product
-_WIDE_ROWS = 16  # an fp16 weight multiplies this many activation rows or more in fp32 (torch's fp16 GEMM is slow)
 
 
 # ---- codes, scales and zeros from raw blocks --------------------------------------------------------------------
@@ -383,55 +380,6 @@ def _probe_cuda_int4(dev: torch.device) -> bool:
     return True
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class FloatLinear(FusedWeight):
-    """A dense weight multiplied in its own dtype (fp16 or bf16) whatever the activations' dtype."""
-
-    weight: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weight
-        if w.dtype == torch.float16 and x.dtype != torch.float16 and x.numel() >= _WIDE_ROWS * w.shape[1]:
-            y = _fp32_by_row_chunks(x.reshape(-1, w.shape[1]), w).reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
-        elif w.dtype == torch.float16 and x.dtype != torch.float16:
-            lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
-            peak = max(-float(lo), float(hi))  # (cheaper than abs().max(): one op)
-            if peak > _FP16_MAX:  # keep the activations inside fp16's range (and scale the product back)
-                scale = peak / _FP16_MAX
-                y = F.linear((x / scale).to(w.dtype), w).to(x.dtype) * scale
-            else:
-                y = F.linear(x.to(w.dtype), w).to(x.dtype)
-        else:
-            y = F.linear(x.to(w.dtype), w).to(x.dtype)
-        return y if bias is None else y + bias
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight.to(dtype)
-
-    def to(self, device: torch.device | str) -> "FloatLinear":
-        return FloatLinear(self.weight.to(device))
-
-    @staticmethod
-    def joinable(parts: list[FusedWeight]) -> bool:
-        if not all(isinstance(p, FloatLinear) for p in parts):
-            return False
-        return len({p.weight.dtype for p in parts}) == 1  # type: ignore[attr-defined]
-
-    @staticmethod
-    def concat(parts: list[FusedWeight]) -> "FloatLinear | None":
-        if not FloatLinear.joinable(parts):
-            return None
-        return FloatLinear(torch.cat([p.weight for p in parts]))  # type: ignore[attr-defined]
-
-
 def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None] | None = None,
            device: torch.device | str = "cpu", head: bool = False) -> Weight:
     """The fused form of a weight that a stage computing in ``dtype`` on ``device`` will multiply by (see the module
@@ -447,8 +395,8 @@ def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None
         if w.data.device.type != "cpu":
             return w  # blocks already elsewhere stay on the dequantize-per-use path
         if head and w.qtype == QType.Q6_K:
-            dense_w = _dequantize_chunked(w, torch.float16, release)
-            return FloatLinear(dense_w if dense_w is not None else _dequantize_chunked(w, torch.bfloat16, release))
+            dense_w = dequantize_chunked(w, torch.float16, release)
+            return FloatLinear(dense_w if dense_w is not None else dequantize_chunked(w, torch.bfloat16, release))
         if w.qtype in INT4_TYPES:
             return pack_int4(w, release)
         return w
@@ -472,43 +420,3 @@ def _repack_for(dev: torch.device, w: Weight, dtype: torch.dtype,
     if isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype != dtype and w.dtype.is_floating_point and half:
         return w.to(dev).to(dtype)  # what the per-use path casts it to on every step
     return w
-
-
-def trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc's ``malloc_trim``; nothing elsewhere). Repacking frees many
-    temporaries of a few MB, which glibc otherwise keeps in the process (measured: ~10 MB on llama/small Q4_K)."""
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return
-    fn(0)
-
-
-def _fp32_by_row_chunks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in fp32 for an fp16 ``w`` (upcast exactly), a chunk of w's rows at a time (copies of at most
-    :data:`_TEMP_BYTES`). On the CPU, torch's fp16 GEMM is 3-4x slower than fp32's for many rows (measured at 512 rows,
-    1 thread: 1536x576 35.8 ms fp16, 10.3 fp32, 2.9 bf16); one activation row it does at the speed of memory."""
-    x32 = x.float()
-    n, k = w.shape
-    out = torch.empty(x32.shape[0], n, dtype=torch.float32)
-    step = max(64, _TEMP_BYTES // (4 * k))
-    for r0 in range(0, n, step):
-        out[:, r0 : r0 + step] = x32 @ w[r0 : r0 + step].float().t()
-    return out
-def _dequantize_chunked(qt: QuantTensor, dtype: torch.dtype,
-                        release: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
-    """The weight in ``dtype``, a chunk of rows at a time; None when a value does not fit ``dtype`` (fp16's 65504).
-    Released blocks stay readable (the mapped pages come back from the file)."""
-    n, k = qt.shape
-    limit = torch.finfo(dtype).max
-    out = torch.empty(n, k, dtype=dtype)
-    step = max(1, _TEMP_BYTES // (8 * k))  # rows whose fp32 dequantization (and its steps) fit the bound
-    for r0 in range(0, n, step):
-        blocks = qt.data[r0 : r0 + step]
-        part = dequantize_rows(qt.qtype, blocks, k)
-        if release is not None:
-            release(blocks)
-        if float(part.abs().max()) > limit:
-            return None
-        out[r0 : r0 + step] = part if qt.col_perm is None else part.index_select(1, qt.col_perm)
-    return out
