@@ -172,3 +172,24 @@ def test_a_client_peer_takes_its_tokenizer_from_a_gguf_file(tiny: Path, tmp_path
     trio.run(main)
     assert seen["ids"] == ref.encode("def fibonacci(n):")
     assert seen["text"] == "def fibonacci(n):"
+
+
+def test_a_serving_only_peer_keeps_no_tokenizer(tiny: Path, tmp_path: Path) -> None:
+    """``serve(..., tokenizer=False)`` (what ``join`` does) builds no tokenizer: text prompts are then a typed error,
+    token ids still work; by default the served model's tokenizer is kept for the peer's own prompts."""
+    seen: dict = {}
+
+    async def main() -> None:
+        async with Peer(PeerConfig(host=host(tmp_path, "s"))) as s:
+            await s.serve(tiny, "0:8", tokenizer=False)
+            seen["bare"] = s.tokenizer
+            with pytest.raises(ModelError, match="need a tokenizer"):
+                s.encode("hello")
+            seen["ids"] = s.encode([1, 2, 3])
+        async with Peer(PeerConfig(host=host(tmp_path, "t"))) as t:
+            await t.serve(tiny, "0:8")
+            seen["kept"] = t.tokenizer
+
+    trio.run(main)
+    assert seen["bare"] is None and seen["ids"] == [1, 2, 3]
+    assert seen["kept"] is not None and seen["kept"].encode("hello") == open_checkpoint(tiny).tokenizer.encode("hello")

@@ -128,7 +128,7 @@ def _join(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with Peer(config.replace(model_path=None)) as peer:
             with progress(f"loading {what} of {Path(model).name}", show=show):
-                start, end = await peer.serve(model, layers, model_id=model_id, **options)
+                start, end = await peer.serve(model, layers, model_id=model_id, tokenizer=False, **options)
             server = peer.servers[-1]
             # `ready` means reachable: public, or with a relay circuit address in the published record
             with progress("waiting until other peers can reach this one", show=show):
