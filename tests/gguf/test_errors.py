@@ -122,3 +122,35 @@ def test_tokenizer_optional_and_unsupported_kinds(tmp_path: Path) -> None:
                {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "no-such"})
     with pytest.raises(UnsupportedModelError, match=r"pre-tokenizer 'no-such' is not supported \(supported: .*smollm"):
         tokenizer_from_gguf(GGUFFile(p))
+
+
+def test_large_arrays_are_parsed_when_first_asked_for(tmp_path: Path) -> None:
+    """Arrays of 4096 elements or more (vocabularies) are checked and skipped at open, and become the same lists on
+    first access; a vocabulary whose bytes are not UTF-8 is a CheckpointError then, not at open."""
+    from sangama_p2p.model.gguf.reader import _LazyArray
+
+    tokens = [f"tok{i}" for i in range(5000)]
+    numbers = list(range(5000))
+    p = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("x.numbers", numbers)
+    w.add_array("x.small", [1, 2, 3])
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta = GGUFFile(p).metadata
+    assert isinstance(dict.__getitem__(meta, "tokenizer.ggml.tokens"), _LazyArray)
+    assert dict.__getitem__(meta, "x.small") == [1, 2, 3]  # small arrays as before
+    assert meta["tokenizer.ggml.tokens"] == tokens and meta.get("x.numbers") == numbers
+    assert dict.__getitem__(meta, "x.numbers") == numbers  # kept once parsed
+    bad = tmp_path / "bad.gguf"
+    raw = bytearray(p.read_bytes())
+    at = raw.find(b"tok4999")
+    raw[at : at + 3] = b"\xff\xfe\xfd"
+    bad.write_bytes(bytes(raw))
+    meta = GGUFFile(bad).metadata
+    with pytest.raises(CheckpointError, match="UTF-8"):
+        meta["tokenizer.ggml.tokens"]

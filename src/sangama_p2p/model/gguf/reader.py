@@ -2,7 +2,11 @@
 
 The header is parsed here rather than with ``gguf.GGUFReader``, which builds a numpy view per array element and took
 51 s to open the 248k-token Qwen vocabulary on this machine; the format is small (magic, version, typed key/values,
-tensor infos, aligned data). Each file is memory-mapped; nothing is read until a tensor is asked for.
+tensor infos, aligned data). Each file is memory-mapped; nothing is read until a tensor is asked for. Large arrays
+(the vocabulary, its merges and token types) are only checked and skipped when the header is parsed, and turned into
+Python lists the first time they are asked for (:class:`Metadata`): a stage builds no tokenizer and never pays for
+them (SmolLM2's three 49k arrays are ~9 MB of Python objects; Qwen3.5's 248k vocabulary and merges about five times
+that).
 Tensors used as stored are handed out as zero-copy torch views of the map (copy-on-write mapping, so torch gets a
 writable array and no data is copied). Tensors that must be transformed are read with ``pread`` into memory we own,
 so touching them does not also leave mapped file pages resident in the process.
@@ -24,7 +28,7 @@ import torch
 from ...errors import CheckpointError, UnsupportedModelError, translate
 from .quants import BLOCK_SIZES, QType, row_bytes, type_name, unsupported_type
 
-__all__ = ["GGUFFile", "GGUFMetadata", "TensorInfo", "read_metadata", "split_paths"]
+__all__ = ["GGUFFile", "GGUFMetadata", "Metadata", "TensorInfo", "read_metadata", "split_paths"]
 
 _DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -72,6 +76,46 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4
+_LAZY_MIN = 4096  # arrays of at least this many numbers or strings are parsed when first asked for
+
+
+class _LazyArray:
+    """A checked, not yet parsed array of the header: element type, count and where its elements start."""
+
+    __slots__ = ("cursor", "pos", "etype", "count")
+
+    def __init__(self, cursor: "_Cursor", pos: int, etype: int, count: int) -> None:
+        self.cursor, self.pos, self.etype, self.count = cursor, pos, etype, count
+
+    def load(self) -> list[Any]:
+        cur = _Cursor(self.cursor.buf, self.cursor.path)
+        cur.pos = self.pos
+        return cur.elements(self.etype, self.count)
+
+
+class Metadata(dict):
+    """A GGUF header's key/values; large arrays become lists on first access (``[key]`` or ``get``)."""
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        if isinstance(value, _LazyArray):
+            value = value.load()
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def items(self):  # type: ignore[override]  (the values as lists, like every other way in)
+        return [(k, self[k]) for k in self]
+
+    def values(self):  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self.items()) == (dict(other.items()) if isinstance(other, dict) else other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class _Cursor:
@@ -120,6 +164,31 @@ class _Cursor:
         self.pos = pos
         return out
 
+    def skip_strings(self, count: int) -> None:
+        """Step over a string array, checking its length prefixes against the end (not its UTF-8: see ``strings``)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            (n,) = unpack(buf, pos)
+            pos += 8 + n
+        else:
+            if pos <= end:
+                self.pos = pos
+                return
+        raise CheckpointError(f"truncated GGUF header in {self.path} (inside a string array at byte {min(pos, end)})")
+
+    def elements(self, etype: int, count: int) -> list[Any]:
+        if etype in _NP:
+            size = np.dtype(_NP[etype]).itemsize
+            return np.frombuffer(self.take(size * count), dtype=_NP[etype]).tolist()
+        if etype == _STRING:
+            return self.strings(count)
+        if etype == _ARRAY:
+            return [self.value(_ARRAY) for _ in range(count)]
+        raise CheckpointError(f"unknown GGUF array element type {etype} in {self.path}")
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.scalar(vtype)
@@ -127,17 +196,18 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.scalar(4), self.scalar(10)
-            if etype in _NP:
-                size = np.dtype(_NP[etype]).itemsize
-                return np.frombuffer(self.take(size * count), dtype=_NP[etype]).tolist()
-            if etype == _STRING:
-                return self.strings(count)
-            if etype == _ARRAY:
-                return [self.value(_ARRAY) for _ in range(count)]
+            if count >= _LAZY_MIN and (etype in _NP or etype == _STRING):
+                lazy = _LazyArray(self, self.pos, etype, count)
+                if etype == _STRING:
+                    self.skip_strings(count)
+                else:
+                    self.take(np.dtype(_NP[etype]).itemsize * count)
+                return lazy
+            return self.elements(etype, count)
         raise CheckpointError(f"unknown GGUF value type {vtype} in {self.path}")
 
 
-def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int, np.memmap, dict]:
+def _parse(path: Path) -> tuple[Metadata, list[tuple[str, tuple[int, ...], int, int]], int, np.memmap, dict]:
     """Parse one GGUF file: (metadata, [(name, ne, ggml type, relative offset)], data start, memory map,
     {key: (start, end) byte span of its whole key/value entry})."""
     if not path.is_file():
@@ -152,7 +222,7 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...],
         raise CheckpointError(f"{path} is not a GGUF file (magic {bytes(magic)!r})")
     if version not in (2, 3):
         raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (2, 3; big-endian files neither)")
-    meta: dict[str, Any] = {}
+    meta = Metadata()
     spans: dict[str, tuple[int, int]] = {}
     for _ in range(n_kv):
         start = cur.pos
@@ -192,7 +262,7 @@ class GGUFFile:
         self.paths = split_paths(self.path)
         self._fds: list[int] = []
         self._maps: list[np.memmap] = []
-        self.metadata: dict[str, Any] = {}
+        self.metadata: Metadata = Metadata()
         self.tensors: dict[str, TensorInfo] = {}
         self.kv_spans: dict[str, tuple[int, int]] = {}  # the first file's raw key/value entries, for re-writing
         for i, p in enumerate(self.paths):
