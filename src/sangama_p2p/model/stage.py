@@ -102,19 +102,24 @@ class StageModel:
         def pack(w: Weight, head: bool = False) -> Weight:  # (on the CPU: a CUDA stage's are moved once packed)
             return packer(w, dt, stage.device, head) if packer is not None else w
 
-        def get(name: str, *, raw: bool = False, head: bool = False) -> Weight:
-            if not source.has(name):
-                raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
-            w = source.get(name, dt)
-            stage.loaded_names.append(name)
-            if not raw:
-                w = pack(w, head)
+        def place(w: Weight) -> Weight:
             if isinstance(w, torch.Tensor) or hasattr(w, "to"):  # quantized weights move their blocks
-                w = w.to(stage.device)  # type: ignore[union-attr]
+                return w.to(stage.device)  # type: ignore[union-attr]
             return w
 
+        def read(name: str) -> Weight:
+            if not source.has(name):
+                raise CheckpointError(f"checkpoint lacks tensor {name!r} needed by layers {start}:{end}")
+            stage.loaded_names.append(name)
+            return source.get(name, dt)
+
+        def get(name: str, *, head: bool = False) -> Weight:
+            return place(pack(read(name), head))
+
+        embed = None  # as stored: a tied head is packed from it, the embedding itself is moved as it is
         if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
-            stage.embed = get("model.embed_tokens.weight", raw=True)  # looked up by rows (take_rows), not multiplied
+            embed = read("model.embed_tokens.weight")
+            stage.embed = place(embed)  # looked up by rows (take_rows), not multiplied
         release = getattr(source, "release_pages", None) if packer is not None else None
         for i in range(start, end):
             prefix = f"model.layers.{i}."
@@ -123,11 +128,8 @@ class StageModel:
                 release()
         if stage.is_last:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
-            tied = spec.tie_word_embeddings
-            if tied and stage.device.type != "cpu" and packer is not None:  # packed from the file's blocks
-                stage.head = get("model.embed_tokens.weight", head=True)  # (the embedding is on the device already)
-            elif tied:
-                stage.head = pack(stage.embed, head=True)  # type: ignore[arg-type]
+            if spec.tie_word_embeddings:
+                stage.head = place(pack(embed, head=True))  # type: ignore[arg-type]
             else:
                 stage.head = get("lm_head.weight", head=True)
             if want_mtp:

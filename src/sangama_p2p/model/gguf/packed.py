@@ -39,6 +39,7 @@ them to it on every step: the same numbers).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import ClassVar
@@ -206,7 +207,7 @@ class Int4Weight(FusedWeight):
             xb = xb.index_select(1, self.in_perm)
         if self.wide:  # [x_g, 16 x_g] per group of G (x 16 is exact), one broadcast product (4.8 us for a row of
             m = xb.shape[0]  # 576 here; a concatenation of x_g and 16 x_g took 6.5)
-            xb = (xb.view(m, -1, 1, self.wide) * _ONE_SIXTEEN.get(xb.device)).view(m, 2 * self.k)
+            xb = (xb.view(m, -1, 1, self.wide) * _one_sixteen(xb.device)).view(m, 2 * self.k)
         if self.packed.dim() == 4:  # the CUDA layout
             y = torch.ops.aten._weight_int4pack_mm(xb, self.packed, self.group, self.scales_zeros)  # [M, N]
         else:
@@ -313,24 +314,14 @@ def pack_int4(qt: QuantTensor, release: Callable[[torch.Tensor], None] | None = 
     return Int4Weight(packed, _to_device(sz, dev), n, k, _WIDE.get(qt.qtype, 0), group, qt.qtype, in_perm)
 
 
-class _PerDevice:
-    """A small constant tensor, made once per device it is asked for on."""
-
-    def __init__(self, values: list[float], shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.values, self.shape, self.dtype = values, shape, dtype
-        self.made: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, dev: torch.device) -> torch.Tensor:
-        t = self.made.get(dev)
-        if t is None:
-            t = self.made[dev] = torch.tensor(self.values, dtype=self.dtype, device=dev).view(self.shape)
-        return t
-
-
-_ONE_SIXTEEN = _PerDevice([1.0, 16.0], (2, 1), torch.bfloat16)  # the two codes' activations: x and 16 x
+@functools.lru_cache(maxsize=8)
+def _one_sixteen(device: torch.device) -> torch.Tensor:
+    """[2, 1] bfloat16 (1, 16): the two codes' activations, x and 16 x (a constant per device; never written)."""
+    return torch.tensor([1.0, 16.0], dtype=torch.bfloat16, device=device).view(2, 1)
 
 
 def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` on ``dev`` (every move of the CUDA packing goes through here: the fake-CUDA test replaces it)."""
     return t if dev.type == "cpu" else t.to(dev)
 
 
