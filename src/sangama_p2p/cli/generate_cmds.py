@@ -83,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads for --local (default: every core this process may use; 1 is fastest "
-                   "for tiny models on busy CPUs)")
+                   help="torch intra-op threads for --local (default: half the cores this process may use, at "
+                   "least 1: all of them stall when other processes compete)")
     p.add_argument("--dequantize-per-use", action="store_true",
                    help="keep quantized GGUF weights as stored and dequantize them on every use (slow; for comparing "
                    "with the fused kernels)")

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="make each request's numbers independent of its batch (slower on CPU)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch intra-op threads (default: every core this process may use)")
+                   help="torch intra-op threads (default: half the cores this process may use, at least 1)")
     p.add_argument("--dequantize-per-use", action="store_true",
                    help="keep quantized GGUF weights as stored and dequantize them on every use (slow)")
     p.add_argument("--lane-port", type=int, default=None, metavar="PORT",
