@@ -94,3 +94,18 @@ def test_status_shows_this_nodes_bans_with_their_reasons(tmp_path, capsys):
     _print_table(status)
     out = capsys.readouterr().out
     assert "banned here" in out and "12D3KooWLiar" in out and "wrong tokens" in out
+
+
+def test_the_ban_list_creates_its_directory_private(tmp_path):
+    """Issue 23, item 6: ~/.sangama was created 0755 when the ban list made it before the key file (docs: 0700)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        bans = BanList(path=tmp_path / ".sangama" / "bans.json")
+        bans.ban("peerA", "lied", duration=60)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / ".sangama").st_mode) == 0o700
+    assert [b.peer_id for b in load_bans(tmp_path / ".sangama" / "bans.json")] == ["peerA"]

@@ -111,7 +111,7 @@ class BanList:
     def _save(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # ~/.sangama also holds the peer key
         tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
         data = {"bans": [asdict(b) for b in sorted(self._bans.values(), key=lambda b: b.peer_id)]}
         tmp.write_text(json.dumps(data, indent=1))

@@ -3,7 +3,9 @@
 Why persisted: DHT records, routing tables and other peers' address books all name a peer by the id derived from its
 public key; a fresh key on every start would orphan all of them. The file holds libp2p's protobuf encoding of the
 private key (the format go-libp2p and kubo use), is written with mode 0600 inside a directory created 0700, and is
-replaced atomically so that a crash never leaves half a key behind.
+replaced atomically so that a crash never leaves half a key behind. A key file that others may read (mode 0644,
+0666: copied, or written by hand) is still used, with a warning saying to ``chmod 600`` it: anyone who reads it can
+act as this peer.
 
 Two running peers with one key would share one peer id, and the swarm keeps only one of them (the other silently
 vanishes): a node that loads its key from a file holds a lock on it (:func:`lock_key_file`), so a second peer started
@@ -13,8 +15,10 @@ detected.)
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO
@@ -41,6 +45,8 @@ __all__ = [
 
 DEFAULT_KEY_PATH = Path("~/.sangama/peer.key")
 
+log = logging.getLogger(__name__)
+
 
 def default_key_path() -> Path:
     """The key file used when none is given: ``~/.sangama/peer.key``."""
@@ -56,9 +62,14 @@ def generate_key_pair() -> KeyPair:
 def load_key_pair(path: Path) -> KeyPair:
     """Read the key at ``path``; a missing, unreadable or corrupt file is a :class:`NetworkError`."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as handle:
+            mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
+            data = handle.read()
     except OSError as exc:
         raise NetworkError(f"cannot read peer key {path}: {exc}") from exc
+    if mode & 0o077:
+        log.warning("peer key %s has mode %04o: other users of this machine may read it and act as this peer; "
+                    "run `chmod 600 %s`", path, mode, path)
     try:
         private = deserialize_private_key(data)
     except Exception as exc:  # protobuf and key-parsing errors of several kinds
@@ -125,7 +136,7 @@ def lock_key_file(path: Path) -> IO[str]:
     import fcntl
 
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as save_key_pair would create it
     handle = open(path.with_name(path.name + ".lock"), "a+")  # noqa: SIM115 - held for the node's lifetime
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
