@@ -48,6 +48,11 @@ class HostConfig:
     Measured with ``benchmarks/net.py``: about a quarter less CPU per 8 KiB round trip. py-libp2p reads this knob
     from the environment (``PY_YAMUX_RELEASE_ON_READ``), so it applies to the whole process; an explicit value in
     the environment wins.
+
+    ``dht_max_records`` and ``dht_records_per_peer`` bound what this node stores as a DHT server: records in all
+    (each at most 8 KiB, so 32 MiB at the default) and records of one author (a peer publishes one per model it
+    serves). An author over its cap loses its own soonest-expiring record; in a full store the author holding the
+    most records makes room; a newcomer is refused only when every author holds a single record.
     """
 
     key_path: Path | None = None
@@ -59,6 +64,8 @@ class HostConfig:
     relay_hop: bool = False
     handshake_timeout: float = 5.0
     record_ttl: float = 180.0
+    dht_max_records: int = 4096
+    dht_records_per_peer: int = 16
     limits: Limits = Limits()
     batch_window_updates: bool = True
 
@@ -71,6 +78,8 @@ class HostConfig:
             raise NetworkError("listen_addrs is empty: a node must listen somewhere")
         if self.handshake_timeout <= 0 or self.record_ttl <= 0:
             raise NetworkError("handshake_timeout and record_ttl must be positive")
+        if self.dht_max_records < 1 or self.dht_records_per_peer < 1:
+            raise NetworkError("dht_max_records and dht_records_per_peer must be at least 1")
         if self.fleet_secret is not None and len(self.fleet_secret) < 16:
             raise NetworkError("fleet secret is too short: use at least 16 bytes (e.g. `openssl rand -hex 32`)")
         if self.key_path is not None:

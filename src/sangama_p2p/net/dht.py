@@ -15,6 +15,7 @@ and a peer that cannot be dialled any more is dropped from the table (as go-libp
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from typing import Any
@@ -24,9 +25,11 @@ import trio
 import varint
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.common import BUCKET_SIZE, MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
+from libp2p.kad_dht.common import DEFAULT_TTL as VALUE_TTL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
 from libp2p.kad_dht.utils import maybe_consume_signed_record, sort_peer_ids_by_distance
+from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import env_to_send_in_RPC
@@ -37,7 +40,7 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from ..errors import NetworkError
 from .node import Node, offers_protocol
-from .records import NAMESPACE, RecordValidator
+from .records import NAMESPACE, RecordLedger, RecordValidator
 
 __all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
 
@@ -59,14 +62,16 @@ def _require_dht(node: Node) -> KadDHT:
 async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the node's DHT until cancelled: server mode answers queries, client mode only asks.
 
-    Validation is strict: only our namespace (and ``/pk``) is stored, so nobody can park arbitrary data on us.
+    Validation is strict: only our namespace (and ``/pk``) is stored, so nobody can park arbitrary data on us; and
+    the store is capped (``HostConfig.dht_max_records``, ``dht_records_per_peer``: see :class:`_CappedValueStore`).
     """
-    validator = NamespacedValidator(
-        {NAMESPACE: RecordValidator(), "pk": PublicKeyValidator()}, strict_validation=True
-    )
+    records = RecordValidator()
+    validator = NamespacedValidator({NAMESPACE: records, "pk": PublicKeyValidator()}, strict_validation=True)
     mode = DHTMode.SERVER if node.config.dht_server else DHTMode.CLIENT
     async with trio.open_nursery() as nursery:
         dht = _ServerDHT(node.host, mode, nursery, validator=validator, validator_changed=True, strict_validation=True)
+        ledger = RecordLedger(max_records=node.config.dht_max_records, max_per_peer=node.config.dht_records_per_peer)
+        dht.value_store = _CappedValueStore(node.host, dht.local_peer_id, ledger, records)
         node.dht = dht
         node.dial_failed.append(dht.forget)
         try:
@@ -79,6 +84,67 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
 
 
 SWEEP_S = 30.0  # how often a node drops expired records from its DHT store (records live 180 s by default)
+SWEEP_BATCH = 256  # records dropped between two checkpoints of a sweep
+_PK_PREFIX = b"/pk/"
+
+
+class _CappedValueStore(ValueStore):
+    """py-libp2p's value store with a :class:`RecordLedger` beside it: capped per author and in total, and swept by
+    expiry time alone.
+
+    Why: py-libp2p stores every valid value (up to 50,000), for its own hard-coded 24 h. The audit stored 5
+    identities x 2,000 signed records on a bootstrap node, and the old sweep re-validated all 10k (signatures
+    included) in one go on the event loop: 5-10 s stalls, new joins failing their handshake. A record is now checked
+    once, when stored (its author and signed expiry come from the validator's check of the same bytes); ``/pk``
+    values have no author and count as one (``/pk``), so a flood of them gives way first, and live py-libp2p's 24 h.
+    A refused record raises :class:`RecordError`: the PUT_VALUE handler resets the sender's stream.
+    """
+
+    def __init__(self, host: Any, local_peer_id: ID, ledger: RecordLedger, records: RecordValidator) -> None:
+        super().__init__(host, local_peer_id)
+        self.ledger = ledger
+        self._records = records
+
+    def _admit(self, key: bytes, value: bytes) -> None:
+        if key.startswith(_PK_PREFIX):
+            author, expires_at = "/pk", time.time() + VALUE_TTL
+        else:  # strict validation stores nothing but our namespace and /pk
+            record = self._records.checked(key.decode(), value)
+            author, expires_at = record.peer_id, record.expires_at
+        for old in self.ledger.admit(key, author, expires_at):
+            super().remove(old)
+
+    def put(self, key: bytes, value: bytes, validity: float = 0.0) -> None:
+        self._admit(key, value)
+        super().put(key, value, validity)
+
+    def put_record(self, key: bytes, record: Record) -> None:
+        self._admit(key, record.value)
+        super().put_record(key, record)
+
+    def remove(self, key: bytes) -> bool:
+        self.ledger.discard(key)
+        return super().remove(key)
+
+    def cleanup_expired(self) -> int:
+        """py-libp2p's own clean-up (past its 24 h), keeping the ledger in step."""
+        now = time.time()
+        gone = [key for key, (_, validity) in self.store.items() if now > validity]
+        for key in gone:
+            self.remove(key)
+        return len(gone)
+
+    async def sweep_expired(self, batch: int) -> int:
+        """Drop records past their own signed expiry, ``batch`` at a time with a checkpoint between; the count."""
+        total = 0
+        while True:
+            keys = self.ledger.expired(time.time(), batch)
+            for key in keys:
+                super().remove(key)
+            total += len(keys)
+            if len(keys) < batch:
+                return total
+            await trio.sleep(0)
 
 
 class _ServerDHT(KadDHT):
@@ -122,34 +188,22 @@ class _ServerDHT(KadDHT):
         finally:
             self._identifying.discard(peer_id)
 
-    def sweep_expired(self) -> int:
-        """Drop stored values the validator refuses now (our records past their own ``expires_at``); the count.
-
-        Why: py-libp2p stores every value for its own hard-coded 24 h and its cleanup checks only that, so a record
-        whose signed expiry passed stayed on every DHT server (and was served, then dropped by each asker) for a day.
-        """
-        validator = self.validator
-        if validator is None:
+    async def sweep_expired(self) -> int:
+        """Drop stored records past their own ``expires_at`` (py-libp2p alone keeps every value for 24 h, so a stale
+        record stayed on every DHT server, and was served, for a day); the count. A store without a ledger (a DHT
+        not started by :func:`run_dht`) has nothing of ours to sweep."""
+        store = self.value_store
+        if not isinstance(store, _CappedValueStore):
             return 0
-        gone = []
-        prefix = f"/{NAMESPACE}/".encode()
-        for key, (record, _) in list(self.value_store.store.items()):
-            if not key.startswith(prefix):  # only our own records carry an expiry of their own
-                continue
-            try:
-                validator.validate(key.decode(), record.value)
-            except Exception:  # expired, or otherwise no longer valid
-                gone.append(key)
-        for key in gone:
-            self.value_store.store.pop(key, None)
+        gone = await store.sweep_expired(SWEEP_BATCH)
         if gone:
-            log.debug("dropped %d expired value(s) from the DHT store", len(gone))
-        return len(gone)
+            log.debug("dropped %d expired value(s) from the DHT store", gone)
+        return gone
 
     async def sweep_forever(self) -> None:
         while True:
             await trio.sleep(SWEEP_S)
-            self.sweep_expired()
+            await self.sweep_expired()
 
     def forget(self, peer_id: ID) -> None:
         """Drop a peer we could not dial from the routing table, so that later lookups stop dialling it."""

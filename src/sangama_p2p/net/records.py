@@ -13,6 +13,7 @@ signature covers ``SIGNING_DOMAIN + body``. Pure functions only (no I/O), so tes
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import re
 import time
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_TTL",
     "NAMESPACE",
+    "RecordLedger",
     "RecordValidator",
     "ServingRecord",
     "SignedRecord",
@@ -308,10 +310,101 @@ def select_best(key: str, values: list[bytes], *, now: float | None = None) -> i
 
 
 class RecordValidator(Validator):
-    """The DHT validator for the ``sangama`` namespace: py-libp2p stores and forwards only what passes."""
+    """The DHT validator for the ``sangama`` namespace: py-libp2p stores and forwards only what passes.
+
+    It remembers the record it decoded last, so that the store that takes the value right after (py-libp2p's
+    PUT_VALUE handler validates, then stores) reads its author and expiry without checking the signature again.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[str, bytes, ServingRecord] | None = None
 
     def validate(self, key: str, value: bytes) -> None:
-        decode_record(key, value)
+        self._last = (key, value, decode_record(key, value))
 
     def select(self, key: str, values: list[bytes]) -> int:
         return select_best(key, values)
+
+    def checked(self, key: str, value: bytes) -> ServingRecord:
+        """The record ``value`` holds: the one :meth:`validate` just decoded, else decoded (and checked) now."""
+        last = self._last
+        if last is not None and last[0] == key and last[1] == value and last[2].expires_at > time.time():
+            return last[2]
+        return decode_record(key, value)
+
+
+class RecordLedger:
+    """Who wrote each record a DHT server stores and when it expires: caps per author and in total, and the expiry
+    order the sweep follows (a heap, so a sweep reads only what expired and never checks a signature again).
+
+    Pure bookkeeping over keys (no store, no I/O): the caller drops what :meth:`admit` and :meth:`expired` return.
+    Who makes room, for a new key: an author at ``max_per_peer`` gives up its own soonest-expiring record; in a store
+    of ``max_records`` the author holding the most records does; if every author holds a single record, the new one
+    is refused (:class:`RecordError`), so a flood of identities never costs a peer its only record.
+    """
+
+    def __init__(self, *, max_records: int, max_per_peer: int) -> None:
+        self.max_records = max_records
+        self.max_per_peer = max_per_peer
+        self._expiry: dict[bytes, float] = {}
+        self._author: dict[bytes, str] = {}
+        self._by_author: dict[str, set[bytes]] = {}
+        self._heap: list[tuple[float, bytes]] = []  # (expiry, key), stale entries skipped when popped
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def count(self, author: str) -> int:
+        return len(self._by_author.get(author, ()))
+
+    def admit(self, key: bytes, author: str, expires_at: float) -> list[bytes]:
+        """Account for ``key`` (new, or a re-publication); the keys to drop to make room, already forgotten here.
+
+        Raises :class:`RecordError`, changing nothing, when the store is full of single records of other authors.
+        """
+        if self._author.get(key) not in (None, author):
+            self.discard(key)
+        evicted: list[bytes] = []
+        if key not in self._expiry:
+            if self.count(author) >= self.max_per_peer:
+                evicted.append(self._soonest(author))
+            elif len(self._expiry) >= self.max_records:
+                biggest = max(self._by_author, key=lambda a: len(self._by_author[a]))
+                if len(self._by_author[biggest]) < 2:
+                    raise RecordError(f"DHT record store full ({len(self._expiry)} records, one per author): "
+                                      f"record of {author} refused")
+                evicted.append(self._soonest(biggest))
+            for old in evicted:
+                self.discard(old)
+        self._expiry[key] = expires_at
+        self._author[key] = author
+        self._by_author.setdefault(author, set()).add(key)
+        heapq.heappush(self._heap, (expires_at, key))
+        if len(self._heap) > 2 * len(self._expiry) + 1024:  # re-publications left many stale entries: rebuild
+            self._heap = [(exp, k) for k, exp in self._expiry.items()]
+            heapq.heapify(self._heap)
+        return evicted
+
+    def discard(self, key: bytes) -> None:
+        """Forget ``key`` (dropped from the store by anyone); its heap entry goes stale."""
+        if self._expiry.pop(key, None) is None:
+            return
+        author = self._author.pop(key)
+        keys = self._by_author[author]
+        keys.discard(key)
+        if not keys:
+            del self._by_author[author]
+
+    def expired(self, now: float, limit: int) -> list[bytes]:
+        """Up to ``limit`` keys whose expiry is ``now`` or earlier, soonest first, forgotten here."""
+        out: list[bytes] = []
+        heap = self._heap
+        while heap and heap[0][0] <= now and len(out) < limit:
+            exp, key = heapq.heappop(heap)
+            if self._expiry.get(key) == exp:
+                self.discard(key)
+                out.append(key)
+        return out
+
+    def _soonest(self, author: str) -> bytes:
+        return min(self._by_author[author], key=lambda k: (self._expiry[k], k))
