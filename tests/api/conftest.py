@@ -22,8 +22,8 @@ def make_model(root: Path) -> Path:
 class ApiThread:
     """``Peer.serve_api`` on a trio run in a thread: ``url``, ``token`` (to call into the run), ``peer``."""
 
-    def __init__(self, model: Path, bootstrap: str, key_file: Path) -> None:
-        self.model, self.bootstrap, self.key_file = model, bootstrap, key_file
+    def __init__(self, model: Path, bootstrap: str, key_file: Path, **config: Any) -> None:
+        self.model, self.bootstrap, self.key_file, self.config = model, bootstrap, key_file, config
         self.url = ""
         self.peer: Any = None
         self.token: Any = None
@@ -68,9 +68,15 @@ class ApiThread:
         self.token = trio.lowlevel.current_trio_token()
         async with Peer(config, key_pair=generate_key_pair()) as peer:
             self.peer = peer
-            self.url = await peer.serve_api(self.model, ApiConfig(port=0, api_key_file=self.key_file))
+            self.url = await peer.serve_api(self.model, ApiConfig(port=0, api_key_file=self.key_file, **self.config))
             self._ready.set()
             await self._stop.wait()
+
+    def serve(self, config: Any) -> str:
+        """Another server (an ``ApiConfig``) on the same peer; its base URL."""
+        import trio
+
+        return trio.from_thread.run(self.peer.serve_api, self.model, config, trio_token=self.token)
 
     def routes(self) -> list[list[str]]:
         import trio
@@ -109,7 +115,7 @@ def key_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def api(model_dir, fleet, key_file):
-    with ApiThread(model_dir, fleet.bootstrap_addr, key_file) as server:
+    with ApiThread(model_dir, fleet.bootstrap_addr, key_file, max_requests_per_client=16) as server:  # 16 streams
         yield server
 
 

@@ -54,9 +54,9 @@ def test_models_auth_and_request_errors(api):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi", temperature=5)
     assert err.value.body["param"] == "temperature" and set(err.value.body) == {"message", "type", "param", "code"}
-    with pytest.raises(openai.RateLimitError) as err:  # more positions than any stage holds: CAPACITY
+    with pytest.raises(openai.BadRequestError) as err:  # over --max-tokens-cap: not a 429 that clients retry
         client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
-    assert err.value.status_code == 429 and err.value.body["code"] == "capacity"
+    assert err.value.body["param"] == "max_tokens"
 
 
 def test_completion_and_chat_equal_the_local_chain(api, local, model_dir):
@@ -133,6 +133,27 @@ def test_a_client_that_hangs_up_ends_its_generation(api, local):
     while api.routes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert got and api.routes() == []  # its sessions were closed well before 3000 tokens
+
+
+def test_a_client_that_hangs_up_on_a_request_not_streamed_ends_it(api):
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": "Hang up", "max_tokens": 3000, "temperature": 0,
+                       "ignore_eos": True, "guesses": 0}).encode()  # about 10 s of trips
+    host, port = api.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30
+    while not api.routes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert api.routes()  # the generation is running
+    sock.close()
+    t0 = time.monotonic()
+    while api.routes() and time.monotonic() < t0 + 3:
+        time.sleep(0.05)
+    assert api.routes() == [], "its sessions were still open 3 s after the client left"
+    print(f"a request not streamed: sessions freed {time.monotonic() - t0:.2f} s after its client left")
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")

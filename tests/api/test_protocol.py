@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from sangama_p2p.api.protocol import StopScanner, error_for, parse_request
+from sangama_p2p.api import ApiConfig
+from sangama_p2p.api.protocol import StopScanner, decode_body, error_for, fit_context, parse_request, prompt_chars
 from sangama_p2p.client.session import ChainBroken, StageRefused
 from sangama_p2p.errors import ApiError, ChatTemplateError, ErrorCode, RouteError, SangamaError
 from sangama_p2p.peer import PeerConfig
 
 
 def _parse(body, chat=False):
-    return parse_request(body, chat=chat, default_max_tokens=7, default_guesses="auto")
+    return parse_request(body, chat=chat, default_max_tokens=7, default_guesses="auto", max_tokens_cap=100)
 
 
 def test_parse_request_defaults_and_fields():
@@ -39,11 +40,55 @@ def test_parse_request_defaults_and_fields():
     ({"model": "m", "prompt": "hi", "guesses": 99}, "guesses"),
     ({"model": "m", "prompt": "hi", "logprobs": 5}, "logprobs"),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "hi", "max_tokens": 101}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**12},
+     "max_completion_tokens"),
+    ({"model": "m", "prompt": "hi", "seed": 2**64}, "seed"),
+    ({"model": "m", "prompt": "hi", "seed": -1}, "seed"),
+    ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": "m", "prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
 ])
 def test_bad_requests_are_400_naming_the_field(body, param):
     with pytest.raises(ApiError) as err:
-        _parse(body)
+        _parse(body, chat="messages" in body)
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_decode_body_names_the_field_nested_too_deeply():
+    deep = "[" * 200_000 + "]" * 200_000
+    for raw, param in ((f'{{"model": "m", "prompt": {deep}}}', "prompt"), (deep, None),
+                       (f'{{"a": 1, "stop" : {{"x": {deep}}}}}', "stop")):
+        with pytest.raises(ApiError) as err:
+            decode_body(raw.encode())
+        assert err.value.status == 400 and err.value.param == param and "deep" in str(err.value)
+    for raw in (b"{", b"\xff{}", b'{"a": 1e99999999999}x'):
+        with pytest.raises(ApiError) as err:
+            decode_body(raw)
+        assert err.value.status == 400
+    assert decode_body(b'{"model": "m", "prompt": [[1, 2]]}') == {"model": "m", "prompt": [[1, 2]]}
+
+
+def test_the_context_bounds_prompt_and_max_tokens():
+    r = _parse({"model": "m", "prompt": "hi"})  # max_tokens from the default: cut to what fits
+    assert fit_context(r, 95, 100).max_tokens == 5 and fit_context(r, 10, 100).max_tokens == 7
+    assert fit_context(r, 10, None) is r
+    for req, n, param in ((r, 100, "prompt"), (_parse({"model": "m", "prompt": "hi", "max_tokens": 6}), 95,
+                          "max_tokens"), (_parse({"model": "m", "messages": [{"role": "u", "content": "x"}]},
+                                                 chat=True), 100, "messages")):
+        with pytest.raises(ApiError) as err:
+            fit_context(req, n, 100)
+        assert err.value.status == 400 and err.value.param == param and err.value.code == "context_length_exceeded"
+    chat = _parse({"model": "m", "messages": [{"role": "user", "content": "abc"}, {"role": "user"}]}, chat=True)
+    assert prompt_chars(chat) == 3 and prompt_chars(r) == 2
+
+
+def test_api_config_checks_its_limits():
+    for bad in ({"max_body_bytes": 0}, {"max_tokens_cap": 0}, {"max_tokens": 300, "max_tokens_cap": 200},
+                {"max_requests_per_client": -1}, {"max_prompt_chars": -1}, {"allowed_hosts": (5,)}):
+        with pytest.raises(SangamaError):
+            ApiConfig(**bad)
+    assert ApiConfig(allowed_origins=["http://a.example/"]).allowed_origins == ("http://a.example",)
 
 
 def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_the_first():
@@ -72,6 +117,9 @@ def test_the_api_table_of_a_peer_config(tmp_path):
     path.write_text('[api]\nport = 9000\nhost = "0.0.0.0"\napi_key_file = "key"\nguesses = 2\n')
     api = PeerConfig.from_toml(path).api
     assert (api.port, api.host, api.api_key_file, api.guesses) == (9000, "0.0.0.0", tmp_path / "key", 2)
+    path.write_text('[api]\nallowed_hosts = ["api.example"]\nmax_body_bytes = 1000\n')
+    api = PeerConfig.from_toml(path).api
+    assert (api.allowed_hosts, api.max_body_bytes) == (("api.example",), 1000)
     path.write_text('[api]\nport = "x"\n')
     with pytest.raises(SangamaError, match="port"):
         PeerConfig.from_toml(path)

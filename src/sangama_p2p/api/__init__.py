@@ -3,6 +3,7 @@
 Needs the ``api`` extra (hypercorn, starlette): ``pip install 'sangama-p2p[api]'``.
 """
 
-from .server import ApiConfig, ApiServer, ServedModel, served_model
+from .config import ApiConfig
+from .server import ApiServer, ServedModel, served_model
 
 __all__ = ["ApiConfig", "ApiServer", "ServedModel", "served_model"]

@@ -1,11 +1,15 @@
-"""OpenAI's request and response shapes, without I/O: parse and check a request body, cut text at stop strings,
-map Sangama's errors to HTTP statuses, build the JSON objects the server sends.
+"""OpenAI's request and response shapes, without I/O: decode and check a request body, bound its prompt by the
+model's context, cut text at stop strings, map Sangama's errors to HTTP statuses, build the JSON objects the server
+sends.
 
 Kept apart from the server (:mod:`sangama_p2p.api.server`) so that every rule here is a pure function tests call.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -13,13 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ApiError, CapacityError, ChatTemplateError, ErrorCode, ModelError, RouteError, SangamaError
-from ..errors import StageError
+from ..errors import StageError, translate
 from ..guesses import parse_guesses
 
 __all__ = ["ApiRequest", "StopScanner", "chat_chunk", "chat_response", "completion_chunk", "completion_response",
-           "error_body", "error_for", "parse_request", "usage"]
+           "decode_body", "error_body", "error_for", "fit_context", "parse_request", "prompt_chars", "usage"]
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_SEED = 2**64  # seeds travel as u64 (wire.limits)
+_WS = re.compile(r"[ \t\n\r]*")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,48 @@ class ApiRequest:
     include_usage: bool
     guesses: int | str
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens, past the end-of-sequence ids
+    max_tokens_field: str | None = None  # the field that set max_tokens (None: the server's default)
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON of a request body; :class:`ApiError` (400) when it is not UTF-8 JSON, naming the top-level field
+    whose value nests too deeply to decode (Python's decoder gives up at its recursion limit)."""
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text)
+    except RecursionError:
+        field = _deep_field(text)
+        raise ApiError("the body nests too deeply" + (f" in {field}" if field else ""), param=field) from None
+    except (ValueError, UnicodeDecodeError) as exc:  # int digits over Python's limit are a ValueError too
+        raise translate(exc, ApiError, "the body is not valid JSON")
+
+
+def _deep_field(text: str) -> str | None:
+    """The first member of the top-level object whose value cannot be decoded for its depth (None: not found)."""
+    decoder = json.JSONDecoder()
+    i = _WS.match(text, 0).end()  # type: ignore[union-attr]
+    if not text.startswith("{", i):
+        return None
+    i += 1
+    try:
+        while True:
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if not text.startswith('"', i):
+                return None
+            key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if not text.startswith(":", i):
+                return None
+            try:
+                _, i = decoder.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
+            except RecursionError:
+                return str(key)
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if not text.startswith(",", i):
+                return None
+            i += 1
+    except ValueError:
+        return None
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -59,8 +107,10 @@ def _int(body: Mapping[str, Any], name: str, lo: int) -> int | None:
     return value
 
 
-def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_guesses: int | str) -> ApiRequest:
-    """Check a decoded JSON body; :class:`ApiError` (400) names the bad field."""
+def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_guesses: int | str,
+                  max_tokens_cap: int | None = None) -> ApiRequest:
+    """Check a decoded JSON body; :class:`ApiError` (400) names the bad field. ``max_tokens_cap``: the most new
+    tokens a request may ask for."""
     if not isinstance(body, Mapping):
         raise ApiError("the request body must be a JSON object")
     model = body.get("model")
@@ -84,9 +134,10 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
                 raise ApiError("every message needs a role (and content)", param="messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-                    raise ApiError("only text content parts are supported", param="messages")
-                m = {**m, "content": "".join(str(p.get("text", "")) for p in content)}
+                if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                           for p in content):
+                    raise ApiError("only text content parts (with string text) are supported", param="messages")
+                m = {**m, "content": "".join(p.get("text", "") for p in content)}
             elif content is not None and not isinstance(content, str):
                 raise ApiError("message content must be a string or a list of text parts", param="messages")
             messages += (dict(m),)
@@ -101,9 +152,11 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
         else:
             raise ApiError("prompt must be a non-empty string or list of token ids (one prompt per request)",
                            param="prompt")
-    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, field, 1)
+    if max_tokens is not None and max_tokens_cap is not None and max_tokens > max_tokens_cap:
+        raise ApiError(f"{field}={max_tokens} is over this server's limit of {max_tokens_cap} (--max-tokens-cap)",
+                       param=field)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -117,8 +170,9 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     if not isinstance(stream, bool):
         raise ApiError("stream must be a boolean", param="stream")
     options = body.get("stream_options")
-    if options is not None and not isinstance(options, Mapping):
-        raise ApiError("stream_options must be an object", param="stream_options")
+    if options is not None and (not isinstance(options, Mapping)
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError("stream_options must be an object (include_usage: a boolean)", param="stream_options")
     guesses = body.get("guesses", default_guesses)
     try:
         parse_guesses(guesses)
@@ -128,12 +182,41 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     if not isinstance(ignore_eos, bool):
         raise ApiError("ignore_eos must be a boolean", param="ignore_eos")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError("seed must be an integer", param="seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):
+        raise ApiError(f"seed must be an integer in [0, 2**64), got {seed!r}", param="seed")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0:
+        raise ApiError("top_p must be in (0, 1] (0 keeps no token; temperature 0 is greedy)", param="top_p")
     return ApiRequest(chat, model, prompt, messages, max_tokens or default_max_tokens,
-                      _number(body, "temperature", 1.0, 0.0, 2.0), _number(body, "top_p", 1.0, 0.0, 1.0),
-                      int(seed or 0), stops, stream, bool(options and options.get("include_usage")), guesses,
-                      ignore_eos)
+                      _number(body, "temperature", 1.0, 0.0, 2.0), top_p, int(seed or 0), stops, stream,
+                      bool(options and options.get("include_usage")), guesses, ignore_eos,
+                      field if max_tokens is not None else None)
+
+
+def prompt_chars(req: ApiRequest) -> int:
+    """The characters of a request's prompt text (its messages' contents), bounded before tokenizing."""
+    if req.chat:
+        return sum(len(m.get("content") or "") for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
+
+
+def fit_context(req: ApiRequest, prompt_tokens: int, context: int | None) -> ApiRequest:
+    """``req`` within the model's ``context`` (positions; None: unknown): a prompt that fills it, or a
+    ``max_tokens`` the request set that does not fit after the prompt, is a 400 (``context_length_exceeded``); the
+    server's default ``max_tokens`` is cut to what fits."""
+    if context is None:
+        return req
+    if prompt_tokens >= context:
+        raise ApiError(f"the prompt is {prompt_tokens} tokens: this model's context is {context} tokens",
+                       param="messages" if req.chat else "prompt", code="context_length_exceeded")
+    room = context - prompt_tokens
+    if req.max_tokens <= room:
+        return req
+    if req.max_tokens_field is not None:
+        raise ApiError(f"{req.max_tokens_field}={req.max_tokens} and a prompt of {prompt_tokens} tokens are over "
+                       f"this model's context of {context} tokens (at most {room} new tokens fit)",
+                       param=req.max_tokens_field, code="context_length_exceeded")
+    return dataclasses.replace(req, max_tokens=room)
 
 
 class StopScanner:

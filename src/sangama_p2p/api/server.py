@@ -6,6 +6,8 @@ so concurrent requests batch at the stages like concurrent ``generate`` calls. C
 checkpoint's own template (:func:`sangama_p2p.model.chat.render_chat`) and end at its stop ids. Errors are
 OpenAI's ``{"error": {...}}`` objects with the status :func:`~sangama_p2p.api.protocol.error_for` gives; a failure
 after a stream started is sent as one ``data: {"error": ...}`` event, then the stream closes (no ``[DONE]``).
+Before a request is parsed, :mod:`sangama_p2p.api.guard` checks its Host, Origin, Content-Type, body size and its
+client's share; a request whose client hangs up (streamed or not) is cancelled, and its sessions close.
 
 Embedding (trio)::
 
@@ -17,7 +19,6 @@ or simply ``url = await peer.serve_api("/models/smol")``.
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import json
 import logging
@@ -31,12 +32,14 @@ from typing import Any
 
 import trio
 
-from ..errors import ApiError, SangamaError, group_leaves, translate
+from ..errors import ApiError, SangamaError, group_leaves
 from ..model.chat import render_chat
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder
+from .config import ApiConfig
+from .guard import ClientSlots, Gate, check_content_type, check_port, client_key, is_loopback, read_body
 from .protocol import (ApiRequest, StopScanner, chat_chunk, chat_response, completion_chunk, completion_response,
-                       error_body, error_for, new_id, parse_request, usage)
+                       decode_body, error_body, error_for, fit_context, new_id, parse_request, prompt_chars, usage)
 
 __all__ = ["ApiConfig", "ApiServer", "ServedModel", "served_model"]
 
@@ -44,33 +47,6 @@ log = logging.getLogger(__name__)
 
 # starlette and hypercorn are imported where the server starts and answers: they come with the optional `api` extra,
 # and take 0.5 s to import (the package and `sangama-peer` work without them)
-
-
-@dataclass(frozen=True)
-class ApiConfig:
-    """``host``/``port`` to listen on (port 0: any free one); ``api_key_file``: a file holding the one key clients
-    must send as ``Authorization: Bearer KEY`` (None: no key); ``max_tokens``: when a request gives none;
-    ``guesses``: MTP guesses per trip unless a request's ``guesses`` field says otherwise."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key_file: Path | None = None
-    max_tokens: int = 256
-    guesses: int | str = "auto"
-
-    def replace(self, **changes: Any) -> ApiConfig:
-        return dataclasses.replace(self, **changes)
-
-    def api_key(self) -> str | None:
-        if self.api_key_file is None:
-            return None
-        try:
-            key = Path(self.api_key_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise translate(exc, SangamaError, f"cannot read the API key file {self.api_key_file}")
-        if not key:
-            raise SangamaError(f"the API key file {self.api_key_file} is empty")
-        return key
 
 
 @dataclass(frozen=True)
@@ -82,6 +58,7 @@ class ServedModel:
     template: Any  # model.chat.ChatTemplate
     eos_ids: tuple[int, ...]
     created: int = field(default_factory=lambda: int(time.time()))
+    context: int | None = None  # positions (max_position_embeddings); None: unknown
 
 
 def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
@@ -89,7 +66,7 @@ def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
     p = Path(path).expanduser()
     m = open_chat_model(p)
     return ServedModel(model_id or (p.stem if p.suffix == ".gguf" else p.resolve().name), m.tokenizer, m.template,
-                       m.eos_ids)
+                       m.eos_ids, context=m.context)
 
 
 def _sangama_error(exc: BaseException) -> SangamaError | None:
@@ -101,6 +78,38 @@ def _sangama_error(exc: BaseException) -> SangamaError | None:
         if leaves and all(isinstance(e, SangamaError) for e in leaves):
             return leaves[0]  # type: ignore[return-value]
     return None
+
+
+async def _while_connected(request: Any, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``work`` unless the client hangs up first (its body read, the next ASGI message is its disconnect):
+    then ``work`` is cancelled and False returned."""
+    gone = False
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        await work()
+        nursery.cancel_scope.cancel()
+    return not gone
+
+
+class _Released:
+    """An ASGI response that calls ``release`` once it is over: sent, failed or its client gone."""
+
+    def __init__(self, response: Any, release: Callable[[], None]) -> None:
+        self.response, self.release = response, release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
+            await self.response.body_iterator.aclose()
 
 
 @dataclass
@@ -122,12 +131,19 @@ class ApiServer:
         self.config = config
         self._key = config.api_key()
         self._nursery: trio.Nursery | None = None
+        self._gate = Gate(config.host, config.allowed_hosts, config.allowed_origins)
+        self._slots = ClientSlots(config.max_requests_per_client)
         self.app = self._build_app()
+        if self._key is None and not is_loopback(config.host):
+            log.warning("the API listens on %s with no API key: anyone who can reach it can run generations on "
+                        "the swarm (--api-key-file FILE)", config.host)
 
     # ---- ASGI ---------------------------------------------------------------------------------------------------
     def _build_app(self) -> Any:
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
         from starlette.routing import Route
 
         async def not_found(request: Any, exc: Any) -> Any:
@@ -140,13 +156,16 @@ class ApiServer:
             Route("/v1/models/{model:path}", self._model_info, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
-        ], exception_handlers={HTTPException: not_found})
+        ], exception_handlers={HTTPException: not_found}, middleware=[
+            Middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])] if self.config.allowed_origins else [])
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; ``task_status.started`` gets the base URL (``http://host:port``)."""
         from hypercorn.config import Config
         from hypercorn.trio import serve
 
+        check_port(self.config.host, self.config.port)  # in use: one line, not hypercorn's grouped OSError
         cfg = Config()
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         cfg.bind = [f"{host}:{self.config.port}"]
@@ -173,7 +192,13 @@ class ApiServer:
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
         return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
-    def _auth(self, request: Any) -> None:
+    def _auth(self, request: Any, *, post: bool = False) -> None:
+        """Host and Origin, Content-Type (``post``), then the key."""
+        host = request.headers.get("host")
+        self._gate.check_host(host)
+        self._gate.check_origin(request.headers.get("origin"), host)
+        if post:
+            check_content_type(request.headers.get("content-type"))
         if self._key is None:
             return
         given = request.headers.get("authorization", "")
@@ -230,31 +255,46 @@ class ApiServer:
         return ids, model.eos_ids
 
     async def _complete(self, request: Any, *, chat: bool) -> Any:
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
 
         run: _Run | None = None
+        release: Callable[[], None] | None = None
         try:
-            self._auth(request)
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise translate(exc, ApiError, "the body is not valid JSON")
+            self._auth(request, post=True)
+            release = self._slots.acquire(client_key(request))
+            body = decode_body(await read_body(request, self.config.max_body_bytes))
             req = parse_request(body, chat=chat, default_max_tokens=self.config.max_tokens,
-                                default_guesses=self.config.guesses)
+                                default_guesses=self.config.guesses, max_tokens_cap=self.config.max_tokens_cap)
             model = self._model(req.model)
-            ids, stop_ids = self._prompt(model, req)
+            limit = self.config.max_prompt_chars or 16 * (model.context or 16384)
+            if prompt_chars(req) > limit:
+                raise ApiError(f"the prompt is {prompt_chars(req)} characters, over this server's limit of {limit} "
+                               "(--max-prompt-chars)", param="messages" if chat else "prompt",
+                               code="context_length_exceeded")
+            ids, stop_ids = await trio.to_thread.run_sync(self._prompt, model, req)  # the loop serves on meanwhile
+            req = fit_context(req, len(ids), model.context)
             if req.ignore_eos:
                 stop_ids = ()
             run = _Run(len(ids))
             pieces = self._pieces(model, req, ids, stop_ids, run)
+            text: list[str] = []
+            first: list[Any] = []
+
+            async def work() -> None:
+                if req.stream:  # errors before the first token get their own status
+                    first.append(await anext(pieces, None))
+                    return
+                async with aclosing(pieces):
+                    async for piece, _ in pieces:
+                        text.append(piece)
+
+            if not await _while_connected(request, work):
+                return Response(status_code=499)  # nobody reads it: the client has gone, its sessions closed
             if req.stream:
-                first = await anext(pieces, None)  # errors before the first token get their own status
-                return StreamingResponse(self._events(req, pieces, first, run), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text, done = [], []
-            async for piece, toks in pieces:
-                text.append(piece)
-                done.extend(toks)
+                stream = StreamingResponse(self._events(req, pieces, first[0], run), media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                release, done = None, release
+                return _Released(stream, done)
         except ApiError as err:
             return self._error(err)
         except BaseException as exc:
@@ -263,6 +303,9 @@ class ApiServer:
                 raise
             log.info("request failed: %s", typed)
             return self._error(error_for(typed, started=bool(run and run.tokens)))
+        finally:
+            if release is not None:
+                release()
         build = chat_response if chat else completion_response
         return JSONResponse(build(new_id(chat), req.model, "".join(text), run.finish or "length",
                                   usage(run.prompt_tokens, len(run.tokens)), run.tokens))
@@ -342,8 +385,9 @@ class ApiServer:
         try:
             if first is not None:
                 yield chunk(first[0], None, first[1])
-                async for piece, toks in pieces:
-                    yield chunk(piece, None, toks)
+                async with aclosing(pieces):
+                    async for piece, toks in pieces:
+                        yield chunk(piece, None, toks)
         except BaseException as exc:
             typed = _sangama_error(exc)
             if typed is None:

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from .argtypes import guesses, positive_int
+from .argtypes import guesses, non_negative_int, positive_int
 from .process import quiet_libp2p, until_signal
 from .swarm import add_host_args, add_verify_arg, client_model
 
@@ -34,12 +34,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [client], [api])")
     add_host_args(p, listen=False)
     add_verify_arg(p)
-    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; elsewhere without "
+                   "--api-key-file, a warning)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 = any free port)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
                    help="file holding the key clients must send as 'Authorization: Bearer KEY' (default: none)")
     p.add_argument("--max-tokens", type=positive_int, default=None,
                    help="new tokens when a request gives no max_tokens (default 256)")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=None,
+                   help="the most new tokens a request may ask for (default 4096; more: 400)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=None,
+                   help="largest request body, read in chunks and refused with 413 past it (default 4194304)")
+    p.add_argument("--max-prompt-chars", type=non_negative_int, default=None,
+                   help="longest prompt text, checked before tokenizing (default 0: 16 per position of the "
+                   "model's context)")
+    p.add_argument("--max-requests-per-client", type=non_negative_int, default=None,
+                   help="requests one client address runs at once, beyond them 429 (default 4; 0: no limit): "
+                   "the API is one peer to the stages, which give one peer a share of their sessions")
+    p.add_argument("--allow-host", action="append", default=None, metavar="NAME",
+                   help="a Host name to accept besides loopback's (repeatable; '*': any)")
+    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a browser origin allowed to call the API, e.g. http://app.example:3000 (repeatable; "
+                   "'*': any); default: the API's own only")
     p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
                    help="MTP guesses per trip unless a request sets 'guesses' (default auto)")
     p.set_defaults(handler=_api)
@@ -48,19 +64,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _api(args: argparse.Namespace) -> int:
     import trio
 
-    from ..api.server import ApiConfig, served_model
+    from ..api.config import ApiConfig
+    from ..api.guard import check_port
+    from ..api.server import served_model
     from ..config import PeerConfig
     from ..net.identity import generate_key_pair
     from ..peer import Peer
 
     quiet_libp2p()
-    config, model_id, source = client_model(args, "api")
     file_config = PeerConfig.from_toml(args.config) if args.config else PeerConfig()
     api = file_config.api or ApiConfig()
     flags: dict[str, Any] = {"host": args.host, "port": args.port, "api_key_file": args.api_key_file,
-                             "max_tokens": args.max_tokens, "guesses": args.guesses}
+                             "max_tokens": args.max_tokens, "guesses": args.guesses,
+                             "max_tokens_cap": args.max_tokens_cap, "max_body_bytes": args.max_body_bytes,
+                             "max_prompt_chars": args.max_prompt_chars,
+                             "max_requests_per_client": args.max_requests_per_client,
+                             "allowed_hosts": args.allow_host and tuple(args.allow_host),
+                             "allowed_origins": args.allow_origin and tuple(args.allow_origin)}
     api = api.replace(**{k: v for k, v in flags.items() if v is not None})
     api.api_key()  # a missing or empty key file fails here, before joining the swarm
+    check_port(api.host, api.port)  # and a port in use
+    config, model_id, source = client_model(args, "api")
     if file_config.client is not None:
         config = config.replace(client=file_config.client.replace(model_id=model_id))
     config = dataclasses.replace(config, tokenizer_path=None)
