@@ -95,6 +95,10 @@ def test_a_full_store_evicts_the_biggest_holder_and_never_a_peer_s_only_record()
                 assert await _flood(attacker, boot, [refused]) == 0  # nobody's only record is evicted for it
                 assert boot.dht.value_store.get(refused[0]) is None
                 assert all(boot.dht.value_store.get(k) is not None for k, _ in honest)
+                own_key, own_value = _signed(boot.key_pair, "its-own")  # a node's own record is never refused
+                await boot.dht.put_value(own_key.decode(), own_value)
+                assert boot.dht.value_store.get(own_key).value == own_value
+                assert len(boot.dht.value_store.store) == 12
 
     trio.run(main)
 
@@ -162,7 +166,9 @@ def test_the_ledger_caps_an_author_and_the_total():
     with pytest.raises(RecordError, match="full"):
         ledger.admit(b"f1", "F", 50.0)  # every author holds one record: the newcomer is refused
     assert len(ledger) == 5 and ledger.count("F") == 0
-    assert ledger.expired(now=1.0, limit=10) == [b"b1", b"c1"]
+    assert ledger.admit(b"me", "ME", 60.0, own=True) == [b"b1"]  # the node's own record: the soonest gives way
+    assert ledger.expired(now=1.0, limit=10) == [b"c1"]
     assert ledger.expired(now=45.0, limit=10) == [b"a1"]  # its first expiry (10.0) was replaced by 40.0
     ledger.discard(b"d1")
-    assert ledger.expired(now=100.0, limit=1) == [b"e1"] and len(ledger) == 0
+    assert ledger.expired(now=100.0, limit=1) == [b"e1"]
+    assert ledger.expired(now=100.0, limit=1) == [b"me"] and len(ledger) == 0

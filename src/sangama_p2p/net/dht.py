@@ -105,17 +105,18 @@ class _CappedValueStore(ValueStore):
         self.ledger = ledger
         self._records = records
 
-    def _admit(self, key: bytes, value: bytes) -> None:
+    def _admit(self, key: bytes, value: bytes, *, own: bool = False) -> None:
         if key.startswith(_PK_PREFIX):
             author, expires_at = "/pk", time.time() + VALUE_TTL
         else:  # strict validation stores nothing but our namespace and /pk
             record = self._records.checked(key.decode(), value)
             author, expires_at = record.peer_id, record.expires_at
-        for old in self.ledger.admit(key, author, expires_at):
+        for old in self.ledger.admit(key, author, expires_at, own=own):
             super().remove(old)
 
     def put(self, key: bytes, value: bytes, validity: float = 0.0) -> None:
-        self._admit(key, value)
+        """The node's own ``put_value``: never refused (a Sybil flood must not stop a peer publishing its record)."""
+        self._admit(key, value, own=True)
         super().put(key, value, validity)
 
     def put_record(self, key: bytes, record: Record) -> None:

@@ -357,10 +357,11 @@ class RecordLedger:
     def count(self, author: str) -> int:
         return len(self._by_author.get(author, ()))
 
-    def admit(self, key: bytes, author: str, expires_at: float) -> list[bytes]:
+    def admit(self, key: bytes, author: str, expires_at: float, *, own: bool = False) -> list[bytes]:
         """Account for ``key`` (new, or a re-publication); the keys to drop to make room, already forgotten here.
 
-        Raises :class:`RecordError`, changing nothing, when the store is full of single records of other authors.
+        Raises :class:`RecordError`, changing nothing, when the store is full of single records of other authors,
+        unless the record is the node's ``own``: then the soonest-expiring record in the store gives way.
         """
         if self._author.get(key) not in (None, author):
             self.discard(key)
@@ -370,10 +371,13 @@ class RecordLedger:
                 evicted.append(self._soonest(author))
             elif len(self._expiry) >= self.max_records:
                 biggest = max(self._by_author, key=lambda a: len(self._by_author[a]))
-                if len(self._by_author[biggest]) < 2:
+                if len(self._by_author[biggest]) >= 2:
+                    evicted.append(self._soonest(biggest))
+                elif own:
+                    evicted.append(min(self._expiry, key=lambda k: (self._expiry[k], k)))
+                else:
                     raise RecordError(f"DHT record store full ({len(self._expiry)} records, one per author): "
                                       f"record of {author} refused")
-                evicted.append(self._soonest(biggest))
             for old in evicted:
                 self.discard(old)
         self._expiry[key] = expires_at
