@@ -52,13 +52,15 @@ def test_partial_records_stay_within_the_input_budget_and_memory_returns(ckpt, f
 
                     for lane in lanes:
                         nursery.start_soon(one, lane)
-                await trio.sleep(0.5)
-                during = _rss()
                 budget = server.input_budget
-                # one lane's 48 MiB record fits the 64 MiB budget (reserved whole); the 7 others are closed
-                # at their prefix
-                assert sorted(took) == [-1] * 7 + [24 * MiB], took
-                assert budget.peak <= budget.limit and budget.used == 48 * MiB + 4
+                # bytes are held as they arrive (issue 23): two lanes' 24 MiB fit the 64 MiB budget, the others are
+                # closed when a chunk of theirs does not fit (a lane closed after its sender was done reads 24 MiB)
+                assert took.count(-1) >= 5 and took.count(24 * MiB) >= 2, took
+                with trio.fail_after(10):  # the two that fit hold all their bytes once the stage has read them
+                    while budget.used != 48 * MiB:
+                        await trio.sleep(0.05)
+                during = _rss()
+                assert budget.peak <= budget.limit
                 # the old code grew by 194 MiB here; inside a long pytest process the allocator keeps some freed
                 # chunks, so the figure read 110 MiB in a whole-suite run and 131.6 MiB after tests/model, gguf and
                 # client in one process (the lone test: under 64 MiB); 160 still fails the old code

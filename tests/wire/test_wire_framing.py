@@ -205,23 +205,3 @@ def test_frame_reader_raises_on_a_stream_cut_mid_frame() -> None:
         assert got == PAYLOADS[:-1]
 
     trio.run(main)
-
-
-def test_a_budget_bounds_partial_frames_of_many_decoders_and_comes_back():
-    from sangama_p2p.errors import BufferBudgetError, ErrorCode
-    from sangama_p2p.wire.framing import ByteBudget
-
-    budget = ByteBudget(1000)
-    a, b, c = (FrameDecoder(10_000, budget) for _ in range(3))
-    whole = encode_frame(b"x" * 900)
-    assert a.feed(whole) == [b"x" * 900] and budget.used == 0  # a frame that arrives whole reserves nothing
-    assert a.feed(whole[:10]) == [] and budget.used == 904  # a partial one reserves its whole length at once
-    with pytest.raises(BufferBudgetError) as info:  # what is left (96 bytes) cannot take another
-        b.feed(encode_frame(b"y" * 200)[:50])
-    assert info.value.code == ErrorCode.CAPACITY and budget.used == 904
-    with pytest.raises(WireError):  # that decoder stays failed
-        b.feed(b"")
-    assert c.feed(encode_frame(b"z" * 50)[:20]) == [] and budget.used == 958
-    assert a.feed(whole[10:]) == [b"x" * 900] and budget.used == 54  # complete: returned
-    c.close()  # a stream that ends inside a frame returns its share
-    assert budget.used == 0 and budget.peak == 958

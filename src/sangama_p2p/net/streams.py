@@ -35,12 +35,13 @@ class FramedStream:
     """Messages over one py-libp2p stream (``INetStream``). ``peer`` is the authenticated remote peer id (base58)."""
 
     def __init__(self, stream: Any, *, max_frame: int = DEFAULT_MAX_FRAME, budget: ByteBudget | None = None) -> None:
-        """``budget``: shared with other streams, it bounds the bytes of partial frames they hold together (a frame
-        over what is left fails this stream with :class:`~sangama_p2p.errors.BufferBudgetError`)."""
+        """``budget``: shared with other streams, it bounds the bytes of partial frames they hold together and per
+        peer, and how long a partial frame may take (a frame over what is left, or past its deadline, fails this
+        stream with :class:`~sangama_p2p.errors.BufferBudgetError`)."""
         self.stream = stream
         self.max_frame = max_frame
         self.peer: str = stream.muxed_conn.peer_id.to_base58()
-        self._reader = FrameReader(self.read, max_frame, budget=budget)
+        self._reader = FrameReader(self.read, max_frame, budget=budget, peer=self.peer)
         self._lock = trio.Lock()
         self.closed = False
         # streams that can write without waiting (lanes): ``try_write(frame) -> unwritten rest``, ``write_raw(rest)``
@@ -48,7 +49,17 @@ class FramedStream:
         self._tail: memoryview | bytes = b""  # the unwritten rest of a frame written without waiting
 
     async def read(self, n: int) -> bytes:
-        """``read`` for FrameReader: ``b""`` at end of stream; a reset or a closed connection also ends it."""
+        """``read`` for FrameReader: ``b""`` at end of stream; a reset or a closed connection also ends it. While a
+        partial frame is buffered, it waits at most until that frame's deadline (then BufferBudgetError)."""
+        decoder = self._reader.decoder
+        left = decoder.time_left()
+        if left is None:
+            return await self._read(n)
+        with trio.move_on_after(max(left, 0.0)):
+            return await self._read(n)
+        raise decoder.expire()
+
+    async def _read(self, n: int) -> bytes:
         try:
             return await self.stream.read(n)
         except Exception as exc:  # StreamEOF, StreamReset, MuxedConnUnavailable, ...: all end this stream

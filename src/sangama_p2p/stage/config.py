@@ -32,9 +32,13 @@ class StageConfig:
     Bounds against one peer taking the stage: ``max_sessions_per_peer`` sessions open per peer id (0: a quarter of
     ``max_sessions``, at least 1); a session with no step for ``session_idle_s`` seconds is freed (its owner's next
     frame for it is answered ``EXPIRED``); ``max_lanes_per_peer`` open lanes per peer; ``input_budget`` bytes held
-    for partial frames of every stream and lane together (a frame over what is left closes its stream);
+    for partial frames of every stream and lane together, counted as they arrive (a chunk over what is left closes
+    its stream), ``input_per_peer`` of them by one peer's streams and lanes (0: a quarter of ``input_budget``, at
+    least one largest frame); a partial frame of ``n`` bytes must complete within ``partial_frame_s + n /
+    partial_frame_rate`` seconds of its first byte, else its stream is closed (``CAPACITY``);
     ``outbox_bytes`` bytes queued to send per stream (over it, the stream the replies answer is not read until
-    they drain; at twice it the stream is closed).
+    they drain; at twice it the stream is closed), ``outbox_budget`` bytes queued on all of the stage's streams
+    together (a frame over it first closes the streams holding the most, whose readers are not reading).
     """
 
     model_id: str
@@ -66,7 +70,11 @@ class StageConfig:
     session_idle_s: float = 300.0
     max_lanes_per_peer: int = 8
     input_budget: int = 256 << 20
+    input_per_peer: int = 0  # 0: max(input_budget // 4, max_frame + 64)
+    partial_frame_s: float = 30.0
+    partial_frame_rate: int = 256 << 10  # bytes/s: a 64 MiB frame gets 30 + 256 s
     outbox_bytes: int = 64 << 20
+    outbox_budget: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -85,9 +93,12 @@ class StageConfig:
             raise StageError("announce_every, record_ttl, next_hop_timeout and lane_timeout must be positive")
         if not 0 <= self.inline_step_s <= 1.0:
             raise StageError(f"inline_step_s must be in 0..1 s, got {self.inline_step_s}")
+        if self.input_per_peer < 0:
+            raise StageError(f"input_per_peer must be >= 0, got {self.input_per_peer}")
         if self.max_sessions_per_peer < 0:
             raise StageError(f"max_sessions_per_peer must be >= 0, got {self.max_sessions_per_peer}")
-        for name in ("session_idle_s", "max_lanes_per_peer", "input_budget", "outbox_bytes"):
+        for name in ("session_idle_s", "max_lanes_per_peer", "input_budget", "partial_frame_s",
+                     "partial_frame_rate", "outbox_bytes", "outbox_budget"):
             if not getattr(self, name) > 0:
                 raise StageError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.lane_port <= 65535:
@@ -97,6 +108,11 @@ class StageConfig:
     def sessions_per_peer(self) -> int:
         """The per-peer session quota in effect."""
         return self.max_sessions_per_peer or max(1, self.max_sessions // 4)
+
+    @property
+    def input_share(self) -> int:
+        """The per-peer share of the input budget in effect (bytes of partial frames one peer may hold)."""
+        return self.input_per_peer or max(self.input_budget // 4, self.max_frame + 64)
 
     def replace(self, **changes: object) -> StageConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -97,7 +97,8 @@ class StageServer:
         self.next_hops = NextHops(self._open_next, spawn=self._spawn, report=self._report,
                                   max_bytes=config.outbox_bytes)
         self._measured_step_s = 0.0
-        self.input_budget = ByteBudget(config.input_budget)
+        self.input_budget = ByteBudget(config.input_budget, per_peer=config.input_share,
+                                       partial_timeout=config.partial_frame_s, partial_rate=config.partial_frame_rate)
         self.announcer: Any = None
         self.lane_listener: LaneListener | None = None
         self.lanes = LaneDialer(node, enabled=config.lanes, timeout=config.lane_timeout, max_frame=config.max_frame)

@@ -35,7 +35,8 @@ connections cannot hold the slots), each cut after ``handshake_timeout`` (2 s). 
 that holds ``max_lanes_per_peer`` open lanes is answered ``CAPACITY`` instead of an offer (it uses libp2p streams),
 so no peer can take the stage's file descriptors. With a ``budget`` (a
 :class:`~sangama_p2p.wire.framing.ByteBudget` shared with the stage's other streams), a record that does not arrive
-whole reserves its length from it first, and the lane fails when the budget cannot cover it.
+whole holds its bytes in it (and in its peer's share) as they arrive, and the lane fails when the budget cannot
+cover them or the record misses its deadline.
 
 :class:`LaneStream` has the surface :class:`~sangama_p2p.net.streams.FramedStream` reads from a py-libp2p stream
 (``read``, ``write``, ``close``, ``reset``, ``muxed_conn.peer_id``), so everything above it is unchanged.

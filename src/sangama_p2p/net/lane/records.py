@@ -11,7 +11,7 @@ import trio
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ...errors import LaneError, StreamClosed, translate
+from ...errors import LaneError, StreamClosed, WireError, translate
 from ...wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameDecoder
 from ..streams import PeerConn
 from .handshake import DOWN, TAG_BYTES, UP, record_nonce
@@ -38,13 +38,15 @@ class LaneStream:
         self._send_dir, self._recv_dir = (UP, DOWN) if dialer else (DOWN, UP)
         self._send_n = 0
         self._recv_n = 0
-        # a record holds one frame: its 4-byte prefix, at most max_frame bytes, and the tag
-        self._records = decoder or FrameDecoder(max_frame + 4 + TAG_BYTES, budget)
+        # a record holds one frame: its 4-byte prefix, at most max_frame bytes, and the tag; its bytes count in the
+        # peer's share of the budget as they arrive
+        peer = peer_id.to_base58() if hasattr(peer_id, "to_base58") else str(peer_id)
+        self._records = decoder or FrameDecoder(max_frame + 4 + TAG_BYTES, budget, peer=peer)
         self._plain: list[bytes] = []  # decrypted records not yet read, oldest last
         self._buf = b""
         self._eof = False
         self.closed = False
-        self._failed: LaneError | None = None
+        self._failed: LaneError | WireError | None = None  # an unauthentic record, or a partial one overdue
         self.remote = remote_label(sock)
 
     # ---- records -------------------------------------------------------------------------------------------
@@ -70,10 +72,7 @@ class LaneStream:
                 raise self._failed
             if self._eof:
                 return None
-            try:
-                data = await self.sock.receive_some(RECV_CHUNK)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise translate(exc, StreamClosed, f"lane to {self.remote} failed")
+            data = await self._receive()
             if not data:
                 self._eof = True
                 self._records.finish()  # a record cut off raises TruncatedFrameError
@@ -88,6 +87,19 @@ class LaneStream:
             plain.reverse()
             self._plain = plain
         return self._plain.pop()
+
+    async def _receive(self) -> bytes:
+        """One read from the socket; while a record is partial, only until its deadline (BufferBudgetError)."""
+        left = self._records.time_left()
+        try:
+            if left is None:
+                return await self.sock.receive_some(RECV_CHUNK)
+            with trio.move_on_after(max(left, 0.0)):
+                return await self.sock.receive_some(RECV_CHUNK)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise translate(exc, StreamClosed, f"lane to {self.remote} failed")
+        self._failed = self._records.expire()
+        raise self._failed
 
     @property
     def has_data(self) -> bool:
