@@ -37,8 +37,7 @@ class StageConfig:
     least one largest frame); a partial frame of ``n`` bytes must complete within ``partial_frame_s + n /
     partial_frame_rate`` seconds of its first byte, else its stream is closed (``CAPACITY``);
     ``outbox_bytes`` bytes queued to send per stream (over it, the stream the replies answer is not read until
-    they drain; at twice it the stream is closed), ``outbox_budget`` bytes queued on all of the stage's streams
-    together (a frame over it first closes the streams holding the most, whose readers are not reading).
+    they drain; at twice it the stream is closed).
     """
 
     model_id: str
@@ -74,7 +73,6 @@ class StageConfig:
     partial_frame_s: float = 30.0
     partial_frame_rate: int = 256 << 10  # bytes/s: a 64 MiB frame gets 30 + 256 s
     outbox_bytes: int = 64 << 20
-    outbox_budget: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -98,7 +96,7 @@ class StageConfig:
         if self.max_sessions_per_peer < 0:
             raise StageError(f"max_sessions_per_peer must be >= 0, got {self.max_sessions_per_peer}")
         for name in ("session_idle_s", "max_lanes_per_peer", "input_budget", "partial_frame_s",
-                     "partial_frame_rate", "outbox_bytes", "outbox_budget"):
+                     "partial_frame_rate", "outbox_bytes"):
             if not getattr(self, name) > 0:
                 raise StageError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.lane_port <= 65535:
