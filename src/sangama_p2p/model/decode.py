@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ModelError, SessionStateError, TooManyGuessesError
 from ..positions import guess_room, is_decode_step, kept, mtp_keep, ring_size, step_guesses
+from .head import SPAN_NATS
 from .sampling import SamplingParams, position_seed, token_probs
 from .speculative import GuessPolicy, accept_guesses
 from .stage import StageModel
@@ -141,7 +142,8 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
     else:
         wanted = normed[torch.cat([torch.arange(o + n - it.n_guesses - 1, o + n)
                                    for it, o, n in zip(items, offsets, lengths)])]
-    logits = stage.head_logits(wanted)
+    spans = torch.tensor([_span(it.decoder.sampling) for it in items for _ in range(it.n_guesses + 1)])
+    logits = stage.head_logits(wanted, spans)
     # 2. acceptance per session
     outcomes: list[tuple[int, tuple[int, ...]]] = []
     row = 0
@@ -165,7 +167,7 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
         dec.checked = k if is_decode_step(len(it.tokens), k) else None
         outcomes.append((res.accepted, res.tokens))
     # 3. + 4. keep the MTP layer current and draft
-    drafts = _mtp_and_draft(stage, items, offsets, normed, outcomes)
+    drafts = _mtp_and_draft(stage, items, offsets, normed.to(stage.dtype), outcomes)  # (the MTP computes in the stage's dtype)
     return [StepOutcome(tokens, acc, drafts[i]) for i, (acc, tokens) in enumerate(outcomes)]
 
 
@@ -236,7 +238,7 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
     probs: list[list[torch.Tensor]] = [[] for _ in decs]
     live = list(range(len(decs)))
     while live:
-        lg = stage.head_logits(cur)  # [B', V]
+        lg = stage.head_logits(cur, torch.tensor([_span(decs[a].sampling) for a in live]))  # [B', V]
         best = lg.argmax(-1).tolist()
         # the draft's own probability of its guess, only where a policy looks at it: no full-vocabulary softmax
         lse = torch.logsumexp(lg, -1).tolist() if any(decs[a].policy.wants_confidence for a in live) \
@@ -271,3 +273,8 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
     for a, dec in enumerate(decs):
         dec.guesses = tuple(got[a])
         dec.draft_probs = torch.stack(probs[a]) if probs[a] else None
+
+
+def _span(sampling: SamplingParams) -> float:
+    """How far below the top a row's logits are recomputed in float32 (model/head.py): 0 for a greedy row."""
+    return 0.0 if sampling.greedy else SPAN_NATS * sampling.temperature

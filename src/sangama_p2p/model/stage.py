@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import CapacityError, CheckpointError, ModelError, SessionStateError, UnsupportedModelError
+from .head import Head
 from .layers import DecoderLayer
 from .linear import MIN_ROWS, linear, norm_weight, pad_rows
 from .mtp import MTPLayer
@@ -63,6 +64,7 @@ class StageModel:
         self.layers: dict[int, DecoderLayer] = {}
         self.final_norm: torch.Tensor | None = None
         self.head: Weight | None = None
+        self.exact_head: Head | None = None  # the head's float32 second pass (model/head.py), when it needs one
         self.mtp: MTPLayer | None = None
         # pad dense products to this many rows so that results do not depend on batch composition (linear.MIN_ROWS)
         self.min_rows = 0
@@ -128,10 +130,9 @@ class StageModel:
                 release()
         if stage.is_last:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
-            if spec.tie_word_embeddings:
-                stage.head = place(pack(embed, head=True))  # type: ignore[arg-type]
-            else:
-                stage.head = get("lm_head.weight", head=True)
+            stored = embed if spec.tie_word_embeddings else read("lm_head.weight")
+            stage.head = place(pack(stored, head=True))  # type: ignore[arg-type]
+            stage.exact_head = Head.build(stage.head, stored, dt)  # type: ignore[arg-type]
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
         if release is not None:
@@ -282,17 +283,25 @@ class StageModel:
         return torch.nn.functional.embedding(ids, dense(self.embed, self.dtype))
 
     def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm of ``hidden`` in float32, whatever the stage's dtype (the logits are float32)."""
         if not self.is_last:
             raise ModelError("only the last stage holds the final norm and head")
-        return rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # type: ignore[arg-type]
+        return rms_norm(hidden.float(), self.final_norm.float(), self.spec.rms_norm_eps)  # type: ignore[union-attr]
 
     @torch.inference_mode()
-    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, normed: torch.Tensor, spans: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[N, V]`` of the normed rows ``[N, hidden]``: the kernel's product, with every score
+        that can decide a token recomputed in float32 (model/head.py). ``spans`` [N]: for sampled rows, how far
+        below the top (in logits) scores are recomputed (``SPAN_NATS * temperature``; 0 or None: greedy)."""
         token = MIN_ROWS.set(self.min_rows)
         try:
-            return linear(normed, self.head).float()[: normed.shape[0]]  # type: ignore[arg-type]
+            x = normed if self.exact_head is None else normed.to(self.dtype)
+            coarse = linear(x, self.head)[: normed.shape[0]].float()  # type: ignore[arg-type]
         finally:
             MIN_ROWS.reset(token)
+        if self.exact_head is None:
+            return coarse
+        return self.exact_head.logits(normed.float(), coarse, spans)
 
     @torch.inference_mode()
     def mtp_forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
