@@ -4,13 +4,16 @@ It serves files of local directories as repos: ``/api/models/ORG/REPO[/revision/
 blob ids and LFS sha256) and ``/ORG/REPO/resolve/REV/FILE`` (HEAD and GET, ``Range``, ``ETag``, ``X-Repo-Commit``,
 ``X-Linked-Etag``/``X-Linked-Size`` for LFS files as the Hub sends them). It counts the bytes served per file, the
 ranges asked for and the most GETs in flight at once; faults can be injected: ``cut_once`` (a file's first GET stops
-after half its body) and ``corrupt`` (one byte flipped, headers unchanged).
+after half its body), ``corrupt`` (one byte flipped, headers unchanged) and ``stall`` (seconds a file's GETs wait
+after their headers before the body). A hostile Hub is played with ``extra`` (names listed and served beside a repo's
+files, however they are spelled: ``../../x``, ``/abs/x``) and ``commit`` (the sha the listing and headers give).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import threading
 import time
 from collections import defaultdict
@@ -28,6 +31,9 @@ class HubServer:
         self.ranges: dict[str, list[str | None]] = defaultdict(list)
         self.cut_once: set[str] = set()
         self.corrupt: set[str] = set()
+        self.stall: dict[str, float] = {}
+        self.extra: dict[str, dict[str, Path]] = defaultdict(dict)  # repo -> listed name -> the file served for it
+        self.commit = COMMIT
         self.delay = 0.0  # seconds per 64 KiB chunk of a GET body (to observe concurrency)
         self.in_flight = 0
         self.max_in_flight = 0
@@ -60,7 +66,20 @@ class HubServer:
     # ---- repo contents ---------------------------------------------------------------------------------------
     def files(self, repo: str) -> dict[str, Path]:
         root = self.repos[repo]
-        return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file() and ".git" not in p.parts}
+        out = {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file() and ".git" not in p.parts}
+        return {**out, **self.extra[repo]}
+
+    def lookup(self, repo: str, rev: str, name: str) -> Path | None:
+        """The file for ``name``; an extra name also as a client's URL normalization leaves it (``a/../b`` -> ``b``)
+        and by its last component alone (a hostile Hub answers whatever it is asked)."""
+        files = self.files(repo)
+        if name in files:
+            return files[name]
+        asked = posixpath.normpath(f"/{repo}/resolve/{rev}/{name}")
+        for extra, path in self.extra[repo].items():
+            if asked == posixpath.normpath(f"/{repo}/resolve/{rev}/{extra}") or name == posixpath.basename(extra):
+                return path
+        return None
 
     def meta(self, path: Path) -> dict:
         key = (path, path.stat().st_mtime_ns)
@@ -115,7 +134,7 @@ def _handler(hub: HubServer) -> type:
                 if repo not in hub.repos:
                     return self._json({"error": "Repository not found"}, 404)
                 siblings = [{"rfilename": n, **hub.meta(p)} for n, p in hub.files(repo).items()]
-                return self._json({"id": repo, "sha": COMMIT, "siblings": siblings})
+                return self._json({"id": repo, "sha": hub.commit, "siblings": siblings})
             self._resolve(head=False)
 
         def _resolve(self, head: bool) -> None:
@@ -124,7 +143,7 @@ def _handler(hub: HubServer) -> type:
             if len(parts) < 6 or parts[3] != "resolve" or "/".join(parts[1:3]) not in hub.repos:
                 return self._not_found()
             repo, name = "/".join(parts[1:3]), "/".join(parts[5:])
-            path = hub.files(repo).get(name)
+            path = hub.lookup(repo, parts[4], name)
             if path is None:
                 return self._not_found()
             meta = hub.meta(path)
@@ -140,7 +159,7 @@ def _handler(hub: HubServer) -> type:
                 end = min(int(b) + 1, len(data)) if b else len(data)
                 status = 206
             self.send_response(status)
-            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("X-Repo-Commit", hub.commit)
             self.send_header("ETag", f'"{etag}"')
             if "lfs" in meta:
                 self.send_header("X-Linked-Etag", f'"{etag}"')
@@ -156,6 +175,9 @@ def _handler(hub: HubServer) -> type:
                 hub.in_flight += 1
                 hub.max_in_flight = max(hub.max_in_flight, hub.in_flight)
             try:
+                if name in hub.stall:
+                    self.wfile.flush()
+                    time.sleep(hub.stall[name])
                 body = data[start:end]
                 stop = len(body)
                 if name in hub.cut_once:

@@ -8,7 +8,11 @@ bytes)``) against ``siblings[].blobId``. A file that fails is deleted from the c
 
 Byte ranges (the parts of a file a stage needs) use huggingface_hub's HTTP session (``get_session``, so
 ``HF_ENDPOINT``, the token and proxies apply): each range is asked for with ``Range``, must come back ``206`` with the
-matching ``Content-Range``, and a cut is continued from the last byte received (5 tries without progress).
+matching ``Content-Range``, and a cut is continued from the last byte received (5 tries without progress). A range
+that receives no byte for ``HubSettings.stall_timeout`` seconds (reconnects included) fails: the progress deadline.
+
+The names and the commit in the Hub's listing are checked (:mod:`.names`) before anything is fetched, and a Hub that
+cannot be reached is said in one line (:func:`unreachable`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import DownloadError, translate
+from ..errors import DownloadError, describe, translate
+from .names import check_commit, check_name
 from .plan import Span
 
-__all__ = ["HubSettings", "Progress", "Sibling", "download_file", "fetch_spans", "repo_files"]
+__all__ = ["HubSettings", "Progress", "Sibling", "download_file", "fetch_spans", "repo_files", "unreachable"]
 
 _RETRIES = 5
 _CHUNK = 1 << 20
@@ -33,6 +38,25 @@ _CHUNK = 1 << 20
 
 def _truthy(v: str | None) -> bool:
     return (v or "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def _seconds(v: str | None, default: float) -> float:
+    if v is None or not v.strip():
+        return default
+    try:
+        out = float(v)
+    except ValueError:
+        out = -1.0
+    if not 0 < out < float("inf"):
+        raise DownloadError(f"SANGAMA_HUB_STALL_TIMEOUT takes a number of seconds above 0, got {v!r}")
+    return out
+
+
+def unreachable(settings: "HubSettings", exc: BaseException) -> DownloadError:
+    """The one-line error for a Hub that did not answer at all (refused, unresolvable, timed out); raise it
+    ``from exc``."""
+    return DownloadError(f"cannot reach the Hub at {settings.endpoint}: {describe(exc)}; set HF_HUB_OFFLINE=1 to "
+                         f"use the cache only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +68,7 @@ class HubSettings:
     cache_dir: Path | None = None  # None: huggingface_hub's default (HF_HUB_CACHE, else HF_HOME/hub)
     offline: bool = False
     max_workers: int = 6
+    stall_timeout: float = 60.0  # seconds a byte range may receive nothing before it fails (SANGAMA_HUB_STALL_TIMEOUT)
 
     @classmethod
     def from_env(cls, *, max_workers: int = 6, cache_dir: str | Path | None = None) -> "HubSettings":
@@ -55,6 +80,7 @@ class HubSettings:
             cache_dir=Path(cache).expanduser() if cache else None,
             offline=_truthy(env.get("HF_HUB_OFFLINE")) or _truthy(env.get("TRANSFORMERS_OFFLINE")),
             max_workers=max_workers,
+            stall_timeout=_seconds(env.get("SANGAMA_HUB_STALL_TIMEOUT"), cls.stall_timeout),
         )
 
     def resolved_cache(self) -> Path:
@@ -76,19 +102,26 @@ class Sibling:
 
 
 def repo_files(settings: HubSettings, repo: str, revision: str | None) -> tuple[str, dict[str, Sibling]]:
-    """(commit sha, file name -> Sibling) of ``repo`` at ``revision`` from ``HfApi.model_info(files_metadata=True)``."""
+    """(commit sha, file name -> Sibling) of ``repo`` at ``revision`` from ``HfApi.model_info(files_metadata=True)``;
+    a commit that is not 40 hex digits, or any file name that would lead out of a directory, is refused."""
+    import httpx2
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
+    where = f"{settings.endpoint} for hf:{repo}@{revision or 'main'}"
     try:
         info = HfApi(endpoint=settings.endpoint, token=settings.token).model_info(
-            repo, revision=revision, files_metadata=True)
+            repo, revision=revision, files_metadata=True, timeout=settings.stall_timeout)
+    except httpx2.TransportError as exc:  # no answer at all: one line, and what to do without network
+        raise unreachable(settings, exc) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise translate(exc, DownloadError, f"cannot list hf:{repo}@{revision or 'main'} on {settings.endpoint}")
     if not info.sha:
         raise DownloadError(f"{settings.endpoint} gave no commit for hf:{repo}@{revision or 'main'}")
+    check_commit(info.sha, where)
     files = {}
     for s in info.siblings or []:
+        check_name(s.rfilename, where)
         lfs = s.lfs
         files[s.rfilename] = Sibling(s.rfilename, s.size if s.size is not None else (lfs.size if lfs else None),
                                      lfs.sha256 if lfs else None, s.blob_id)
@@ -227,9 +260,15 @@ def fetch_spans(settings: HubSettings, repo: str, commit: str, name: str, spans:
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 
-    url = hf_hub_url(repo, name, revision=commit, endpoint=settings.endpoint)
+    import httpx2
+
+    url = hf_hub_url(repo, check_name(name, f"hf:{repo}"), revision=check_commit(commit, f"hf:{repo}"),
+                     endpoint=settings.endpoint)
     try:  # one HEAD: where the Hub redirects (its CDN), so that each range is one round trip, not two
-        meta = get_hf_file_metadata(url, token=settings.token, endpoint=settings.endpoint)
+        meta = get_hf_file_metadata(url, token=settings.token, endpoint=settings.endpoint,
+                                    timeout=settings.stall_timeout)
+    except httpx2.TransportError as exc:
+        raise unreachable(settings, exc) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise translate(exc, DownloadError, f"hf:{repo}: cannot reach {name}")
     if meta.commit_hash and meta.commit_hash != commit:
@@ -249,12 +288,13 @@ def _fetch_span(settings: HubSettings, url: str, start: int, end: int, fd: int, 
     # the token goes to the Hub (or its mirror), never to a signed CDN address
     headers = build_hf_headers(token=settings.token if url.startswith(settings.endpoint) else False)
     headers["Accept-Encoding"] = "identity"
-    at, tries = start, 0
+    deadline = settings.stall_timeout
+    at, tries, moved = start, 0, time.monotonic()  # moved: when the last byte arrived (or the range began)
     while at < end:
         headers["Range"] = f"bytes={at}-{end - 1}"
         before = at
         try:
-            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=30) as r:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=deadline) as r:
                 if r.status_code != 206:
                     raise DownloadError(f"{url}: range {at}-{end - 1} answered HTTP {r.status_code}, not 206")
                 got = r.headers.get("Content-Range", "")
@@ -265,12 +305,16 @@ def _fetch_span(settings: HubSettings, url: str, start: int, end: int, fd: int, 
                     if chunk:
                         os.pwrite(fd, chunk, at)
                         at += len(chunk)
+                        moved = time.monotonic()
                         progress.advance(task, len(chunk))
                     if at >= end:
                         break
             if at < end:
                 raise httpx2.RemoteProtocolError("the range ended early")
         except httpx2.TransportError as exc:
+            if time.monotonic() - moved >= deadline:
+                raise DownloadError(f"{url}: no bytes of range {start}-{end - 1} for {deadline:g} s (the progress "
+                                    f"deadline, SANGAMA_HUB_STALL_TIMEOUT; {describe(exc)})") from exc
             tries = 0 if at > before else tries + 1
             if tries >= _RETRIES:
                 raise translate(exc, DownloadError, f"{url}: range {start}-{end - 1} failed {_RETRIES} times")

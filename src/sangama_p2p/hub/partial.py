@@ -5,7 +5,8 @@ fetched (no disk is used there) and a manifest ``.sangama/<name>.json`` beside i
 project's readers (GGUFFile, safe_open) and the fingerprint then work unchanged: offsets, sizes and the tensor table
 are the full file's, and the fingerprint's sample windows of every tensor are among the spans fetched, so the model
 fingerprint equals the full file's. The manifest is written (atomically) only after its spans arrived, so bytes of
-a cut transfer are never counted as held; a later call with other layers fetches only what is missing.
+a cut transfer are never counted as held; a later call with other layers fetches only what is missing. The name (the
+Hub's) must stay inside the directory, and its manifest inside ``.sangama/`` (:func:`.names.under`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import CheckpointError, DownloadError, translate
 from ..model.gguf.quants import row_bytes
 from ..model.gguf.reader import _parse
 from .fetch import HubSettings, Progress, fetch_spans
+from .names import under
 from .plan import Span, covers, merge_spans
 
 __all__ = ["PartialFile", "gguf_header", "safetensors_header"]
@@ -30,11 +32,13 @@ _FIRST_PROBE = 256 << 10
 
 
 class PartialFile:
-    """One sparse file ``dir/name`` of ``size`` bytes and the spans it holds."""
+    """One sparse file ``dir/name`` of ``size`` bytes and the spans it holds; ``name`` is the file's in the repo."""
 
     def __init__(self, directory: Path, name: str, size: int) -> None:
-        self.path = directory / name
-        self.manifest = directory / ".sangama" / (name + ".json")
+        where = f"the stage copy {directory}"
+        self.name = name
+        self.path = under(directory, name, where)
+        self.manifest = under(directory / ".sangama", name + ".json", where)
         self.size = size
 
     def held(self) -> list[Span]:
@@ -64,7 +68,7 @@ class PartialFile:
             if os.fstat(fd).st_size != self.size:
                 os.ftruncate(fd, self.size)
             pieces = [(x, min(x + _SPLIT, b)) for a, b in missing for x in range(a, b, _SPLIT)]
-            got = ctx.spans(self.path.name, pieces, fd)
+            got = ctx.spans(self.name, pieces, fd)
             os.fsync(fd)
         finally:
             os.close(fd)

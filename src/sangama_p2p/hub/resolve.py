@@ -12,6 +12,9 @@ With ``layers=(A, B)`` only what the stage needs is fetched:
 Stage copies live in ``<cache>/models--ORG--REPO/sangama/<commit>/layers-A-B/`` (or ``dest``): whole files are
 links into the huggingface_hub cache, partial files are real sparse files. The model fingerprint of such a copy equals
 the full file's; its bytes outside the stage are holes (zeros), so it serves only its layers.
+
+Every name that comes from the Hub (its listing, the shard index) and its commit sha are checked before they become
+paths (:mod:`.names`): each stays under the stage copy (or the cache) once resolved, else DownloadError.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from ..errors import CheckpointError, DownloadError, LayerRangeError, translate
 from ..model.spec import ModelSpec
 from .fetch import HubSettings, Progress, Sibling, download_file, repo_files
+from .names import check_commit, check_name, under
 from .partial import Fetcher, PartialFile, gguf_header, safetensors_header
 from .plan import gguf_stage_tensors, merge_spans, safetensors_stage_tensors, sample_spans
 from .spec import HubSpec, parse_hub_spec
@@ -68,6 +72,9 @@ class _Job:
         self.fetch = Fetcher(settings, hs.repo, commit, bar, pool)
 
     def whole(self, names: list[str]) -> dict[str, Path]:
+        for n in names:
+            if n not in self.files:
+                raise DownloadError(f"{self.hs}: the repo has no file {n!r}")
         futures = {n: self.pool.submit(download_file, self.settings, self.hs.repo, self.commit, self.files[n], self.bar)
                    for n in names}
         return {n: f.result() for n, f in futures.items()}
@@ -119,13 +126,13 @@ class _Job:
         stage = self.stage_dir((start, end), dest)
         stage.mkdir(parents=True, exist_ok=True)
         for n, p in got.items():
-            _link(stage / n, p)
+            _link(stage, n, p)
         shard_names = sorted(set(weight_map.values())) or ["model.safetensors"]
         need = safetensors_stage_tensors(weight_map, mspec.num_layers, start, end, mspec.tie_word_embeddings)
         whole = sorted({weight_map[n] for n in need}) if weight_map else []
         for n, p in self.whole(whole).items():
             PartialFile(stage, n, 0).remove()
-            _link(stage / n, p)
+            _link(stage, n, p)
         for name in shard_names:
             if name in whole:
                 continue
@@ -174,7 +181,7 @@ class _Job:
             whole = [p for p in parts if p == parts[0] or any(t[0] in need for t in heads[p][2])]
             for p, path in self.whole(whole).items():
                 heads[p][0].remove()
-                _link(stage / p, path)
+                _link(stage, p, path)
         else:
             whole = []
         for p in parts:
@@ -209,9 +216,12 @@ def _index_map(snapshot: Path) -> dict[str, str] | None:
     if not index.is_file():
         return None
     try:
-        return {str(k): str(v) for k, v in json.loads(index.read_text())["weight_map"].items()}
+        weight_map = {str(k): v for k, v in json.loads(index.read_text())["weight_map"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise translate(exc, CheckpointError, f"corrupt shard index {index}")
+    for shard in set(weight_map.values()):
+        check_name(shard, f"the shard index {index}")
+    return weight_map
 
 
 def _index_files(snapshot: Path) -> list[str]:
@@ -219,7 +229,9 @@ def _index_files(snapshot: Path) -> list[str]:
     return sorted(set(m.values())) if m else []
 
 
-def _link(at: Path, target: Path) -> None:
+def _link(stage: Path, name: str, target: Path) -> None:
+    """``stage/name`` a link to ``target`` (a file in the huggingface_hub cache); ``name`` stays under ``stage``."""
+    at = under(stage, name, f"the stage copy {stage}")
     at.parent.mkdir(parents=True, exist_ok=True)
     if at.is_symlink() or at.exists():
         if at.resolve() == target.resolve():
@@ -234,7 +246,8 @@ def _repo_dir(settings: HubSettings, hs: HubSpec) -> Path:
 
 def _remember(settings: HubSettings, hs: HubSpec, commit: str) -> None:
     """Record which commit ``revision`` named, for offline mode (our files pass commits to huggingface_hub)."""
-    ref = _repo_dir(settings, hs) / "sangama" / "refs" / (hs.revision or "main")
+    refs = _repo_dir(settings, hs) / "sangama" / "refs"
+    ref = under(refs, hs.revision or "main", f"{hs}: the revision")
     ref.parent.mkdir(parents=True, exist_ok=True)
     ref.write_text(commit)
 
@@ -250,9 +263,10 @@ def _offline(hs: HubSpec, layers: tuple[int, int] | None, dest: str | Path | Non
     rev = hs.revision or "main"
     repo = _repo_dir(settings, hs)
     commit = rev if re.fullmatch(r"[0-9a-f]{40}", rev) else None
-    for ref in (repo / "sangama" / "refs" / rev, repo / "refs" / rev):
+    for refs in (repo / "sangama" / "refs", repo / "refs"):
+        ref = under(refs, rev, f"{hs}: the revision")
         if commit is None and ref.is_file():
-            commit = ref.read_text().strip()
+            commit = check_commit(ref.read_text().strip(), f"the cached ref {ref}")
     if commit is None:
         raise DownloadError(f"{hs}: offline mode is on (HF_HUB_OFFLINE) and the cache {repo} has no copy of it")
     snapshot = repo / "snapshots" / commit
