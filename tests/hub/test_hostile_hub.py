@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -120,17 +119,26 @@ def test_cli_download_of_an_escaping_shard_exits_2_with_one_line(evil_hub, repos
 def test_a_range_transfer_with_no_bytes_past_the_deadline_fails_saying_so(evil_hub, monkeypatch):
     monkeypatch.setenv("SANGAMA_HUB_STALL_TIMEOUT", "1")
     evil_hub.stall["tiny-F32.gguf"] = 6.0  # the old code waited (its read timeout was 30 s) and then succeeded
-    t0 = time.monotonic()
-    with pytest.raises(DownloadError, match=r"no bytes .* for 1 s"):
+    with pytest.raises(DownloadError, match=r"no bytes .* for 1 s \(the progress deadline"):
         resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(1, 3), settings=HubSettings.from_env(), progress=False)
-    assert time.monotonic() - t0 < 4.5
 
 
-def test_a_slow_transfer_that_keeps_moving_is_not_cut(evil_hub, monkeypatch):
-    monkeypatch.setenv("SANGAMA_HUB_STALL_TIMEOUT", "1")
-    evil_hub.delay = 0.3  # per 64 KiB: slow, but never a second without bytes
-    path = resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(1, 3), settings=HubSettings.from_env(), progress=False)
-    assert path.is_file()
+def test_a_slow_transfer_that_keeps_moving_is_not_cut(evil_hub, repos, tmp_path, monkeypatch):  # noqa: F811
+    """One range that takes twice the deadline in all, with a byte every quarter of it: it completes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sangama_p2p.hub.fetch import Progress, fetch_spans
+
+    from .hubserver import COMMIT
+
+    monkeypatch.setenv("SANGAMA_HUB_STALL_TIMEOUT", "1.2")
+    evil_hub.delay = 0.3  # per 64 KiB; 8 of them: 2.4 s
+    n = 8 * 65536
+    assert repos["one"].stat().st_size >= n
+    with open(tmp_path / "part", "wb+") as f, ThreadPoolExecutor(1) as pool:
+        got = fetch_spans(HubSettings.from_env(), "org/gguf1", COMMIT, "tiny-F32.gguf", [(0, n)], f.fileno(),
+                          Progress(False), pool)
+    assert got == n and (tmp_path / "part").read_bytes() == repos["one"].read_bytes()[:n]
 
 
 def test_the_stall_deadline_defaults_to_60_s_and_is_read_from_the_environment(monkeypatch):
