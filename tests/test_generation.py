@@ -38,7 +38,7 @@ def test_emission_stops_at_max_new_and_at_a_stop_token():
     assert g.finish(g.next_trip(), Answer((5, 6, 9))) == [5] and g.done
 
 
-def test_long_prefill_goes_in_chunks_and_replay_starts_over():
+def test_long_prefill_goes_in_chunks_and_a_failover_replays_every_trip_in_its_shape():
     g = _gen(range(10), 5, max_step_tokens=4)
     trips = []
     for _ in range(2):
@@ -47,12 +47,48 @@ def test_long_prefill_goes_in_chunks_and_replay_starts_over():
     assert [(t.start, len(t.tokens), t.chunk) for t in trips] == [(0, 4, True), (4, 4, True)]
     t = g.next_trip()
     assert (t.start, t.tokens, t.chunk) == (8, (8, 9), False)
-    g.finish(t, Answer((42,), (43,)))
-    t = g.next_trip()
-    assert g.finish(t, None) == []  # the chain was replaced: everything seen so far again, from 0, in chunks
-    t = g.next_trip()
-    assert (t.number, t.start, t.tokens, t.n_guesses, t.chunk) == (4, 0, (0, 1, 2, 3), 0, True)
-    assert g.result.steps == 2  # answered trips after the first; the lost one does not count
+    assert g.finish(t, Answer((42,), (43,))) == [42]
+    trips.append(t)
+    lost = g.next_trip()
+    assert (lost.start, lost.tokens, lost.n_guesses) == (10, (42, 43), 1)
+    assert g.finish(lost, None) == []  # the chain was replaced
+    replayed = []
+    for original in trips:  # the same positions, tokens, guesses and chunks as sent the first time
+        t = g.next_trip()
+        assert t.replay and (t.start, t.tokens, t.n_guesses, t.chunk) == (original.start, original.tokens,
+                                                                          original.n_guesses, original.chunk)
+        replayed.append(t)
+        assert g.finish(t, Answer((0,)) if t.chunk else Answer((42,), (43,))) == []  # nothing emitted twice
+    again = g.next_trip()  # then the trip that failed, as it was
+    assert not again.replay and (again.start, again.tokens, again.n_guesses) == (10, (42, 43), 1)
+    assert again.number == lost.number + 1 + len(trips)  # wire step numbers only grow
+    assert g.result.steps == 2 and g.result.replayed_trips == 3 and g.result.replay_diverged is None
+    assert g.finish(again, Answer((43, 7))) == [43, 7] and g.result.tokens == [42, 43, 7]
+    assert "uninterrupted run" in GenerationResult([1], [2], failovers=1, replayed_trips=3).failover_note()
+
+
+def test_a_failover_during_a_replay_replays_again_and_a_different_answer_is_reported():
+    g = _gen([1, 2], 8)
+    sent = []
+    for answer in (Answer((5,)), Answer((6,)), Answer((7,))):
+        sent.append(g.next_trip())
+        g.finish(sent[-1], answer)
+    g.finish(g.next_trip(), None)
+    first = g.next_trip()
+    g.finish(first, Answer((5,)))
+    g.finish(g.next_trip(), None)  # the replacement failed in the middle of the replay: start it again
+    starts = []
+    for answer in (Answer((5,)), Answer((9,)), Answer((7,))):  # the second trip answered differently
+        t = g.next_trip()
+        assert t.replay
+        starts.append(t.start)
+        g.finish(t, answer)
+    assert starts == [t.start for t in sent]
+    assert g.result.replay_diverged == sent[1].number and g.result.tokens == [5, 6, 7]
+    nxt = g.next_trip()
+    assert not nxt.replay and nxt.start == 4 and nxt.tokens == (7,)
+    note = GenerationResult([1], [2], failovers=2, replay_diverged=1).failover_note()
+    assert "differently" in note and "may differ" in note
 
 
 def test_loop_steps_requests_together_until_each_is_done():
@@ -74,6 +110,6 @@ def test_result_as_dict_local_and_network_keys():
         "guesses_proposed", "guesses_accepted", "accepted_per_step", "acceptance_by_position", "stages"]
     net = GenerationResult([1], [2], route=["p"], time_summary=lambda trips: {"trips": len(trips)})
     assert list(net.as_dict()) == [
-        "prompt_ids", "tokens", "route", "links", "failovers", "prefill_ms", "decode_ms", "decode_tokens_per_s", "steps",
+        "prompt_ids", "tokens", "route", "links", "failovers", "replayed_trips", "replay_exact", "prefill_ms", "decode_ms", "decode_tokens_per_s", "steps",
         "guesses_proposed", "guesses_accepted", "where_the_time_goes"]
     assert net.as_dict()["where_the_time_goes"] == {"trips": 0}

@@ -12,8 +12,8 @@ its *transport* run them and hands the answers back (:meth:`GenerationLoop.finis
 
 The transports (:class:`Transport`) are ``model.chain.LocalChain``'s stages in this process (synchronous, many
 requests batched per trip) and ``client.transport.ChainTransport``'s network session (trio, one request, with
-failover: when a chain breaks it routes a new one and answers ``None``, and the request then replays everything
-the model has seen from position 0). So the driving code is the same three lines whether its transport is awaited
+failover: when a chain breaks it routes a new one and answers ``None``, and the request then replays its answered
+trips in their original shapes, so the new chain's numbers are the old one's). So the driving code is the same three lines whether its transport is awaited
 or not, and all position arithmetic is ``positions.py``'s.
 """
 
@@ -41,6 +41,7 @@ class Trip:
     tokens: tuple[int, ...]
     n_guesses: int = 0
     chunk: bool = False
+    replay: bool = False  # a replay of an earlier trip after a failover: its answer is checked, not emitted
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,21 @@ class GenerationResult:
     links: list[str] = field(default_factory=list)  # network: what carried the stream to each, at the last trip
     trips: list[Any] = field(default_factory=list)  # network: client.timing.TripTiming per trip
     failovers: int = 0  # network: re-routes this generation needed
+    replayed_trips: int = 0  # network: trips re-sent to replacement chains (each failover replays every trip so far)
+    replay_diverged: int | None = None  # the first replayed trip whose answer differed from the original's, if any
     time_summary: Callable[[list[Any]], dict] | None = field(default=None, repr=False, compare=False)
+
+    def failover_note(self) -> str:
+        """What the failovers of this generation did to its tokens, in a sentence (empty without failovers)."""
+        if not self.failovers:
+            return ""
+        head = f"the chain failed {self.failovers} time{'s' if self.failovers != 1 else ''} during this generation: "
+        if self.replay_diverged is None:
+            return (head + f"re-routed and replayed {self.replayed_trips} trips in their original shapes, every "
+                    "answer as before: the tokens are those of an uninterrupted run")
+        return (head + f"re-routed and replayed, but the new chain answered trip {self.replay_diverged} differently "
+                "(another device, dtype or kernel build computes other roundings): the tokens from there on may "
+                "differ from an uninterrupted run's")
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -99,7 +114,9 @@ class GenerationResult:
         local = self.route is None
         d: dict[str, Any] = {"prompt_ids": self.prompt_ids, "tokens": self.tokens}
         d.update({"text": self.text} if local else {"route": self.route, "links": self.links,
-                                                    "failovers": self.failovers})
+                                                    "failovers": self.failovers,
+                                                    "replayed_trips": self.replayed_trips,
+                                                    "replay_exact": self.replay_diverged is None})
         d.update({
             "prefill_ms": round(self.prefill_s * 1e3, 3),
             "decode_ms": round(self.decode_s * 1e3, 3),
@@ -143,20 +160,38 @@ class Generation:
         self._accepted_at: list[int] = []
         self._t0 = clock()
         self._t_first = 0.0
+        self.history: list[tuple[Trip, Answer]] = []  # every answered trip and its answer, in order
+        self._replay: list[tuple[Trip, Answer]] = []  # the trips still to re-send to a replacement chain
+        self._resume: tuple[list[int], int, int] | None = None  # (pending, start, n_guesses) after the replay
 
     def next_trip(self) -> Trip:
+        self.sent += 1
+        if self._replay:
+            t = self._replay[0][0]
+            return Trip(self.index, self.sent - 1, t.start, t.tokens, t.n_guesses, t.chunk, replay=True)
         limit = self.max_step_tokens
         chunk = limit is not None and len(self.pending) > limit and not self.n_guesses
         tokens = self.pending[:limit] if chunk else self.pending
-        self.sent += 1
         return Trip(self.index, self.sent - 1, self.start, tuple(tokens), self.n_guesses, chunk)
 
     def finish(self, trip: Trip, answer: Answer | None, now: float | None = None) -> list[int]:
-        """Apply ``trip``'s answer; returns the tokens it emitted. ``None``: the transport replaced the chain, so
-        the next trip replays everything the model has seen (the prompt and the tokens so far) from position 0."""
+        """Apply ``trip``'s answer; returns the tokens it emitted.
+
+        ``None``: the transport replaced the chain. The next trips then replay every answered trip in its original
+        shape (the same positions, tokens and guesses, the prompt's chunks as they were sent), so that the new
+        chain's caches are computed by the same operations on the same shapes as the old one's - a prefill of
+        everything so far would round differently from the steps it replaces, and a greedy near-tie would then go
+        the other way. Each replayed answer is checked against the original; the first that differs is recorded in
+        ``result.replay_diverged`` (the new chain computes differently: another device, dtype or kernel). Then the
+        trip that failed is sent again."""
         if answer is None:
-            self.pending, self.start, self.n_guesses = [*self.result.prompt_ids, *self.result.tokens], 0, 0
+            if not trip.replay:
+                self._resume = (list(self.pending), self.start, self.n_guesses)
+            self._replay = list(self.history)  # (a failover during a replay starts it again)
             return []
+        if trip.replay:
+            return self._replayed(answer)
+        self.history.append((trip, answer))
         self.answered += 1
         res = self.result
         res.steps = self.answered - 1
@@ -184,6 +219,15 @@ class Generation:
         self.pending = [answer.tokens[-1], *answer.guesses]
         self.n_guesses = len(answer.guesses)
         return new
+
+    def _replayed(self, answer: Answer) -> list[int]:
+        original, want = self._replay.pop(0)
+        self.result.replayed_trips += 1
+        if self.result.replay_diverged is None and not original.chunk and answer != want:
+            self.result.replay_diverged = original.number
+        if not self._replay and self._resume is not None:
+            self.pending, self.start, self.n_guesses = self._resume
+        return []
 
     def _count_guesses(self, k: int, accepted: int) -> None:
         res = self.result

@@ -6,7 +6,7 @@ concern: opening the chain (an ``auto`` request asks for fewer guesses where a s
 timing and route, and failover. When a trip cannot finish (:class:`~sangama_p2p.client.session.ChainBroken`), it
 probes the chain, excludes the dead peers (or avoids the stalled chain's peers where a route without them exists),
 opens the session on a new chain of the same checkpoint fingerprint, and answers ``None``: the loop then replays
-the prompt and every token produced so far from position 0.
+every answered trip in its original shape (``generation.Generation.finish``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class ChainTransport:
         (trip,) = trips
         try:
             res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
-            if self.verifier is not None and not trip.chunk:  # raises ChainBroken at a liar, tokens cut back
+            if self.verifier is not None and not trip.chunk and not trip.replay:  # raises ChainBroken at a liar
                 await self.verifier.check(self.session, trip.start, trip.tokens, trip.n_guesses, res.tokens,
                                           self.result.prompt_ids, self.result.tokens)
         except ChainBroken as exc:
@@ -105,7 +105,7 @@ class ChainTransport:
             return [None]
         if not trip.chunk:
             self.result.route = self.session.peers
-        emitted = 0 if trip.chunk else len(res.tokens)
+        emitted = 0 if trip.chunk or trip.replay else len(res.tokens)
         self.result.trips.append(trip_timing(trip.number, len(trip.tokens), emitted, trip_s, res.trace))
         return [Answer(tuple(res.tokens), tuple(res.guesses))]
 
