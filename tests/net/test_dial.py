@@ -1,9 +1,11 @@
-"""net/dial.py: the dial order and the happy-eyeballs race (a dead address costs one stagger step, not the budget)."""
+"""net/dial.py: the dial order and the happy-eyeballs race (a dead address costs one stagger step, not the budget).
+The races run on trio's MockClock, so their timings are exact, not measured."""
 
 from __future__ import annotations
 
 import pytest
 import trio
+from trio.testing import MockClock
 
 from sangama_p2p.errors import NetworkError
 from sangama_p2p.net.dial import Attempt, DialPolicy, plan, race
@@ -47,10 +49,10 @@ def test_a_silent_address_costs_one_stagger_step_and_the_next_one_wins() -> None
         conn = await race([Attempt("dead", "announced", 3.0), Attempt("live", "circuit", 10.0)], dial_one,
                           stagger_s=0.25, peer=PEER)
         assert conn == "live"
-        assert 0.24 <= started["live"] - t0 <= 0.3
-        assert trio.current_time() - t0 < 0.5  # the dead attempt was cancelled, not waited for
+        assert started["live"] - t0 == pytest.approx(0.25)  # one stagger step after the dead one
+        assert trio.current_time() - t0 == pytest.approx(0.30)  # the dead attempt was cancelled, not waited for
 
-    trio.run(main)
+    trio.run(main, clock=MockClock(autojump_threshold=0))  # virtual time: exact however busy the machine is
 
 
 def test_a_refused_address_starts_the_next_at_once_and_all_failures_are_named() -> None:
@@ -65,9 +67,9 @@ def test_a_refused_address_starts_the_next_at_once_and_all_failures_are_named() 
             await race([Attempt("a", "announced", 3.0), Attempt("b", "observed", 3.0),
                         Attempt("slow", "private", 0.5)], dial_one, stagger_s=1.0, peer=PEER)
         assert "a: connection refused" in str(err.value) and "slow: no answer in 0.5 s" in str(err.value)
-        assert trio.current_time() - t0 < 0.7  # refusals did not wait out the 1 s stagger
+        assert trio.current_time() - t0 == pytest.approx(0.5)  # refusals did not wait out the 1 s stagger
 
-    trio.run(main)
+    trio.run(main, clock=MockClock(autojump_threshold=0))
 
 
 def test_one_failure_keeps_its_type() -> None:
