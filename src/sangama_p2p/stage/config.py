@@ -37,7 +37,9 @@ class StageConfig:
     least one largest frame); a partial frame of ``n`` bytes must complete within ``partial_frame_s + n /
     partial_frame_rate`` seconds of its first byte, else its stream is closed (``CAPACITY``);
     ``outbox_bytes`` bytes queued to send per stream (over it, the stream the replies answer is not read until
-    they drain; at twice it the stream is closed).
+    they drain; at twice it the stream is closed), ``outbox_budget`` bytes queued on all of the stage's streams
+    together (a frame over it first fails the queues holding the most, whose readers are not reading; at least
+    ``max_frame``, so that a lone frame always fits).
     """
 
     model_id: str
@@ -73,6 +75,7 @@ class StageConfig:
     partial_frame_s: float = 30.0
     partial_frame_rate: int = 256 << 10  # bytes/s: a 64 MiB frame gets 30 + 256 s
     outbox_bytes: int = 64 << 20
+    outbox_budget: int = 256 << 20  # four largest frames
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -96,9 +99,11 @@ class StageConfig:
         if self.max_sessions_per_peer < 0:
             raise StageError(f"max_sessions_per_peer must be >= 0, got {self.max_sessions_per_peer}")
         for name in ("session_idle_s", "max_lanes_per_peer", "input_budget", "partial_frame_s",
-                     "partial_frame_rate", "outbox_bytes"):
+                     "partial_frame_rate", "outbox_bytes", "outbox_budget"):
             if not getattr(self, name) > 0:
                 raise StageError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.outbox_budget < self.max_frame:
+            raise StageError(f"outbox_budget ({self.outbox_budget}) must be at least max_frame ({self.max_frame})")
         if not 0 <= self.lane_port <= 65535:
             raise StageError(f"lane_port must be in 0..65535, got {self.lane_port}")
 

@@ -21,12 +21,20 @@ stops being read). A ``put`` that would take the queue past ``2 x max_bytes`` fa
 is stuck; the items are dropped and ``on_failed`` gets them), so a stream's queue never holds more than that; with
 ``fail_when_full=False`` (a link to the next stage, which other sessions share) only that item is refused (``put``
 returns False and the caller reports it to the session's owner).
+
+Bounded across streams too: every outbox of a stage charges its queued bytes to one :class:`OutboxBudget`
+(``outbox_budget``). An item that would take the total over it first fails the outbox holding the most bytes
+(``OutboxFull``), then the next largest, until the item fits: a stream whose replies are read keeps an almost empty
+queue, so the largest queues are those of peers that do not read (issue 23: 16 such lanes held 127 MB). A failed
+reply outbox resets its stream (``on_failed``); a failed link to a next stage reports its frames to their sessions'
+owners, who re-route.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Union
 
@@ -36,7 +44,7 @@ from ..errors import ErrorCode, NetworkError, OutboxFull, SangamaError, translat
 from ..net.streams import FramedStream
 from ..wire.messages import ErrorMessage, Message
 
-__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "tensor_bytes"]
+__all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "OutboxBudget", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,62 @@ def tensor_bytes(tensor: Any) -> int:
         return 0
 
 
+class OutboxBudget:
+    """Bytes queued by every outbox of a stage together, at most ``limit`` (pure bookkeeping: no I/O, no trio).
+
+    Members are anything with ``peer`` and ``evict(exc)`` (an :class:`Outbox`); only those holding bytes are kept.
+    :meth:`admit` charges an item to its outbox, first evicting (largest first) until it fits; :meth:`release`
+    returns bytes as they are written, :meth:`drop` all of an outbox's when it fails.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError(f"an outbox budget must be positive, got {limit}")
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.evicted = 0  # outboxes failed to make room
+        self._held: dict[Any, int] = {}
+
+    def held(self, box: Any) -> int:
+        return self._held.get(box, 0)
+
+    def admit(self, box: Any, nbytes: int) -> bool:
+        """Charge ``nbytes`` to ``box``. While they do not fit, the outbox holding the most is dropped and evicted
+        (``OutboxFull``); False when that was ``box`` itself (the item is not charged). An item alone over the
+        limit goes once nothing else is held (the stage's config keeps ``limit`` at least one largest frame)."""
+        while self.used + nbytes > self.limit and self._held:
+            victim = max(self._held, key=self._held.__getitem__)
+            held = self.drop(victim)
+            self.evicted += 1
+            log.info("outbox to %s failed: %d bytes queued, the most of the %d the stage's outboxes hold", victim.peer,
+                     held, self.used + held)
+            victim.evict(OutboxFull(f"{held} bytes queued for {victim.peer}, the most of any stream, and the stage's"
+                                    f" outboxes are at their budget ({self.limit} bytes)"))
+            if victim is box or getattr(box, "failed", None) is not None:  # (an eviction's reports may fail it)
+                return False
+        self._held[box] = self._held.get(box, 0) + nbytes
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def release(self, box: Any, nbytes: int) -> None:
+        """``nbytes`` of ``box``'s were written (or dropped)."""
+        held = self._held.get(box, 0)
+        n = min(nbytes, held)
+        if held > n:
+            self._held[box] = held - n
+        else:
+            self._held.pop(box, None)
+        self.used -= n
+
+    def drop(self, box: Any) -> int:
+        """Forget all of ``box``'s bytes (it failed); returns how many it held."""
+        held = self._held.pop(box, 0)
+        self.used -= held
+        return held
+
+
 class Outbox:
     """Frames waiting for one stream. ``put`` never blocks; ``run`` (in a nursery) writes them in order."""
 
@@ -71,6 +135,7 @@ class Outbox:
         on_failed: Callable[[Outbox, list[Item], BaseException], None] | None = None,
         max_bytes: int = 64 << 20,
         fail_when_full: bool = True,
+        budget: OutboxBudget | None = None,
     ) -> None:
         if stream is None and opener is None:
             raise ValueError("an outbox needs a stream or an opener")
@@ -81,6 +146,7 @@ class Outbox:
         self._send, self._recv = trio.open_memory_channel[tuple[Item, int]](math.inf)
         self.max_bytes = max_bytes
         self.fail_when_full = fail_when_full
+        self._budget = budget
         self.queued_bytes = 0  # sizes of the items queued and not yet written
         self.peak_bytes = 0
         self._drained = trio.Event()  # set while the queue is under max_bytes
@@ -129,9 +195,13 @@ class Outbox:
             self._fail([] if item is _FLUSH else [item], OutboxFull(  # type: ignore[list-item]
                 f"{self.queued_bytes} bytes queued for {self.peer} and its writes do not drain"))
             return False
+        if self._budget is not None and not self._budget.admit(self, nbytes):
+            return False  # this outbox held the most of the stage's queued bytes: it was failed to make room
         try:
             self._send.send_nowait((item, nbytes))  # type: ignore[arg-type]
         except (trio.ClosedResourceError, trio.BrokenResourceError):  # closed or failed: the caller reports the loss
+            if self._budget is not None and self.failed is None:
+                self._budget.release(self, nbytes)
             return False
         self._queued += 1
         self.queued_bytes += nbytes
@@ -141,8 +211,15 @@ class Outbox:
     def _written(self, nbytes: int) -> None:
         self._queued -= 1
         self.queued_bytes -= nbytes
+        if self._budget is not None and self.failed is None:  # a failed outbox's bytes left the budget at once
+            self._budget.release(self, nbytes)
         if not self.congested:
             self._drained.set()
+
+    def evict(self, exc: BaseException) -> None:
+        """Fail this outbox to make room in the stage's budget (its queued items go to ``on_failed``)."""
+        if self.failed is None:
+            self._fail([], exc)
 
     def close(self) -> None:
         """No more items; the writer finishes what is queued, then stops."""
@@ -176,7 +253,10 @@ class Outbox:
             self.done.set()
 
     def _fail(self, lost: list[Item], exc: BaseException) -> None:
-        self.failed = exc
+        if self.failed is None:
+            self.failed = exc
+            if self._budget is not None:
+                self._budget.drop(self)  # before on_failed, whose reports may queue elsewhere
         self._send.close()
         while True:
             try:
@@ -202,11 +282,12 @@ class NextHops:
     """
 
     def __init__(self, open_stream: Callable[[str], Awaitable[FramedStream]], *, spawn: Callable[..., None],
-                 report: Callable[[ErrorMessage], None], max_bytes: int) -> None:
+                 report: Callable[[ErrorMessage], None], max_bytes: int, budget: OutboxBudget | None = None) -> None:
         self._open_stream = open_stream
         self._spawn = spawn
         self._report = report
         self.max_bytes = max_bytes
+        self.budget = budget
         self.links: dict[str, Outbox] = {}
 
     def get(self, peer: str) -> Outbox:
@@ -215,7 +296,7 @@ class NextHops:
         if link is not None and link.failed is None:
             return link
         link = Outbox(peer=peer, opener=lambda: self._open(peer), on_failed=self._failed, max_bytes=self.max_bytes,
-                      fail_when_full=False)
+                      fail_when_full=False, budget=self.budget)
         self.links[peer] = link
         self._spawn(link.run)
         return link
@@ -252,6 +333,8 @@ class NextHops:
     def _failed(self, link: Outbox, lost: list[Item], exc: BaseException) -> None:
         if self.links.get(link.peer) is link:
             self.links.pop(link.peer, None)
+        if link.stream is not None and not link.stream.closed:  # evicted: its writer may be stuck in a write
+            self._spawn(partial(link.stream.aclose, reset=True))
         for item in lost:
             msg: Any = item() if callable(item) else item
             sid = getattr(msg, "session_id", None)

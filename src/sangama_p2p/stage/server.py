@@ -26,8 +26,9 @@ error about an accepted session goes to the client that owns it, wherever in the
 Bounded resources (issue 15, item 5): sessions per peer (``CAPACITY`` naming the per-peer quota), idle sessions
 freed after ``session_idle_s`` (``EXPIRED`` to an owner that comes back), lanes per peer, one
 :class:`~sangama_p2p.wire.framing.ByteBudget` (``input_budget``) for the partial frames of every stream and lane,
-and an outbox of at most ``outbox_bytes`` per stream: while a stream's replies are over it, that stream is not read
-(back-pressure), and at twice it the stream is closed.
+an outbox of at most ``outbox_bytes`` per stream: while a stream's replies are over it, that stream is not read
+(back-pressure), and at twice it the stream is closed; and one :class:`~sangama_p2p.stage.links.OutboxBudget`
+(``outbox_budget``) for every outbox together, which fails the largest queues (closing their streams) to make room.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from typing import Any
 import trio
 
 from .._version import __version__
-from ..errors import ErrorCode, InvalidMessageError, LaneError, SangamaError, StageError, StreamClosed, WireError
+from ..errors import (ErrorCode, InvalidMessageError, LaneError, OutboxFull, SangamaError, StageError, StreamClosed,
+                      WireError)
 from ..model.device import resolve_device
 from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
@@ -64,7 +66,7 @@ from ..wire.framing import ByteBudget
 from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .announce import StageAnnouncer
 from .config import StageConfig
-from .links import SMALL_ITEM, Item, NextHops, Outbox, tensor_bytes
+from .links import SMALL_ITEM, Item, NextHops, Outbox, OutboxBudget, tensor_bytes
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
 
@@ -94,8 +96,9 @@ class StageServer:
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._inbound: dict[FramedStream, Outbox] = {}
+        self.outbox_budget = OutboxBudget(config.outbox_budget)
         self.next_hops = NextHops(self._open_next, spawn=self._spawn, report=self._report,
-                                  max_bytes=config.outbox_bytes)
+                                  max_bytes=config.outbox_bytes, budget=self.outbox_budget)
         self._measured_step_s = 0.0
         self.input_budget = ByteBudget(config.input_budget, per_peer=config.input_share,
                                        partial_timeout=config.partial_frame_s, partial_rate=config.partial_frame_rate)
@@ -252,10 +255,15 @@ class StageServer:
             await FramedStream(stream).aclose(reset=True)
             return
         fs = FramedStream(stream, max_frame=self.config.max_frame, budget=self.input_budget)
-        outbox = Outbox(fs, max_bytes=self.config.outbox_bytes)
+        outbox = Outbox(fs, max_bytes=self.config.outbox_bytes, budget=self.outbox_budget, on_failed=self._reset)
         self._inbound[fs] = outbox
         self._nursery.start_soon(outbox.run)
         self._nursery.start_soon(self._serve_inbound, fs, outbox)
+
+    def _reset(self, outbox: Outbox, lost: list[Item], exc: BaseException) -> None:
+        """A reply outbox failed (full, evicted or its write failed): reset its stream now, which ends its reader."""
+        if outbox.stream is not None and not outbox.stream.closed:
+            self._spawn(partial(outbox.stream.aclose, reset=True))
 
     async def _serve_inbound(self, fs: FramedStream, outbox: Outbox) -> None:
         """Read frames from one peer (a client or the previous stage) until the stream ends."""
@@ -379,8 +387,11 @@ class StageServer:
                             (*m.trace, stamp()))
         link = self.next_hops.get(session.next_hop or "")
         if not link.put(item, SMALL_ITEM + tensor_bytes(hidden)):
-            stuck = link.failed is None and link.congested  # alive but not draining: OVERLOADED, else INTERNAL
+            # alive but not draining, or failed for holding the most of the outbox budget: OVERLOADED, else INTERNAL
+            stuck = link.failed is None and link.congested
             why = f"does not take its frames ({link.queued_bytes} bytes queued)" if stuck else "is unreachable"
+            if isinstance(link.failed, OutboxFull):
+                stuck, why = True, f"does not take its frames ({link.failed})"
             code = ErrorCode.OVERLOADED if stuck else ErrorCode.INTERNAL
             self._to_owner(session, ErrorMessage(m.session_id, m.step, code, f"next hop {session.next_hop} {why}"))
 
