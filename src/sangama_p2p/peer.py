@@ -52,6 +52,24 @@ __all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_i
 log = logging.getLogger(__name__)
 
 
+class _ProbeHangUps(logging.Filter):
+    """py-libp2p logs ``fail to upgrade mux for peer X`` at ERROR when an inbound connection proves its peer id and
+    hangs up before the muxer, which is what every reachability probe does (net/reach.py: a Noise handshake, then
+    close): a peer embedded beside a running ``join`` logged it on each check. Kept at DEBUG, as py-libp2p keeps a
+    failed security upgrade; installed when a peer starts, never at import."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "fail to upgrade mux for peer %s" and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def _keep_probe_hang_ups_quiet() -> None:
+    swarm_log = logging.getLogger("libp2p.network.swarm")
+    if not any(isinstance(f, _ProbeHangUps) for f in swarm_log.filters):
+        swarm_log.addFilter(_ProbeHangUps())
+
+
 def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None) -> tuple[int, int]:
     """Up to ``span`` layers where the swarm is thinnest, given the ``(start, end)`` ranges already served.
 
@@ -120,6 +138,7 @@ class Peer:
     # lifetime ---------------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Peer:
+        _keep_probe_hang_ups_quiet()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:

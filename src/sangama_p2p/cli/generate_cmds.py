@@ -44,9 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local", metavar="MODEL", default=None,
                    help="checkpoint directory (config.json + safetensors), .gguf file or hf:ORG/REPO[@REV][:FILE.gguf] "
                    "to run in this process")
-    p.add_argument("--model", default=None, metavar="ID|DIR",
-                   help="network mode: the model id to ask the swarm for, or a checkpoint directory (its name is "
-                   "the id; its tokenizer encodes the prompt)")
+    p.add_argument("--model", default=None, metavar="ID|DIR|FILE.gguf",
+                   help="network mode: the model id to ask the swarm for, or a checkpoint directory or .gguf file "
+                   "(its name is the id; its tokenizer encodes the prompt; only peers of that very checkpoint are "
+                   "chained)")
     p.add_argument("--tokenizer", type=Path, default=None, help="network mode: checkpoint dir with tokenizer.json")
     p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR",
                    help="network mode: bootstrap address (repeatable; default: bootstrap/public.txt)")
@@ -231,7 +232,8 @@ def _generate_network(args: argparse.Namespace, prompts: list[list[int]] | None)
 
     quiet_libp2p()
     if not args.model:
-        raise SangamaError("give the model: --model ID (or a checkpoint directory), or run in-process with --local")
+        raise SangamaError("give the model: --model ID (or a checkpoint directory or .gguf file), or run in-process "
+                           "with --local")
     config, model_id = client_peer_config(args, args.model)
     text = args.prompt if args.prompt is not None else args.text
     if prompts is None:

@@ -211,12 +211,14 @@ class ThreadFleet:
 
     Starting it costs no process launches (weights load in this process), so asyncio programs and example apps
     can be tested against a real fleet in seconds. ``with ThreadFleet(model_dir, [(0, 4), (4, 8)]) as fleet:
-    fleet.bootstrap_addr`` - the first stage is everyone's bootstrap node. Leaving the block closes every peer and
-    joins the thread; an error while starting is raised here.
+    fleet.bootstrap_addr`` - the first stage is everyone's bootstrap node, unless ``bootstrap`` names one (a
+    ``sangama-peer bootstrap`` node: it also answers reachability checks, which a ``join`` beside the fleet waits
+    for). Leaving the block closes every peer and joins the thread; an error while starting is raised here.
     """
 
     def __init__(self, model_dir: Path | str, ranges: Sequence[tuple[int, int]], workdir: Path | str,
-                 *, start_timeout: float = 60.0) -> None:
+                 *, start_timeout: float = 60.0, bootstrap: str | None = None) -> None:
+        self.given_bootstrap = bootstrap
         self.model_dir = Path(model_dir)
         self.ranges = list(ranges)
         self.workdir = Path(workdir)
@@ -263,7 +265,7 @@ class ThreadFleet:
         self._token = trio.lowlevel.current_trio_token()
         self.workdir.mkdir(parents=True, exist_ok=True)
         async with AsyncExitStack() as stack:
-            boot: tuple[str, ...] = ()
+            boot: tuple[str, ...] = (self.given_bootstrap,) if self.given_bootstrap else ()
             for i, (start, end) in enumerate(self.ranges):
                 host = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=boot,
                                   key_path=self.workdir / f"thread-stage{i}.key")

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
 from ..errors import NetworkError
 from .argtypes import positive_float
-from .process import quiet_libp2p
-from .swarm import BOOTSTRAP_DIR, default_bootstrap_addrs
+from .process import quiet_libp2p, say, until_signal
+from .swarm import BOOTSTRAP_DIR, check_bootstrap_dialable, default_bootstrap_addrs, is_tcp
 from .tables import peer_label
 
 # trio and libp2p (0.8-1.4 s to import) and the net modules that import them are imported in the handlers: cli/main.py
@@ -81,20 +82,36 @@ def _bootstrap(args: argparse.Namespace) -> int:
         config = config.replace(**{k: v for k, v in overrides.items() if v is not None})
     config = config.replace(dht_server=True, relay_hop=True, bootstrap_addrs=())
 
+    check_dialable_listen(config.listen_addrs)
+
     async def main() -> None:
         traversal = Traversal(TraversalConfig(serve_relay=True, reachability="public", hole_punch=False))
         async with open_host(config, services=[traversal.run]) as node:
-            fleet = " (private fleet)" if config.fleet_secret is not None else ""
-            print(f"bootstrap node {node.peer_id}{fleet}; peers join with:", flush=True)
-            for addr in node.advertised_addrs():
-                print(f"  --bootstrap {addr}", flush=True)
-            if args.run_for is not None:
-                await trio.sleep(args.run_for)
-            else:
-                await trio.sleep_forever()
+            # from here on a signal stops the node through its normal exit path, saying so
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                fleet = " (private fleet)" if config.fleet_secret is not None else ""
+                say(f"bootstrap node {node.peer_id}{fleet}; peers join with:")
+                for addr in node.advertised_addrs():
+                    if is_tcp(str(addr)):
+                        say(f"  --bootstrap {addr}")
+                got = await until_signal(signals, args.run_for)
+                say(f"stopping ({signal.Signals(got).name})" if got is not None else "stopping")
 
     trio.run(main)
     return 0
+
+
+def check_dialable_listen(listen_addrs: tuple[str, ...]) -> None:
+    """A bootstrap node must listen where peers dial: TCP (a peer's host has the transports of its own listen
+    addresses, TCP by default). Only QUIC (or another transport): refused; QUIC beside TCP: a warning."""
+    others = [a for a in listen_addrs if not is_tcp(a)]
+    if len(others) == len(listen_addrs):
+        raise NetworkError(f"cannot bootstrap on {', '.join(others)}: peers dial bootstrap nodes over TCP (their "
+                           "hosts listen on TCP by default and dial only what they listen on); listen on "
+                           "/ip4/0.0.0.0/tcp/4001")
+    if others:
+        print(f"warning: peers dial bootstrap nodes over TCP: {', '.join(others)} reach only peers that listen "
+              "there too, so only the TCP addresses are printed", file=sys.stderr, flush=True)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -110,6 +127,7 @@ def _status(args: argparse.Namespace) -> int:
     bootstrap = tuple(args.bootstrap or default_bootstrap_addrs())
     if not bootstrap:
         raise NetworkError("no bootstrap address: pass --bootstrap MULTIADDR (bootstrap/public.txt is empty)")
+    check_bootstrap_dialable(bootstrap, ("/ip4/0.0.0.0/tcp/0",))
     config = HostConfig(
         listen_addrs=("/ip4/0.0.0.0/tcp/0",),
         bootstrap_addrs=bootstrap,

@@ -8,7 +8,6 @@ fleet on loopback (see :mod:`.demo`).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from pathlib import Path
@@ -18,8 +17,9 @@ from ..errors import SangamaError
 from .argtypes import positive_int
 from .demo import run_demo
 from .hub_cmds import from_hub
+from .join_checks import check_checkpoint, hold_key, warn_if_unchainable
 from .local_fleet import READY_PREFIX
-from .process import add_progress_arg, progress, quiet_libp2p, show_progress, until_signal
+from .process import add_progress_arg, progress, quiet_libp2p, say, show_progress, until_signal
 from .swarm import add_host_args, host_config
 from .threads import set_threads
 
@@ -84,10 +84,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _join(args: argparse.Namespace) -> int:
     import torch
-    import trio
 
-    from ..config import PeerConfig, default_model_id
-    from ..peer import Peer
+    from ..config import PeerConfig
+    from ..net.host import check_ports_free
 
     quiet_libp2p()
     torch.set_grad_enabled(False)
@@ -98,12 +97,33 @@ def _join(args: argparse.Namespace) -> int:
     if model is None:
         raise SangamaError("give the checkpoint to serve: --model DIR (or [stage] model in --config)")
     layers = args.layers or (config.layers if config.model_path is not None else "auto")
+    # the key's lock first, then the checkpoint and the range: each refused in seconds, before any layer loads and
+    # before the swarm is dialled
+    key_pair, key_lock = hold_key(config.host.key_path)
+    try:
+        check_ports_free(config.host.listen_addrs)  # a busy --listen port, before the layers load
+        return _join_holding(args, config, model, layers, key_pair)
+    finally:
+        key_lock.close()
+
+
+def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str, key_pair: Any) -> int:
+    import trio
+
+    from ..config import default_model_id
+    from ..peer import Peer
+
     model_id = args.model_id
     if (model_id is None and args.model is not None and config.stage is not None and config.model_path is not None
             and config.stage.model_id == default_model_id(config.model_path)):
         model_id = default_model_id(args.model)  # the id the file took from its own model follows --model
     model, hub_id = from_hub(model, layers)  # hf:...: only the files (or byte ranges) of the layers served
     model_id = model_id or hub_id
+    checked = check_checkpoint(model, layers)
+    if not config.host.bootstrap_addrs:
+        print("no --bootstrap (and bootstrap/public.txt lists none): serving alone, as the first peer of a new "
+              "swarm; other peers join with --bootstrap and one of the addresses printed below", file=sys.stderr,
+              flush=True)
     options: dict[str, Any] = {}
     if args.device is not None:
         from ..model.device import default_dtype, resolve_device
@@ -126,19 +146,24 @@ def _join(args: argparse.Namespace) -> int:
     what = f"layers {layers}" if not str(layers).startswith("auto") else "the layers the swarm lacks"
 
     async def main() -> None:
-        async with Peer(config.replace(model_path=None)) as peer:
-            with progress(f"loading {what} of {Path(model).name}", show=show):
-                start, end = await peer.serve(model, layers, model_id=model_id, tokenizer=False, **options)
+        async with Peer(config.replace(model_path=None), key_pair=key_pair) as peer:
+            mid = model_id or (config.stage.model_id if config.stage is not None else default_model_id(model))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(warn_if_unchainable, peer.node, mid, checked)  # while the layers load
+                with progress(f"loading {what} of {Path(model).name}", show=show):
+                    start, end = await peer.serve(model, layers, model_id=model_id, tokenizer=False, **options)
+                # a lookup still under way gets a few seconds more, not the stage's readiness
+                nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + 10.0)
             server = peer.servers[-1]
             # `ready` means reachable: public, or with a relay circuit address in the published record
             with progress("waiting until other peers can reach this one", show=show):
                 reach = await peer.wait_reachable()
             # from here on a signal stops us through the normal exit path: install the handler before saying ready
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                _say(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}")
+                say(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}")
                 for addr in peer.addrs:
-                    _say(f"  listening {addr}")
-                _say(f"  reachable {reach}")
+                    say(f"  listening {addr}")
+                say(f"  reachable {reach}")
                 if sys.stdout.isatty():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_live_panel, peer)
@@ -146,7 +171,7 @@ def _join(args: argparse.Namespace) -> int:
                         nursery.cancel_scope.cancel()
                 else:
                     await until_signal(signals, args.run_for)
-                _say("stopping")
+                say("stopping")
 
     trio.run(main)
     return 0
@@ -181,17 +206,6 @@ async def _live_panel(peer: Any) -> None:
         while True:
             await trio.sleep(0.5)
             live.update(_panel(peer))
-
-
-def _say(line: str) -> None:
-    """A line on stdout; once nobody reads it (``join ... | head -1``) the stage serves on without output."""
-    try:
-        print(line, flush=True)
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # the rest of our output, and the interpreter's last flush
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        print("sangama-peer: stdout closed; serving on without output", file=sys.stderr, flush=True)
 
 
 def _demo(args: argparse.Namespace) -> int:

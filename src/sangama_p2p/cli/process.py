@@ -4,6 +4,7 @@ errors out of trio's exception groups, and report progress on stderr."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -12,7 +13,7 @@ from typing import Any
 
 from ..errors import SangamaError, group_leaves
 
-__all__ = ["add_progress_arg", "progress", "quiet_libp2p", "sangama_errors", "show_progress", "until_signal"]
+__all__ = ["add_progress_arg", "progress", "quiet_libp2p", "sangama_errors", "say", "show_progress", "until_signal"]
 
 
 def quiet_libp2p() -> None:
@@ -22,13 +23,26 @@ def quiet_libp2p() -> None:
     quiet()
 
 
-async def until_signal(signals: AsyncIterator[Any], seconds: float | None) -> None:
-    """Return on the first signal from ``signals`` (or after ``seconds``), so that every ``async with`` unwinds."""
+async def until_signal(signals: AsyncIterator[Any], seconds: float | None) -> int | None:
+    """Return the first signal from ``signals`` (or None after ``seconds``), so that every ``async with``
+    unwinds."""
     import trio  # 0.07-0.2 s: only for the commands that run a node
 
     with trio.move_on_after(seconds if seconds is not None else float("inf")):
-        async for _ in signals:
-            return
+        async for signum in signals:
+            return int(signum)
+    return None
+
+
+def say(line: str) -> None:
+    """A line on stdout; once nobody reads it (``join ... | head -1``) the node runs on without output."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the rest of our output, and the interpreter's last flush
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        print("sangama-peer: stdout closed; serving on without output", file=sys.stderr, flush=True)
 
 
 def sangama_errors(exc: BaseException) -> list[BaseException] | None:

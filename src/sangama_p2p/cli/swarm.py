@@ -6,7 +6,7 @@ from.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,10 +22,13 @@ if TYPE_CHECKING:
 # Imports of the host, peer and client modules stay inside the functions below: each pulls in libp2p (0.8-1.4 s) or
 # torch (1.4-2.6 s), and every command module imports this one to build the parser (cli/main.py).
 
-__all__ = ["BOOTSTRAP_DIR", "add_host_args", "add_verify_arg", "client_model", "client_peer_config",
-           "default_bootstrap_addrs", "default_guesses", "host_config", "need_tokenizer", "tokenizer_source"]
+__all__ = ["BOOTSTRAP_DIR", "add_host_args", "add_verify_arg", "check_bootstrap_dialable", "client_model",
+           "client_peer_config", "default_bootstrap_addrs", "default_guesses", "host_config", "is_tcp",
+           "need_tokenizer", "tokenizer_source"]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parents[3] / "bootstrap"
+
+log = logging.getLogger(__name__)
 
 
 def default_bootstrap_addrs() -> tuple[str, ...]:
@@ -35,6 +38,25 @@ def default_bootstrap_addrs() -> tuple[str, ...]:
         return ()
     lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
     return tuple(line for line in lines if line)
+
+
+def is_tcp(addr: str) -> bool:
+    """Whether a multiaddr is plain TCP (``/ip4|ip6|dns*/<host>/tcp/<port>[/p2p/<id>]``), what every peer dials."""
+    parts = str(addr).strip("/").split("/")
+    return len(parts) >= 4 and parts[2] == "tcp" and (len(parts) == 4 or parts[4] == "p2p")
+
+
+def check_bootstrap_dialable(bootstrap: tuple[str, ...], listen: tuple[str, ...]) -> None:
+    """Refuse a bootstrap address this peer cannot dial: its host has the transports of its own listen addresses
+    (TCP by default), so a QUIC bootstrap address fails after the dial timeout with "No registered transport"."""
+    quic_here = any("/quic" in a for a in listen)
+    bad = [a for a in bootstrap if not is_tcp(a) and not (quic_here and "/quic" in a)]
+    if bad and len(bad) == len(bootstrap):
+        raise NetworkError(f"cannot dial the bootstrap address {', '.join(bad)}: peers dial over TCP (this one "
+                           f"listens on {', '.join(listen)}); give the bootstrap node's /ip4/<ip>/tcp/<port>/p2p/<id> "
+                           "address (it prints one at start)")
+    if bad:
+        log.warning("skipping bootstrap addresses this peer cannot dial (peers dial over TCP): %s", ", ".join(bad))
 
 
 def add_host_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
@@ -74,24 +96,27 @@ def host_config(args: argparse.Namespace, *, serving: bool) -> HostConfig:
         config = HostConfig().replace(**{k: v for k, v in overrides.items() if v is not None})
     if not config.bootstrap_addrs:
         config = config.replace(bootstrap_addrs=default_bootstrap_addrs())
+    check_bootstrap_dialable(config.bootstrap_addrs, config.listen_addrs)
     if not serving and not config.bootstrap_addrs:  # a serving peer may be a swarm's first; a client needs one
         raise NetworkError("no bootstrap address: pass --bootstrap MULTIADDR (bootstrap/public.txt is empty), "
                            "or run in this process with --local")
     return config if serving else config.replace(dht_server=False)
 
 
-def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig, str]:
-    """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory (name + tokenizer)."""
+def client_peer_config(args: argparse.Namespace, model: str, *, pin: bool = True) -> tuple[PeerConfig, str]:
+    """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory or a ``.gguf`` file (its
+    name is the id, its tokenizer encodes the prompt, and with ``pin`` only peers of that very checkpoint are
+    chained)."""
     from ..client.config import ClientConfig
     from ..config import PeerConfig, default_model_id
     from ..net.bans import default_bans_path
 
     tokenizer = getattr(args, "tokenizer", None)
     model_id = model
-    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
-        # a path that is not there, not a model id (those have no such start)
-        raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory or a model "
-                              "id such as the directory's name)")
+    if model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf"):
+        if not Path(model).expanduser().exists():  # a path that is not there, not a model id (no such start or end)
+            raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory, a "
+                                  ".gguf file or a model id such as the directory's name)")
     model = str(Path(model).expanduser())
     fingerprint = None
     if Path(model).is_dir():
@@ -103,6 +128,14 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig
             from ..model.fingerprint import checkpoint_identity
 
             fingerprint = checkpoint_identity(model).fingerprint
+    elif Path(model).suffix == ".gguf" and Path(model).is_file():  # the file holds its tokenizer and its weights
+        from ..model.fingerprint import checkpoint_identity
+
+        model_id = default_model_id(model)
+        tokenizer = tokenizer or Path(model)
+        fingerprint = checkpoint_identity(model).fingerprint  # 0.14 s for SmolLM2-135M: the header and samples
+    if not pin:
+        fingerprint = None
     client = ClientConfig(model_id=model_id, fingerprint=fingerprint, verify=getattr(args, "verify", None),
                           bans_file=default_bans_path())
     config = PeerConfig(host=host_config(args, serving=False), client=client, tokenizer_path=tokenizer)
@@ -112,23 +145,17 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig
 def need_tokenizer(config: PeerConfig, model: str, what: str) -> None:
     """Text needs the model's tokenizer: say so before joining the swarm, in flags the user can pass."""
     if config.tokenizer_path is None:
-        raise SangamaError(f"{what} needs the model's tokenizer, and {model!r} is a model id, not a checkpoint "
-                           "directory: pass --model DIR (the checkpoint) or --tokenizer DIR"
+        raise SangamaError(f"{what} needs the model's tokenizer, and {model!r} is a model id, not a checkpoint: "
+                           "pass --model DIR|FILE.gguf (the checkpoint) or --tokenizer DIR"
                            + (", or give token ids with --prompt-ids" if what == "a text prompt" else ""))
 
 
 def tokenizer_source(args: argparse.Namespace, config: PeerConfig, model_id: str,
                      command: str) -> tuple[PeerConfig, str, Path]:
     """(config, model id, where the tokenizer comes from) for a client command given ``--model ID|DIR|FILE.gguf``
-    and ``--tokenizer``: a GGUF file names the model as its stem; a bare id needs ``--tokenizer``."""
-    from ..client.config import ClientConfig
-    from ..config import default_model_id
-
+    and ``--tokenizer`` (:func:`client_peer_config` named a GGUF file's model by its stem); a bare id needs
+    ``--tokenizer``."""
     given = Path(args.model).expanduser()
-    if given.suffix == ".gguf" and given.is_file():
-        model_id = default_model_id(given)
-        config = dataclasses.replace(config, client=(config.client or ClientConfig(model_id=model_id)).replace(
-            model_id=model_id, fingerprint=None))
     source = args.tokenizer or (given if given.is_dir() or given.suffix == ".gguf" and given.is_file() else None)
     if source is None:
         raise SangamaError(f"{command} needs the model's tokenizer, and {args.model!r} is a model id, not a "
@@ -151,7 +178,8 @@ def client_model(args: argparse.Namespace, command: str) -> tuple[PeerConfig, st
     hub_path, hub_id = from_hub(args.model, metadata_only=True)
     if hub_id is not None:
         args.model = str(hub_path)
-    config, model_id = client_peer_config(args, args.model)
+    # a Hub GGUF fetched for its metadata only has no tensor data to fingerprint
+    config, model_id = client_peer_config(args, args.model, pin=hub_id is None)
     if hub_id is not None:
         model_id = hub_id
         config = config.replace(client=config.client.replace(model_id=hub_id))
