@@ -263,9 +263,16 @@ def test_no_lane_protocol_or_a_dead_port_falls_back_and_is_remembered():
                 dialer = LaneDialer(a, timeout=2.0)
                 assert await dialer.open(pid) is None
                 assert pid.to_base58() in dialer.failed
-                b.host.remove_stream_handler(LANE_PROTOCOL)
-                with trio.fail_after(0.05):  # remembered: not tried again
-                    assert await dialer.open(pid) is None
+                asked = []
+                offer = _offer_port(dead_port)
+
+                async def counting(stream) -> None:
+                    asked.append(1)
+                    await offer(stream)
+
+                b.host.set_stream_handler(LANE_PROTOCOL, counting)
+                assert await dialer.open(pid) is None
+                assert asked == []  # remembered: not tried again (a count, not a time: issue 22 item 4)
                 assert await LaneDialer(a, enabled=False).open(pid) is None
 
     trio.run(main)
@@ -283,7 +290,8 @@ def test_a_silent_lane_port_times_out():
                 t0 = trio.current_time()
                 with pytest.raises(LaneError, match="within 0.5 s"):
                     await open_lane(a, pid, timeout=0.5)
-                assert trio.current_time() - t0 < 2
+                # its own 0.5 s, not the 30 s above: a bound far from both, so a busy machine cannot miss it
+                assert 0.5 <= trio.current_time() - t0 < 10
                 await silent.aclose()
 
     trio.run(main)
@@ -357,7 +365,9 @@ def test_a_lane_port_that_resets_the_connection_falls_back_to_libp2p():
 
 def test_idle_connections_cannot_hold_the_handshake_slots():
     """256 connections that never send a byte: the stage keeps at most 8 from one source (the oldest are cut), cuts
-    the rest after the handshake timeout, and a real dialler from the same address still gets a lane."""
+    the rest after the handshake timeout, and a real dialler from the same address still gets a lane. The timeout
+    (3 s) is above the listener's default (2 s), so that cutting no earlier than it shows the setting is obeyed; how
+    long after it the cut comes is not asserted (a loaded machine is late)."""
 
     async def main():
         with trio.fail_after(30):
@@ -365,16 +375,17 @@ def test_idle_connections_cannot_hold_the_handshake_slots():
                 async def on_lane(lane: LaneStream) -> None:
                     pass
 
-                listener = LaneListener(b, on_lane, handshake_timeout=1.0)
+                listener = LaneListener(b, on_lane, handshake_timeout=3.0)
                 await nursery.start(listener.run)
-                idle = [await trio.open_tcp_stream("127.0.0.1", listener.bound_port) for _ in range(256)]
-                await trio.sleep(0.2)
-                assert len(listener._handshakes) <= 8
-                lane = await open_lane(a, await _pair(a, b))
+                idle = []
+                for _ in range(256):
+                    t_last = trio.current_time()  # before the newest one connects, so before its timer starts
+                    idle.append(await trio.open_tcp_stream("127.0.0.1", listener.bound_port))
+                    assert len(listener._handshakes) <= 8  # at every moment, however late the accepts come
+                lane = await open_lane(a, await _pair(a, b), timeout=10)
                 assert isinstance(lane, LaneStream)
-                t0 = trio.current_time()
                 assert await closed_on_us(idle[-1])  # the newest idle one: cut at the timeout
-                assert 0.5 < trio.current_time() - t0 < 1.5
+                assert trio.current_time() - t_last >= 3.0  # not before it
                 assert not listener._handshakes
                 for sock in idle:
                     await sock.aclose()
