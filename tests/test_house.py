@@ -23,6 +23,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tensors": {"errors", "wire"},
     "positions": {"errors"},
     "generation": {"errors", "positions"},
+    "placement": set(),  # pure: peers, speeds, links, depth -> ranges; imports nothing of ours
     "model": {"errors", "guesses", "wire", "positions", "generation"},
     "net": {"errors", "wire", "_version"},
     "hub": {"errors", "model"},
