@@ -29,7 +29,7 @@ _KEYS = Path(tempfile.mkdtemp(prefix="sangama-pipeline-keys-"))
 
 
 def host_config(**changes: Any) -> HostConfig:
-    base: dict[str, Any] = {"listen_addrs": ("/ip4/127.0.0.1/tcp/0",), "handshake_timeout": 3.0,
+    base: dict[str, Any] = {"listen_addrs": ("/ip4/127.0.0.1/tcp/0",), "handshake_timeout": 10.0,
                             "key_path": _KEYS / f"{uuid.uuid4().hex}.key"}
     base.update(changes)
     return HostConfig(**base)

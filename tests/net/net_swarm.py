@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -17,11 +19,12 @@ LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
 _KEYS = Path(tempfile.mkdtemp(prefix="sangama-test-keys-"))
+atexit.register(shutil.rmtree, _KEYS, ignore_errors=True)  # the run's keys and their locks leave nothing in TMPDIR
 
 
 def config(**changes: object) -> HostConfig:
     """A loopback config with its own fresh key file (never the user's ``~/.sangama`` key)."""
-    base = {"listen_addrs": LOOPBACK, "handshake_timeout": 3.0, "key_path": _KEYS / f"{uuid.uuid4().hex}.key"}
+    base = {"listen_addrs": LOOPBACK, "handshake_timeout": 10.0, "key_path": _KEYS / f"{uuid.uuid4().hex}.key"}
     base.update(changes)
     return HostConfig(**base)  # type: ignore[arg-type]
 

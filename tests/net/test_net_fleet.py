@@ -35,7 +35,7 @@ def test_members_connect_and_strangers_are_refused_within_seconds():
                             key_pair=key_pair,
                         ):
                             pass
-                    assert time.monotonic() - start < 5.0
+                    assert time.monotonic() - start < 20.0  # refused, not retried until the 40 s guard
                 connected = boot.host.get_connected_peers()
                 assert not any(s in connected for s in strangers)  # nobody without the secret got in
 

@@ -213,7 +213,9 @@ def test_a_peer_that_is_no_relay_is_asked_once_not_every_5_s(caplog: pytest.LogC
             b_t = Traversal(TraversalConfig(reachability="private", hole_punch=False))
             started = trio.current_time()
             b = await _node(stack, b_t, bootstrap_addrs=(first_addr(a),))
-            assert trio.current_time() - started < 5.0  # it waited the whole 10 s for a grant that could never come
+            # it used to wait the whole 10 s for a grant that could never come: at least 10 s however fast the
+            # machine, and a loaded one does not take 10 s to start a node
+            assert trio.current_time() - started < 10.0
             assert b_t.relay_client is not None
             assert b_t.relay_client.not_relays == {str(a.peer_id)}
             assert not b_t.relay_client.reservations and b_t.circuit_addrs() == []
