@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import random
 import statistics
@@ -55,6 +56,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=22)
     ap.add_argument("--model", type=Path, default=MODEL)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its dial warnings about the killed peers
+    logging.getLogger("sangama_p2p").setLevel(logging.INFO)  # the client's failovers: what broke, what it chose
     if args.replay == "prefill":
         _prefill_replay()
     prompt = open_checkpoint(args.model).tokenizer.encode(PROMPT)

@@ -63,7 +63,10 @@ def run_kills(fleet: LocalFleet, model_id: str, prompt: list[int], n_tokens: int
         host = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(fleet.bootstrap_addr,),
                           handshake_timeout=3.0)
         async with open_host(host, key_pair=generate_key_pair()) as node:
-            config = ClientConfig(model_id, step_timeout=30, **(client_changes or {}))
+            # generous probe and stall bounds: on a busy 2-core machine a fresh spare answers slowly, and a probe or
+            # stall misfire would exclude the live spare (what is measured here is the replay, not those bounds)
+            changes = {"step_timeout": 30.0, "probe_timeout": 15.0, "stall_floor_s": 10.0, **(client_changes or {})}
+            config = ClientConfig(model_id, **changes)
             async with ChainClient(node, config) as client:
                 for n, at in enumerate([None, *kill_at]):
                     seen: list[int] = []
@@ -79,7 +82,13 @@ def run_kills(fleet: LocalFleet, model_id: str, prompt: list[int], n_tokens: int
 
                     killed: list[str] = []
                     t0 = time.perf_counter()
-                    res = await client.generate(prompt, n_tokens, on_tokens=on_tokens)
+                    try:
+                        res = await client.generate(prompt, n_tokens, on_tokens=on_tokens)
+                    except Exception as exc:
+                        raise RuntimeError(f"run {n} (kill after {at}) failed; the client saw "
+                                           f"{[(o.peer_id[-6:], o.start, o.end) for o in client.offers]}, silent "
+                                           f"{[p[-6:] for p in client.silent]}, fleet "
+                                           f"{[(p[-6:], layers_of[p]) for p in layers_of]}") from exc
                     total = time.perf_counter() - t0
                     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
                     runs.append(KillRun(at, list(res.tokens), res.failovers, res.replayed_trips,
@@ -89,6 +98,9 @@ def run_kills(fleet: LocalFleet, model_id: str, prompt: list[int], n_tokens: int
                         peer = await trio.to_thread.run_sync(_respawn, fleet, layers, n, threads)
                         by_id[peer] = fleet.children[-1]
                         layers_of[peer] = layers
+                        with trio.fail_after(120):  # until the client's survey sees it (a busy machine is slow)
+                            while peer not in {o.peer_id for o in await client.survey()}:
+                                await trio.sleep(1.0)
         return runs
 
     return trio.run(main)

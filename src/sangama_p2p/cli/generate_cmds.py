@@ -281,8 +281,7 @@ def _network_stats(r: Any) -> None:
     if r.links and any(link not in ("lane", "local") for link in r.links):  # say how each hop is carried
         print(f"[links {', '.join(f'{peer_label(p)}: {link}' for p, link in zip(r.route, r.links))}]", file=sys.stderr)
     if r.failovers:
-        print(f"[the chain failed {r.failovers} time{'s' if r.failovers != 1 else ''} during this generation: "
-              "re-routed and replayed, the tokens are the same]", file=sys.stderr)
+        print(f"[{r.failover_note()}]", file=sys.stderr)
 
 
 def _generate_streamed(args: argparse.Namespace, config: Any, ids: list[int] | None, text: str | None) -> int:
