@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -25,7 +26,8 @@ from sangama_p2p.wire.protocols import LANE_PROTOCOL, STAGE_PROTOCOL
 from sangama_p2p.wire.tensor import Tensor
 
 __all__ = [
-    "FUZZ_KINDS", "answer_of", "closed_on_us", "decodes", "fetch_offer", "flood_unread", "fuzz_frame", "hold_idle",
+    "FUZZ_KINDS", "answer_of", "closed_on_us", "decodes", "fetch_offer", "flood_unread", "flood_unread_until",
+    "fuzz_frame", "hold_idle",
     "non_finite_hidden", "open_session", "partial_record", "raw_stage_stream", "ready_after_hello", "replay_hello",
 ]
 
@@ -94,6 +96,30 @@ async def flood_unread(lane: LaneStream, seconds: float, *, batch: int = 100) ->
         except StreamClosed:
             return sent, True
     return sent, False
+
+
+async def flood_unread_until(lane: LaneStream, done: Callable[[], bool], *, batch: int = 100, poll: float = 0.01
+                             ) -> tuple[int, bool]:
+    """Send InfoRequests on ``lane`` and read nothing until ``done()`` (checked every ``poll`` s, also while a write
+    is blocked because the stage stopped reading) or the stage closes the lane: (requests sent, whether the lane was
+    found closed). Bounded by what ``done`` waits for, not by a time."""
+    frame = encode_message_frame(InfoRequest())
+    sent, closed = 0, False
+    async with trio.open_nursery() as nursery:
+        async def stop() -> None:
+            while not done():
+                await trio.sleep(poll)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(stop)
+        try:
+            while True:
+                await lane.write_raw(b"".join(lane.seal(frame) for _ in range(batch)))
+                sent += batch
+        except StreamClosed:
+            closed = True
+            nursery.cancel_scope.cancel()
+    return sent, closed
 
 
 async def ready_after_hello(sock: trio.SocketStream, offer: LaneOffer, dialler_nonce: bytes, peer_id: Any

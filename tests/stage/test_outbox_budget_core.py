@@ -7,11 +7,11 @@ import pytest
 import trio
 import trio.testing
 
-from sangama_p2p.errors import OutboxFull, StageError
+from sangama_p2p.errors import ErrorCode, OutboxFull, StageError
 from sangama_p2p.net.streams import FramedStream, memory_stream_pair
 from sangama_p2p.stage import StageConfig
-from sangama_p2p.stage.links import Outbox, OutboxBudget
-from sangama_p2p.wire.messages import InfoRequest
+from sangama_p2p.stage.links import NextHops, Outbox, OutboxBudget
+from sangama_p2p.wire.messages import CloseSession, InfoRequest
 
 
 class _Id:
@@ -114,3 +114,31 @@ def test_the_outbox_budget_is_validated():
             StageConfig(**base, outbox_budget=bad)
     with pytest.raises(StageError, match="at least max_frame"):
         StageConfig(**base, outbox_budget=(64 << 20) - 1)
+
+
+def test_a_next_hop_link_failed_for_the_budget_reports_overloaded_to_its_sessions_and_is_replaced():
+    k = 1024
+    budget = OutboxBudget(4 * k)
+    reports: list = []
+
+    async def never(peer: str) -> FramedStream:
+        await trio.sleep_forever()
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                hops = NextHops(never, spawn=nursery.start_soon, report=reports.append, max_bytes=64 * k,
+                                budget=budget)
+                link = hops.get("next")
+                sids = [bytes([i]) * 16 for i in range(4)]
+                assert all(link.put(CloseSession(sid), k) for sid in sids) and budget.used == 4 * k
+                reply = Outbox(peer="client", opener=never, budget=budget)
+                nursery.start_soon(reply.run)
+                assert reply.put(InfoRequest(), k)  # 5 KiB: the link holds the most
+                assert isinstance(link.failed, OutboxFull) and budget.used == k
+                assert [(r.session_id, r.code) for r in reports] == [(sid, ErrorCode.OVERLOADED) for sid in sids]
+                fresh = hops.get("next")
+                assert fresh is not link and fresh.failed is None and fresh.put(CloseSession(sids[0]), k)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -335,9 +335,10 @@ class NextHops:
             self.links.pop(link.peer, None)
         if link.stream is not None and not link.stream.closed:  # evicted: its writer may be stuck in a write
             self._spawn(partial(link.stream.aclose, reset=True))
+        code = ErrorCode.OVERLOADED if isinstance(exc, OutboxFull) else ErrorCode.INTERNAL  # evicted: not taking
         for item in lost:
             msg: Any = item() if callable(item) else item
             sid = getattr(msg, "session_id", None)
             if sid is not None:
-                self._report(ErrorMessage(sid, getattr(msg, "step", None), ErrorCode.INTERNAL,
+                self._report(ErrorMessage(sid, getattr(msg, "step", None), code,
                                           f"next hop {link.peer} failed: {exc}"))
