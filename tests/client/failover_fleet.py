@@ -43,13 +43,14 @@ def start_fleet(model: Path, ranges: list[str], spare: str, workdir: Path, threa
     return fleet
 
 
-def _respawn(fleet: LocalFleet, layers: str, n: int, threads: int) -> str:
-    """A fresh ``join`` of ``layers`` (the next spare); its peer id once it serves."""
-    child = fleet._spawn(f"spare{n}", [  # noqa: SLF001 - the fleet's own spawner: same logs, same cleanup
+def _respawn(fleet: LocalFleet, layers: str, n: int, threads: int) -> Any:
+    """A fresh ``join`` of ``layers`` (the next spare). Called on the thread that runs trio, not a worker thread: the
+    children ask for SIGTERM when the thread that started them ends (``PR_SET_PDEATHSIG``), and trio's worker
+    threads end when idle."""
+    return fleet._spawn(f"spare{n}", [  # noqa: SLF001 - the fleet's own spawner: same logs, same cleanup
         "join", "--model", str(fleet.model_dir), "--layers", layers, "--bootstrap", fleet.bootstrap_addr,
         "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(fleet.workdir / f"spare{n}.key"), "--threads", str(threads),
     ])
-    return child.wait_for(READY_PREFIX, 240.0).split()[1]
 
 
 def run_kills(fleet: LocalFleet, model_id: str, prompt: list[int], n_tokens: int, kill_at: list[int],
@@ -95,7 +96,9 @@ def run_kills(fleet: LocalFleet, model_id: str, prompt: list[int], n_tokens: int
                                         res.replay_diverged is None, max(gaps, default=0.0), total))
                     if killed:  # the next spare, so that every kill has one
                         layers = layers_of[killed[0]]
-                        peer = await trio.to_thread.run_sync(_respawn, fleet, layers, n, threads)
+                        child = _respawn(fleet, layers, n, threads)
+                        ready = await trio.to_thread.run_sync(child.wait_for, READY_PREFIX, 240.0)
+                        peer = ready.split()[1]
                         by_id[peer] = fleet.children[-1]
                         layers_of[peer] = layers
                         with trio.fail_after(120):  # until the client's survey sees it (a busy machine is slow)
