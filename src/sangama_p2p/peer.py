@@ -35,7 +35,7 @@ from .errors import LayerRangeError, ModelError, SangamaError, StageError
 from .model.chat_model import open_chat_model
 from .model.checkpoint import Checkpoint, open_checkpoint
 from .model.fingerprint import stage_identity
-from .model.spec import ModelSpec, parse_layer_range
+from .model.spec import ModelSpec, parse_auto_span, parse_layer_range
 from .model.tokenizer import Tokenizer
 from .net.discovery import find_serving_peers
 from .net.host import open_host
@@ -276,15 +276,7 @@ class Peer:
         if not text.startswith("auto"):
             r = parse_layer_range(text)
             return r.start, r.end
-        span = None
-        if text != "auto":
-            try:
-                span = int(text.split(":", 1)[1])
-            except (IndexError, ValueError) as exc:
-                raise LayerRangeError(f"bad layers {text!r}: use A:B, auto or auto:N") from exc
-            if not 0 < span <= num_layers:
-                raise LayerRangeError(f"bad layers {text!r}: N in auto:N must be in 1..{num_layers} (the model's "
-                                      "layers)")
+        span = parse_auto_span(text, num_layers)
         records = await find_serving_peers(self.node, model_id, include_self=False)
         if ckpt is not None:  # only peers of our own checkpoint count: others will never be chained with us
             mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint

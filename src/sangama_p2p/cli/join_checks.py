@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import LayerRangeError, SangamaError
-from ..model.spec import parse_layer_range
+from ..errors import SangamaError
+from ..model.spec import parse_auto_span, parse_layer_range
 
 # torch, libp2p and the model's modules are imported in the functions (cli/main.py imports every command module,
 # and this one with peer_cmds, to build its parser)
@@ -62,14 +62,7 @@ def check_checkpoint(model: str | Path, layers: str) -> Checked:
         text = str(layers)
         wanted: tuple[int, int] | None = None
         if text.startswith("auto"):
-            if text != "auto":
-                try:
-                    span = int(text.split(":", 1)[1])
-                except (IndexError, ValueError) as exc:
-                    raise LayerRangeError(f"bad layers {text!r}: use A:B, auto or auto:N") from exc
-                if not 0 < span <= num_layers:
-                    raise LayerRangeError(f"bad layers {text!r}: N in auto:N must be in 1..{num_layers} (the "
-                                          "model's layers)")
+            parse_auto_span(text, num_layers)
         else:
             r = parse_layer_range(text)
             ckpt.spec.check_range(r.start, r.end)

@@ -117,13 +117,6 @@ def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str
     if (model_id is None and args.model is not None and config.stage is not None and config.model_path is not None
             and config.stage.model_id == default_model_id(config.model_path)):
         model_id = default_model_id(args.model)  # the id the file took from its own model follows --model
-    model, hub_id = from_hub(model, layers)  # hf:...: only the files (or byte ranges) of the layers served
-    model_id = model_id or hub_id
-    checked = check_checkpoint(model, layers)
-    if not config.host.bootstrap_addrs:
-        print("no --bootstrap (and bootstrap/public.txt lists none): serving alone, as the first peer of a new "
-              "swarm; other peers join with --bootstrap and one of the addresses printed below", file=sys.stderr,
-              flush=True)
     options: dict[str, Any] = {}
     if args.device is not None:
         from ..model.device import default_dtype, resolve_device
@@ -133,6 +126,13 @@ def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str
         options["dtype"] = default_dtype(device, args.dtype)
     elif args.dtype:
         options["dtype"] = args.dtype
+    model, hub_id = from_hub(model, layers)  # hf:...: only the files (or byte ranges) of the layers served
+    model_id = model_id or hub_id
+    checked = check_checkpoint(model, layers)
+    if not config.host.bootstrap_addrs:
+        print("no --bootstrap (and bootstrap/public.txt lists none): serving alone, as the first peer of a new "
+              "swarm; other peers join with --bootstrap and one of the addresses printed below", file=sys.stderr,
+              flush=True)
     if args.batch_invariant:
         options["batch_invariant"] = True
     if args.dequantize_per_use:

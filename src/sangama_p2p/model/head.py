@@ -31,9 +31,11 @@ no second pass (:meth:`Head.build` returns None).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
+from .gguf.quants import QuantTensor, dequantize_rows
 from .weights import FusedWeight, Weight, dense
 
 __all__ = ["Head", "REL", "SPAN_NATS"]
@@ -42,6 +44,7 @@ REL = 2.0**-7  # the relative bound of the kernels' roundings (bfloat16's unit r
 SPAN_NATS = 10.0  # a sampled row recomputes the logits within this many temperatures of the top
 MAX_EXACT_ROWS = 1024  # at most this many logits of a sampled row recomputed (its highest); see above
 _CHUNK_BYTES = 16 << 20  # the float32 weight a whole-row computation holds at once
+_NORM_CHUNK_BYTES = 2 << 20  # the float32 rows the load's norm pass holds at once (its peak stays small)
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,15 +56,18 @@ class Head:
     max_norm: float
 
     @classmethod
-    def build(cls, weight: Weight, stored: Weight, dtype: torch.dtype) -> "Head | None":
+    def build(cls, weight: Weight, stored: Weight, dtype: torch.dtype,
+              release: Callable[[torch.Tensor], None] | None = None) -> "Head | None":
         """The second pass for a stage computing in ``dtype`` that multiplies by ``weight`` (``stored``: as read
-        from the checkpoint); None when ``weight``'s product is float32 already."""
+        from the checkpoint); None when ``weight``'s product is float32 already. ``release`` is given each chunk of
+        stored blocks (or rows) once its norms are taken (the source drops their mapped pages: a load's peak does
+        not hold the whole head twice)."""
         if dtype == torch.float32 and not isinstance(weight, FusedWeight) and (
                 not isinstance(weight, torch.Tensor) or weight.dtype == torch.float32):
             return None
         if not isinstance(weight, FusedWeight):
             stored = weight  # dense or per-use blocks: the stage's own weight is the float32 reference
-        return cls(stored, _max_row_norm(stored))
+        return cls(stored, _max_row_norm(stored, release))
 
     def logits(self, x: torch.Tensor, coarse: torch.Tensor, spans: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[N, V]`` for the float32 activations ``x [N, D]`` from the kernel's ``coarse`` [N, V];
@@ -127,13 +133,21 @@ def _rows(w: Weight, idx: torch.Tensor) -> torch.Tensor:
     return dense(w, torch.float32).index_select(0, idx.to(_device_of(w)))
 
 
-def _max_row_norm(w: Weight) -> float:
+def _max_row_norm(w: Weight, release: Callable[[torch.Tensor], None] | None) -> float:
     """The largest norm of ``w``'s rows, a chunk of rows at a time (a quantized weight is never dequantized
-    whole)."""
+    whole; ``release`` gets each chunk's blocks, or rows, once read)."""
     v, d = w.shape  # type: ignore[misc]
-    step = max(1, _CHUNK_BYTES // (4 * d))
+    step = max(1, _NORM_CHUNK_BYTES // (4 * d))
     best = 0.0
     for r0 in range(0, v, step):
-        idx = torch.arange(r0, min(v, r0 + step), device=_device_of(w))
-        best = max(best, float(torch.linalg.vector_norm(_rows(w, idx), dim=-1).max()))
+        if isinstance(w, QuantTensor):
+            part = w.data[r0 : r0 + step]
+            rows = dequantize_rows(w.qtype, part, w.n_cols)  # (columns in any order: the norm is the same)
+        else:
+            part = w[r0 : r0 + step] if isinstance(w, torch.Tensor) else None
+            rows = _rows(w, torch.arange(r0, min(v, r0 + step), device=_device_of(w)))
+        best = max(best, float(torch.linalg.vector_norm(rows.float(), dim=-1).max()))
+        del rows
+        if release is not None and part is not None:
+            release(part)
     return best

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from ..errors import CheckpointError, LayerRangeError, UnsupportedModelError, translate
 
-__all__ = ["ARCHITECTURES", "ModelSpec", "LayerRange", "parse_layer_range", "parse_stages"]
+__all__ = ["ARCHITECTURES", "ModelSpec", "LayerRange", "parse_auto_span", "parse_layer_range", "parse_stages"]
 
 FULL = "full_attention"
 LINEAR = "linear_attention"
@@ -334,6 +334,19 @@ def parse_layer_range(text: str) -> LayerRange:
     if start < 0 or end <= start:
         raise LayerRangeError(f"bad layer range {text!r}: need 0 <= START < END")
     return LayerRange(start, end)
+
+
+def parse_auto_span(text: str, num_layers: int) -> int | None:
+    """The span N of ``"auto:N"`` (checked against the model's ``num_layers``); None for a bare ``"auto"``."""
+    if text == "auto":
+        return None
+    try:
+        span = int(text.split(":", 1)[1])
+    except (IndexError, ValueError) as exc:
+        raise LayerRangeError(f"bad layers {text!r}: use A:B, auto or auto:N") from exc
+    if not 0 < span <= num_layers:
+        raise LayerRangeError(f"bad layers {text!r}: N in auto:N must be in 1..{num_layers} (the model's layers)")
+    return span
 
 
 def parse_stages(text: str, num_layers: int | None = None) -> list[LayerRange]:

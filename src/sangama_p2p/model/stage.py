@@ -132,7 +132,8 @@ class StageModel:
             stage.final_norm = norm_weight(get("model.norm.weight"), spec)
             stored = embed if spec.tie_word_embeddings else read("lm_head.weight")
             stage.head = place(pack(stored, head=True))  # type: ignore[arg-type]
-            stage.exact_head = Head.build(stage.head, stored, dt)  # type: ignore[arg-type]
+            stage.exact_head = Head.build(stage.head, stored, dt,  # type: ignore[arg-type]
+                                          getattr(source, "release_view", None))
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
         if release is not None:

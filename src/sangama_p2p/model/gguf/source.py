@@ -123,6 +123,10 @@ class GGUFSource:
 
         return repack(w, dtype, self.file.release_view, device, head)
 
+    def release_view(self, view: torch.Tensor) -> None:
+        """Drop the mapped pages under ``view`` (a chunk of blocks read once at load, e.g. for the head's norms)."""
+        self.file.release_view(view)
+
     def release_pages(self) -> None:
         """Forget the mapped pages read so far (the repacked weights hold their own copies), and hand the repacking's
         freed temporaries back to the OS."""
