@@ -5,6 +5,8 @@ Shared by tests/client and tests/stage (loaded by path, see ``load_fleet`` in ea
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +28,7 @@ from sangama_p2p.stage import StageConfig, StageServer
 
 MODEL = "test-org/tiny-pipeline"
 _KEYS = Path(tempfile.mkdtemp(prefix="sangama-pipeline-keys-"))
+atexit.register(shutil.rmtree, _KEYS, ignore_errors=True)  # the run's keys and their locks leave nothing in TMPDIR
 
 
 def host_config(**changes: Any) -> HostConfig:
