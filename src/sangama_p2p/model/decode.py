@@ -142,8 +142,7 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
     else:
         wanted = normed[torch.cat([torch.arange(o + n - it.n_guesses - 1, o + n)
                                    for it, o, n in zip(items, offsets, lengths)])]
-    spans = torch.tensor([_span(it.decoder.sampling) for it in items for _ in range(it.n_guesses + 1)])
-    logits = stage.head_logits(wanted, spans)
+    logits = stage.head_logits(wanted, _spans([it.decoder for it in items], [it.n_guesses + 1 for it in items]))
     # 2. acceptance per session
     outcomes: list[tuple[int, tuple[int, ...]]] = []
     row = 0
@@ -238,7 +237,7 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
     probs: list[list[torch.Tensor]] = [[] for _ in decs]
     live = list(range(len(decs)))
     while live:
-        lg = stage.head_logits(cur, torch.tensor([_span(decs[a].sampling) for a in live]))  # [B', V]
+        lg = stage.head_logits(cur, _spans([decs[a] for a in live], [1] * len(live)))  # [B', V]
         best = lg.argmax(-1).tolist()
         # the draft's own probability of its guess, only where a policy looks at it: no full-vocabulary softmax
         lse = torch.logsumexp(lg, -1).tolist() if any(decs[a].policy.wants_confidence for a in live) \
@@ -275,6 +274,10 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
         dec.draft_probs = torch.stack(probs[a]) if probs[a] else None
 
 
-def _span(sampling: SamplingParams) -> float:
-    """How far below the top a row's logits are recomputed in float32 (model/head.py): 0 for a greedy row."""
-    return 0.0 if sampling.greedy else SPAN_NATS * sampling.temperature
+def _spans(decs: Sequence[Decoder], rows: Sequence[int]) -> torch.Tensor | None:
+    """For each logits row (``rows[i]`` of them for ``decs[i]``), how far below the top its logits are recomputed in
+    float32 (model/head.py): 0 for a greedy session; None when every session is greedy."""
+    if all(d.sampling.greedy for d in decs):
+        return None
+    return torch.tensor([0.0 if d.sampling.greedy else SPAN_NATS * d.sampling.temperature
+                         for d, n in zip(decs, rows) for _ in range(n)])

@@ -31,7 +31,7 @@ no second pass (:meth:`Head.build` returns None).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -104,12 +104,9 @@ class Head:
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ stored.T`` in float32, a chunk of the stored rows at a time."""
-        v, d = self.stored.shape  # type: ignore[union-attr]
-        out = torch.empty(x.shape[0], v, dtype=torch.float32, device=x.device)
-        step = max(1, _CHUNK_BYTES // (4 * d))
-        for r0 in range(0, v, step):
-            idx = torch.arange(r0, min(v, r0 + step), device=_device_of(self.stored))
-            out[:, r0 : r0 + step] = x @ _rows(self.stored, idx).to(x.device).t()
+        out = torch.empty(x.shape[0], self.stored.shape[0], dtype=torch.float32, device=x.device)
+        for r0, rows, _ in _row_chunks(self.stored, _CHUNK_BYTES):
+            out[:, r0 : r0 + rows.shape[0]] = x @ rows.to(x.device).t()
         return out
 
 
@@ -133,21 +130,30 @@ def _rows(w: Weight, idx: torch.Tensor) -> torch.Tensor:
     return dense(w, torch.float32).index_select(0, idx.to(_device_of(w)))
 
 
-def _max_row_norm(w: Weight, release: Callable[[torch.Tensor], None] | None) -> float:
-    """The largest norm of ``w``'s rows, a chunk of rows at a time (a quantized weight is never dequantized
-    whole; ``release`` gets each chunk's blocks, or rows, once read)."""
+def _row_chunks(w: Weight, chunk_bytes: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    """``(first row, rows in float32, the stored chunk they came from or None)`` over ``w``, ``chunk_bytes`` of
+    float32 rows at a time (a quantized weight is never dequantized whole; its columns stay in stored order)."""
     v, d = w.shape  # type: ignore[misc]
-    step = max(1, _NORM_CHUNK_BYTES // (4 * d))
-    best = 0.0
+    step = max(1, chunk_bytes // (4 * d))
     for r0 in range(0, v, step):
         if isinstance(w, QuantTensor):
-            part = w.data[r0 : r0 + step]
-            rows = dequantize_rows(w.qtype, part, w.n_cols)  # (columns in any order: the norm is the same)
+            part: torch.Tensor | None = w.data[r0 : r0 + step]
+            rows = dequantize_rows(w.qtype, part, w.n_cols)
+            if w.col_perm is not None:
+                rows = rows.index_select(1, w.col_perm.to(rows.device))
+        elif isinstance(w, torch.Tensor):
+            part = w[r0 : r0 + step]
+            rows = part.float()
         else:
-            part = w[r0 : r0 + step] if isinstance(w, torch.Tensor) else None
-            rows = _rows(w, torch.arange(r0, min(v, r0 + step), device=_device_of(w)))
-        best = max(best, float(torch.linalg.vector_norm(rows.float(), dim=-1).max()))
-        del rows
+            part, rows = None, _rows(w, torch.arange(r0, min(v, r0 + step), device=_device_of(w)))
+        yield r0, rows, part
+
+
+def _max_row_norm(w: Weight, release: Callable[[torch.Tensor], None] | None) -> float:
+    """The largest norm of ``w``'s rows (``release`` gets each chunk of stored blocks, or rows, once read)."""
+    best = 0.0
+    for _, rows, part in _row_chunks(w, _NORM_CHUNK_BYTES):
+        best = max(best, float(torch.linalg.vector_norm(rows, dim=-1).max()))
         if release is not None and part is not None:
             release(part)
     return best

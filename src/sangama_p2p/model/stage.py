@@ -296,8 +296,7 @@ class StageModel:
         below the top (in logits) scores are recomputed (``SPAN_NATS * temperature``; 0 or None: greedy)."""
         token = MIN_ROWS.set(self.min_rows)
         try:
-            x = normed if self.exact_head is None else normed.to(self.dtype)
-            coarse = linear(x, self.head)[: normed.shape[0]].float()  # type: ignore[arg-type]
+            coarse = linear(normed.to(self.dtype), self.head)[: normed.shape[0]].float()  # type: ignore[arg-type]
         finally:
             MIN_ROWS.reset(token)
         if self.exact_head is None:
