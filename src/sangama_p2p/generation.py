@@ -13,13 +13,15 @@ its *transport* run them and hands the answers back (:meth:`GenerationLoop.finis
 The transports (:class:`Transport`) are ``model.chain.LocalChain``'s stages in this process (synchronous, many
 requests batched per trip) and ``client.transport.ChainTransport``'s network session (trio, one request, with
 failover: when a chain breaks it routes a new one and answers ``None``, and the request then replays its answered
-trips in their original shapes, so the new chain's numbers are the old one's). So the driving code is the same three lines whether its transport is awaited
+trips in their original shapes, so the new chain's numbers are the old one's). So the driving code is the same
+three lines whether its transport is awaited
 or not, and all position arithmetic is ``positions.py``'s.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -161,8 +163,8 @@ class Generation:
         self._t0 = clock()
         self._t_first = 0.0
         self.history: list[tuple[Trip, Answer]] = []  # every answered trip and its answer, in order
-        self._replay: list[tuple[Trip, Answer]] = []  # the trips still to re-send to a replacement chain
-        self._resume: tuple[list[int], int, int] | None = None  # (pending, start, n_guesses) after the replay
+        # the trips still to re-send to a replacement chain (pending/start/n_guesses keep the failed trip meanwhile)
+        self._replay: deque[tuple[Trip, Answer]] = deque()
 
     def next_trip(self) -> Trip:
         self.sent += 1
@@ -185,9 +187,7 @@ class Generation:
         ``result.replay_diverged`` (the new chain computes differently: another device, dtype or kernel). Then the
         trip that failed is sent again."""
         if answer is None:
-            if not trip.replay:
-                self._resume = (list(self.pending), self.start, self.n_guesses)
-            self._replay = list(self.history)  # (a failover during a replay starts it again)
+            self._replay = deque(self.history)  # (a failover during a replay starts it again)
             return []
         if trip.replay:
             return self._replayed(answer)
@@ -221,12 +221,10 @@ class Generation:
         return new
 
     def _replayed(self, answer: Answer) -> list[int]:
-        original, want = self._replay.pop(0)
+        original, want = self._replay.popleft()
         self.result.replayed_trips += 1
         if self.result.replay_diverged is None and not original.chunk and answer != want:
             self.result.replay_diverged = original.number
-        if not self._replay and self._resume is not None:
-            self.pending, self.start, self.n_guesses = self._resume
         return []
 
     def _count_guesses(self, k: int, accepted: int) -> None:
