@@ -9,7 +9,7 @@ from libp2p.peer.id import ID
 
 from sangama_p2p.net.dht import offers_dht, providers_from_network
 from sangama_p2p.net.host import open_host
-from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.identity import generate_key_pair, peer_id_of
 from sangama_p2p.net.node import Node
 from sangama_p2p.net.status import survey
 
@@ -108,3 +108,27 @@ def test_a_bootstrap_node_that_is_only_a_dht_client_is_reported_as_such():
                         assert node.dht is not None
 
     trio.run(main)
+
+
+def test_a_publish_asks_only_dht_servers_and_stores_only_at_peers_that_answered():
+    """The NAT fleet's regression (tests/net/test_nat_fleet.py, bisected to join's pre-flight lookup): a peer whose
+    peerstore holds another peer's dead address (a NATed stage's private one, learnt from a provider lookup) must
+    not dial it on the way to publishing. py-libp2p's lookup topped a thin routing table up with every peerstore
+    peer and returned the dead one among the closest, so put_value and provide each waited on it (5 s apiece)."""
+    import multiaddr
+
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(1) as (boot,):
+                cfg = config(bootstrap_addrs=(first_addr(boot),))
+                async with open_host(cfg, key_pair=generate_key_pair()) as node:
+                    dead = peer_id_of(generate_key_pair())
+                    # a black-holed address (TEST-NET-1: nothing answers, the dial would wait out its timeout)
+                    node.host.get_peerstore().add_addrs(dead, [multiaddr.Multiaddr("/ip4/192.0.2.1/tcp/4101")], 600)
+                    key = os.urandom(32)
+                    closest = await node.dht.peer_routing.find_closest_peers_network(key)
+                    assert closest == [boot.peer_id]  # the server that answered; never the peer nobody vouched for
+                    assert not node.connections(dead)
+
+    trio.run(main)
+
