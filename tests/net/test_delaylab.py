@@ -1,0 +1,129 @@
+"""The delay lab (``delaylab.py``): namespaces at a configured distance through a userspace router over TUN devices.
+
+Pings between near and far hosts take at least the configured round trip and keep its order; a host's rate limit
+caps a TCP transfer and a burst beyond its queue is dropped at the tail; and a real Sangama fleet across the lab
+(bootstrap, two stages 40 ms apart, a client) gives ``generate --local``'s tokens at a decode time per token no
+shorter than the chain's configured trip. Exact timings: ``benchmarks/delaylab.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .delaylab import DelayLab, _pair_rtt, delaylab_unavailable_reason
+
+_REASON = delaylab_unavailable_reason()
+
+
+def test_every_pair_needs_a_round_trip_and_a_host_pair_wins_over_its_regions() -> None:
+    hosts = {"a": "eu", "b": "eu", "c": "us"}
+    with pytest.raises(ValueError, match=r"no round trip for a \(eu\) - b \(eu\)"):
+        DelayLab(hosts, rtt_ms={("eu", "us"): 80})
+    with pytest.raises(ValueError, match="rate_mbit names hosts"):
+        DelayLab(hosts, rtt_ms={("eu", "eu"): 2, ("eu", "us"): 80}, rate_mbit={"d": 1})
+    rtt = {("eu", "eu"): 2, ("us", "eu"): 80, ("c", "b"): 30}
+    assert _pair_rtt(hosts, rtt, "a", "c") == 80  # region pairs are unordered
+    assert _pair_rtt(hosts, rtt, "b", "c") == 30  # so are host pairs, and they win
+    lab = DelayLab(hosts, rtt_ms=rtt)
+    assert lab.rtt_ms("a", "b") == 2 and lab.rtt_ms("a", "a") == 0
+    assert lab.ip == {"a": "198.18.100.1", "b": "198.18.100.2", "c": "198.18.100.3"}
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+def test_pings_take_the_configured_round_trip_near_and_far() -> None:
+    with DelayLab({"a": "eu", "b": "eu", "c": "us"}, rtt_ms={("eu", "eu"): 4, ("eu", "us"): 40}) as lab:
+        near, far = lab.ping("a", "b", 20), lab.ping("a", "c", 20)
+        assert None not in near and None not in far, (near, far)
+        assert min(near) >= 4 and min(far) >= 40, (near, far)  # never sooner than configured
+        assert statistics.median(near) < 4 + 5 and statistics.median(far) < 40 + 10, (near, far)  # loosely: not much later
+        assert max(near) < min(far)
+        stats = lab.stats()
+        assert stats["packets"] >= 80 and stats["queued"] == 0, stats  # 40 pings there and back, none left behind
+        print(f"\nnear (4 ms): median {statistics.median(near):.2f} ms; far (40 ms): median "
+              f"{statistics.median(far):.2f} ms; router busy {stats['busy_us_per_packet']:.0f} µs per packet")
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+def test_a_rate_limit_caps_what_a_host_sends_and_only_that() -> None:
+    with DelayLab({"a": "x", "b": "x"}, rtt_ms={("x", "x"): 2}, rate_mbit={"a": 8}) as lab:
+        capped = lab.send("a", "b", 1_500_000)  # 1.5 s at 8 Mbit/s
+        free = lab.send("b", "a", 1_500_000)
+    assert 5 < capped["mbit_s"] <= 8.2, capped
+    assert free["mbit_s"] > 3 * capped["mbit_s"], (capped, free)  # b's sending rate is not limited
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+def test_a_burst_beyond_the_queue_is_dropped_at_the_tail() -> None:
+    with DelayLab({"a": "x", "b": "x"}, rtt_ms={("x", "x"): 0}, rate_mbit={"a": 1}, queue_kb=16) as lab:
+        counter = lab.probe("b", "udp-count", "5000", "1.0")
+        assert counter.stdout is not None and counter.stdout.readline().startswith('{"event": "ready"')
+        lab.probe("a", "udp-burst", lab.ip["b"], "5000", "100", "1000").communicate(timeout=30)
+        got = json.loads(counter.communicate(timeout=60)[0].strip().splitlines()[-1])["got"]
+        stats = lab.stats()
+    # 16 KiB queued behind a 1 Mbit/s link holds 15 datagrams of 1,028 B (IP): the rest of the burst is dropped
+    assert 12 <= got <= 25, got
+    assert got + stats.get("dropped_queue", 0) == 100, (got, stats)
+
+
+# -- a Sangama fleet across the lab ------------------------------------------------------------------------------------
+
+def _fleet_cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from sangama_p2p.cli.main import entry; entry()", *args]
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+def test_a_fleet_across_the_lab_gives_local_tokens_at_the_chains_distance(tmp_path: Path) -> None:
+    from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny, _Proc
+
+    tiny = _make_tiny(tmp_path / "tiny")
+    expected = _local_tokens(tiny, TOKENS)
+    hosts = {"boot": "eu", "s0": "eu", "client": "eu", "s1": "us"}  # stage 1 is 40 ms from everyone else
+    with DelayLab(hosts, rtt_ms={("eu", "eu"): 2, ("eu", "us"): 40}) as lab:
+        procs: list[_Proc] = []
+
+        def start(host: str, *args: str) -> _Proc:
+            proc = _Proc(["ip", "netns", "exec", lab.ns[host], *_fleet_cli(*args)])
+            procs.append(proc)
+            return proc
+
+        try:
+            boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "b.key"))
+            boot_p.wait_for("  --bootstrap ", 60)
+            boot = next(x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and lab.ip["boot"] in x)
+            stages = [start(host, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                            "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{host}.key"), "--no-lanes",
+                            "--threads", "1")
+                      for host, layers in (("s0", "0:4"), ("s1", "4:8"))]
+            for stage in stages:
+                stage.wait_for("ready ", 120)
+            t0 = time.monotonic()
+            gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
+                "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot, "--prompt-ids",
+                PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos", "--guesses", "0", "--json")],
+                capture_output=True, text=True, timeout=180)
+            took = time.monotonic() - t0
+            assert gen.returncode == 0, gen.stderr[-3000:]
+            result = json.loads(gen.stdout.strip().splitlines()[-1])
+        finally:
+            for proc in procs:
+                proc.stop()
+    assert result["tokens"] == expected
+    # a trip: client -> s0 (1 ms) -> s1 (20 ms) -> client (20 ms), one way each
+    trip_ms = (lab.rtt_ms("client", "s0") + lab.rtt_ms("s0", "s1") + lab.rtt_ms("s1", "client")) / 2
+    per_token = result["decode_ms"] / max(1, result["steps"])
+    assert per_token >= trip_ms, (per_token, trip_ms, result)
+    print(f"\n{TOKENS} tokens across the lab in {took:.2f} s (client process included); decode {per_token:.1f} ms per "
+          f"token against a configured trip of {trip_ms:.0f} ms")
+
