@@ -138,6 +138,31 @@ def test_chat_streams_each_answer(fleet) -> None:
 
 
 @pytest.mark.slow
+def test_stages_measure_their_successors_and_the_client_plans_with_it(fleet) -> None:
+    """Issue 24 item 1: each stage pings the stages that can follow it and publishes the round trips in its signed
+    record (``status --json``); the client's hops between stages are then measured, not estimated (``--json`` hops,
+    ``--timings``)."""
+    import time
+
+    model, f = fleet
+    ids = f.stage_ids
+    deadline = time.monotonic() + 60
+    while True:
+        peers = {p["peer_id"]: p for p in cli("status", "--bootstrap", f.bootstrap_addr, "--model", model.name,
+                                              "--json", "--timeout", "10")["json"]["peers"]}
+        links = {i: dict(peers[i]["records"][0]["links"]) if i in peers and peers[i]["records"] else {} for i in ids}
+        if (ids[1] in links[ids[0]] and ids[2] in links[ids[1]]) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert set(links[ids[0]]) == {ids[1]} and set(links[ids[1]]) == {ids[2]} and links[ids[2]] == {}, links
+    assert all(0 < rtt < 1.0 for x in links.values() for rtt in x.values()), links  # loopback: well under a second
+    out = cli(*net_args(model, f, "--json", "--timings"))
+    hops = out["json"]["hops"]
+    assert [(h["from"], h["to"]) for h in hops] == [("", ids[0]), (ids[0], ids[1]), (ids[1], ids[2]), (ids[2], "")]
+    assert all(h["measured"] for h in hops), hops
+    assert "measured" in out["stderr"] and "hops (one-way, as planned)" in out["stderr"]
+
+
 def test_join_auto_adds_a_spare_and_stops_on_sigint(fleet, tmp_path: Path) -> None:
     model, f = fleet
     proc = subprocess.Popen([sys.executable, "-m", "sangama_p2p.cli.main", "join", "--model", str(model), "--layers",

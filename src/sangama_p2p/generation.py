@@ -85,6 +85,9 @@ class GenerationResult:
     stages: list[Any] = field(default_factory=list)  # local: model.chain.StageTiming per stage
     route: list[str] | None = None  # network: peer ids of the final chain, in order
     links: list[str] = field(default_factory=list)  # network: what carried the stream to each, at the last trip
+    hops: list[dict[str, Any]] = field(default_factory=list)  # network: each hop's one-way latency the route was
+    # planned with, client to client ({"from", "to", "ms", "measured"}: measured by the stage or the client, or an
+    # estimate where nobody measured it)
     trips: list[Any] = field(default_factory=list)  # network: client.timing.TripTiming per trip
     failovers: int = 0  # network: re-routes this generation needed
     replayed_trips: int = 0  # network: trips re-sent to replacement chains (each failover replays every trip so far)
@@ -115,7 +118,7 @@ class GenerationResult:
     def as_dict(self) -> dict[str, Any]:
         local = self.route is None
         d: dict[str, Any] = {"prompt_ids": self.prompt_ids, "tokens": self.tokens}
-        d.update({"text": self.text} if local else {"route": self.route, "links": self.links,
+        d.update({"text": self.text} if local else {"route": self.route, "links": self.links, "hops": self.hops,
                                                     "failovers": self.failovers,
                                                     "replayed_trips": self.replayed_trips,
                                                     "replay_exact": self.replay_diverged is None})

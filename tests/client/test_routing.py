@@ -128,3 +128,30 @@ def test_an_error_inside_async_with_chain_client_comes_out_as_itself():
                 raise RouteError("no chain")
 
     trio.run(main)
+
+
+def test_stage_measured_links_replace_the_estimate_and_pick_the_near_successor():
+    """Issue 24's near/far case: the client is near both candidates for 4:8, so its own round trips cannot tell them
+    apart; a's measurements can (b 2 ms from it, c 80 ms), and b is chosen although c announces more speed."""
+    from sangama_p2p.client.routing import hop_latencies, measured_links
+
+    a = RouteCandidate("a", 0, 4, throughput=100, rtt=0.040, links=(("b", 0.002), ("c", 0.080)))
+    b = RouteCandidate("b", 4, 8, throughput=80, rtt=0.040)
+    c = RouteCandidate("c", 4, 8, throughput=100, rtt=0.040)
+    estimated = [RouteCandidate(o.peer_id, o.start, o.end, o.throughput, rtt=o.rtt) for o in (a, b, c)]
+    assert ids(plan_route(estimated, 8)) == ["a", "c"]  # (40 + 40) / 4 either way: the faster one
+    assert ids(plan_route([a, b, c], 8)) == ["a", "b"]
+    assert measured_links([a, b, c]) == {("a", "b"): 0.002, ("b", "a"): 0.002, ("a", "c"): 0.080, ("c", "a"): 0.080}
+    cost = link_cost_from_rtts([a, b, c])
+    assert cost("a", "b") == pytest.approx(0.001) and cost("b", "a") == pytest.approx(0.001)
+    hops = hop_latencies(plan_route([a, b, c], 8), [a, b, c])
+    assert [(x, y, m) for x, y, _, m in hops] == [("", "a", True), ("a", "b", True), ("b", "", True)]
+    assert hop_latencies([a, c], [b, c, RouteCandidate("a", 0, 4, rtt=0.04)])[1][3] is False  # nobody measured it
+
+
+def test_a_claimed_link_cannot_beat_what_the_client_sees():
+    """A stage that claims a 0.1 ms link to a successor the client sees 60 ms further off is held to the triangle
+    inequality: the hop costs at least half the difference of the client's round trips."""
+    liar = RouteCandidate("a", 0, 4, throughput=100, rtt=0.010, links=(("far", 0.0001),))
+    far = RouteCandidate("far", 4, 8, throughput=100, rtt=0.070)
+    assert link_cost_from_rtts([liar, far])("a", "far") == pytest.approx(0.030)

@@ -201,3 +201,19 @@ def test_any_single_bit_flip_is_rejected_or_decodes_to_the_original(position, bi
     except RecordError:
         return
     assert record == ORIGINAL.record  # only an encoding-level no-op may pass, never a changed field
+
+
+def test_measured_links_round_trip_in_microseconds_and_malformed_ones_are_refused():
+    a, b = (peer_id_of(generate_key_pair()).to_base58() for _ in range(2))
+    rec = signed(links=[(a, 0.0213), (b, 0.0000004)]).record
+    assert rec.links == tuple(sorted([(a, 0.0213), (b, 0.000001)]))  # whole microseconds, at least one
+    assert signed().record.links == ()
+    body = body_of(signed().value)
+    me = peer_id_of(KP).to_base58()
+    for bad in ({"not-a-peer-id": 100}, {a: 0}, {a: -5}, {a: 61_000_000}, {a: 1.5}, {a: True}, {me: 100},
+                {peer_id_of(generate_key_pair()).to_base58(): 100 for _ in range(17)}, [a, 100]):
+        with pytest.raises(RecordError, match="links"):
+            decode_record(KEY, resign(dict(body, links=bad)))
+    old = {k: v for k, v in body.items() if k != "links"}
+    with pytest.raises(RecordError, match="fields"):  # a schema-2 record (no links) is refused with its fields named
+        decode_record(KEY, resign(dict(old, schema="sangama/serving/2")))

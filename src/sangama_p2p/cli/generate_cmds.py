@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="network mode: the private fleet's secret")
     add_verify_arg(p)
     p.add_argument("--timings", action="store_true",
-                   help="network mode: print where the time goes per trip (each stage's queue/compute/send, network)")
+                   help="network mode: print where the time goes per trip (each stage's queue/compute/send, network) "
+                   "and each hop's latency, measured or estimated")
     p.add_argument("--stages", default=None, metavar="A:B,B:C",
                    help="contiguous layer ranges covering the model, e.g. 0:3,3:8 (default: one stage)")
     src = p.add_mutually_exclusive_group()
@@ -264,6 +265,7 @@ def _generate_network(args: argparse.Namespace, prompts: list[list[int]] | None)
     results = trio.run(main)
     if args.timings:  # on stderr: stdout stays the text (or the JSON)
         print_where_time_goes(results[0].result.trips)
+        _print_hops(results[0].result)
     if args.json or args.jsonl:
         print(json.dumps({"requests": [dict(g.result.as_dict(), text=g.text) for g in results]}))
         return 0
@@ -271,6 +273,18 @@ def _generate_network(args: argparse.Namespace, prompts: list[list[int]] | None)
         print(g.text if g.text is not None else " ".join(map(str, g.tokens)))
         _network_stats(g.result)
     return 0
+
+
+def _print_hops(r: Any) -> None:
+    """``--timings``: the one-way latency of each hop the route was planned with, and whether it was measured (by
+    the stage, for a stage-to-stage hop; by the client, for its own) or estimated."""
+    def name(p: str) -> str:
+        return peer_label(p) if p else "client"
+
+    hops = ", ".join(f"{name(h['from'])}->{name(h['to'])} {h['ms']:.1f} ms {'measured' if h['measured'] else 'estimated'}"
+                     for h in r.hops)
+    if hops:
+        print(f"[hops (one-way, as planned): {hops}]", file=sys.stderr)
 
 
 def _network_stats(r: Any) -> None:
@@ -314,6 +328,7 @@ def _generate_streamed(args: argparse.Namespace, config: Any, ids: list[int] | N
     printer.done(dict(g.result.as_dict(), text=g.text))
     if args.timings:
         print_where_time_goes(g.result.trips)
+        _print_hops(g.result)
     if printer.mode == "text":
         _network_stats(g.result)
     return 0

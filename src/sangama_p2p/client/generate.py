@@ -146,7 +146,7 @@ class ChainClient:
                     return
                 offers.append(RouteCandidate(rec.peer_id, info.start, info.end, info.throughput, info.queue,
                                         info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
-                                        rec.num_layers, rec.layer_hashes))
+                                        rec.num_layers, rec.layer_hashes, rec.links))
                 self.silent.pop(rec.peer_id, None)
                 return
             self._mark_silent(rec.peer_id)  # no answer within probe_timeout

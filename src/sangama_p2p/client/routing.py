@@ -13,6 +13,10 @@ Usage::
     chain = plan_route(offers, num_layers=8)            # [offer A, offer B]; RouteError if nothing covers 0..8
     chain = plan_route(offers, 8, exclude={"B"})        # re-route around a failed peer
     chain = plan_route(offers, 8, banned={"B": "lied"}) # banned peers (client/verify.py) are never chained
+
+Stage-to-stage latency comes from the round trips the stages measured to each other and published in their signed
+records (``RouteCandidate.links``, :mod:`sangama_p2p.stage.neighbours`); only a hop nobody measured is estimated
+from the client's own round trips (:func:`link_cost_from_rtts`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from dataclasses import dataclass
 
 from ..errors import RouteError
 
-__all__ = ["CLIENT", "FULL_PENALTY", "RouteCandidate", "chain_cost", "link_cost_from_rtts", "plan_route", "step_cost"]
+__all__ = ["CLIENT", "FULL_PENALTY", "RouteCandidate", "chain_cost", "hop_latencies", "link_cost_from_rtts",
+           "measured_links", "plan_route", "step_cost"]
 
 CLIENT = ""
 """The client's own name in link costs."""
@@ -41,7 +46,9 @@ class RouteCandidate:
     ``throughput``: steps per second one session gets at the stage, as it announces (0 = unknown). ``queue``: steps
     waiting at the stage. ``rtt``: the client's measured round trip to the peer in seconds (None = not measured).
     ``addrs``: where to dial it. ``fingerprint``/``num_layers``/``layer_hashes``: its checkpoint's identity (routing
-    ignores them; the client chains only offers of one fingerprint, see :mod:`sangama_p2p.net.lineup`).
+    ignores them; the client chains only offers of one fingerprint, see :mod:`sangama_p2p.net.lineup`). ``links``:
+    (peer id, round trip in s) the peer measured to stages that can follow it, from its signed record
+    (:mod:`sangama_p2p.stage.neighbours`).
     """
 
     peer_id: str
@@ -55,6 +62,7 @@ class RouteCandidate:
     fingerprint: str = ""  # the checkpoint's fingerprint, from the peer's signed record
     num_layers: int = 0  # the model's depth under that fingerprint (from the record)
     layer_hashes: tuple[tuple[str, str], ...] = ()
+    links: tuple[tuple[str, float], ...] = ()
 
 
 def step_cost(offer: RouteCandidate) -> float:
@@ -67,10 +75,26 @@ def step_cost(offer: RouteCandidate) -> float:
     return (1 + max(offer.queue, 0)) / tps + (FULL_PENALTY if offer.free_sessions <= 0 else 0.0)
 
 
+def measured_links(offers: Sequence[RouteCandidate]) -> dict[tuple[str, str], float]:
+    """The stage-to-stage round trips the offers' peers measured: ``(p, q) -> seconds`` for p's measurement of its
+    link to q (also keyed ``(q, p)`` where q measured none to p: a round trip is the same both ways)."""
+    rtts: dict[tuple[str, str], float] = {}
+    for o in offers:
+        for peer, rtt in o.links:
+            if peer != o.peer_id and math.isfinite(rtt) and rtt > 0:
+                rtts[(o.peer_id, peer)] = rtt
+    for (a, b), rtt in list(rtts.items()):
+        rtts.setdefault((b, a), rtt)
+    return rtts
+
+
 def link_cost_from_rtts(offers: Sequence[RouteCandidate]) -> Callable[[str, str], float]:
-    """One-way latency estimates from the client's RTTs: client<->p is rtt/2; p->q between two peers is estimated
-    as (rtt_p + rtt_q)/4 (no peer-to-peer measurement is available to the client); a peer to itself costs 0."""
+    """One-way latency of each hop: client<->p is the client's rtt/2; p->q is half the round trip p (or q) measured
+    to the other and published (:func:`measured_links`; never less than half the difference of the client's round
+    trips to p and q, which a lying peer cannot beat), else estimated as (rtt_p + rtt_q)/4 from the client's own
+    round trips (what nobody measured: a peer that joined since, an old peer); a peer to itself costs 0."""
     rtts = {o.peer_id: (o.rtt if o.rtt is not None else _UNKNOWN_RTT) for o in offers}
+    measured = measured_links(offers)
 
     def cost(a: str, b: str) -> float:
         if a == b:
@@ -79,9 +103,33 @@ def link_cost_from_rtts(offers: Sequence[RouteCandidate]) -> Callable[[str, str]
             return rtts.get(b, _UNKNOWN_RTT) / 2
         if b == CLIENT:
             return rtts.get(a, _UNKNOWN_RTT) / 2
+        known = measured.get((a, b))
+        if known is not None:
+            # a peer's claim about its own link, bounded below by what the client sees (triangle inequality: a
+            # stage cannot be nearer its successor than the difference of their distances to the client)
+            return max(known, abs(rtts.get(a, _UNKNOWN_RTT) - rtts.get(b, _UNKNOWN_RTT))) / 2
         return (rtts.get(a, _UNKNOWN_RTT) + rtts.get(b, _UNKNOWN_RTT)) / 4
 
     return cost
+
+
+def hop_latencies(chain: Sequence[RouteCandidate], offers: Sequence[RouteCandidate]) -> list[tuple[str, str, float,
+                                                                                                   bool]]:
+    """Each hop of ``chain``, client to client: ``(from, to, one-way seconds, measured)``; measured is False where
+    the figure is an estimate (see :func:`link_cost_from_rtts`; the client's own hops are always measured when it
+    probed the peer)."""
+    cost = link_cost_from_rtts(offers)
+    measured = measured_links(offers)
+    probed = {o.peer_id for o in offers if o.rtt is not None}
+    names = [CLIENT, *(o.peer_id for o in chain), CLIENT]
+    hops = []
+    for a, b in zip(names, names[1:]):
+        if CLIENT in (a, b):
+            known = (b if a == CLIENT else a) in probed
+        else:
+            known = (a, b) in measured or a == b
+        hops.append((a, b, cost(a, b), known))
+    return hops
 
 
 def plan_route(

@@ -20,6 +20,7 @@ from ..errors import ErrorCode, RouteError
 from ..generation import Answer, GenerationResult, Trip
 from ..positions import session_length
 from .config import ClientConfig
+from .routing import hop_latencies
 from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
 from .timing import trip_timing
 from .verifier import TripVerifier, Verification
@@ -144,6 +145,8 @@ class ChainTransport:
         self.client.active.pop(id(self.result), None)
         if self.result.route:  # what carried each hop at the end (read once, not per trip)
             self.result.links = self.session.link_kinds()
+            self.result.hops = [{"from": a, "to": b, "ms": round(1e3 * t, 3), "measured": m}
+                                for a, b, t, m in hop_latencies(self.session.route, self.client.offers)]
         try:
             if self.verifier is not None:
                 await self.verifier.aclose()

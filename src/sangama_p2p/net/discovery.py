@@ -38,7 +38,8 @@ class ServingOffer:
 
     ``fingerprint``, ``num_layers`` and ``layer_hashes`` are its checkpoint's identity
     (:class:`sangama_p2p.model.fingerprint.ModelIdentity`): clients chain only peers of one fingerprint and take the
-    model's depth from ``num_layers``.
+    model's depth from ``num_layers``. ``links``: (peer id, round trip in s) measured to the stages that can follow
+    this one (:mod:`sangama_p2p.stage.neighbours`); clients plan with them instead of estimating.
     """
 
     model_id: str
@@ -50,6 +51,7 @@ class ServingOffer:
     fingerprint: str = ""
     num_layers: int = 0
     layer_hashes: tuple[tuple[str, str], ...] = ()
+    links: tuple[tuple[str, float], ...] = ()
 
 
 def _reachability(node: Node) -> str:
@@ -85,6 +87,7 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
         fingerprint=offer.fingerprint,
         num_layers=offer.num_layers,
         layer_hashes=offer.layer_hashes,
+        links=offer.links,
     )
     if on_signed is not None:
         on_signed(signed)

@@ -47,16 +47,19 @@ __all__ = [
 ]
 
 NAMESPACE = "sangama"  # the DHT key namespace: keys look like /sangama/<hash of model id and peer id>
-SCHEMA = "sangama/serving/2"  # 2 added the checkpoint's identity (fp, depth, lh); records of schema 1 are refused
+SCHEMA = "sangama/serving/3"  # 2 added the checkpoint's identity (fp, depth, lh); 3 the measured links (links);
+# records of an older schema are refused
 SIGNING_DOMAIN = b"sangama-serving-record-v1\x00"
 DEFAULT_TTL = 180.0
 MAX_TTL = 3600.0  # a record claiming to live longer is rejected (no near-immortal records)
 MAX_RECORD_BYTES = 8192
 MAX_ADDRS = 16
 MAX_DEPTH = 1_000_000  # layer indices and the model's depth stay below this
+MAX_LINKS = 16  # measured round trips a record carries (to the stages that can follow this one)
+MAX_LINK_US = 60_000_000  # a measured round trip over a minute is refused (microseconds)
 _FIELDS = frozenset(
     {"schema", "model", "peer", "pk", "start", "end", "tps", "free", "addrs", "reach", "sw", "exp", "seq",
-     "fp", "depth", "lh"}
+     "fp", "depth", "lh", "links"}
 )
 _PART_NAMES = ("embed", "head")
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,6}")  # ASCII, canonical decimal, below MAX_DEPTH
@@ -80,6 +83,7 @@ class ServingRecord:
     fingerprint: str = ""  # the checkpoint's model fingerprint, 32 hex digits (model.fingerprint)
     num_layers: int = 0  # the model's depth, from the fingerprinted config
     layer_hashes: tuple[tuple[str, str], ...] = ()  # (part, 32 hex digits) for the parts this stage holds
+    links: tuple[tuple[str, float], ...] = ()  # (peer id, round trip in s) it measured to stages that can follow it
 
     @property
     def ttl_left(self) -> float:
@@ -126,11 +130,14 @@ def sign_record(
     fingerprint: str,
     num_layers: int,
     layer_hashes: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
+    links: tuple[tuple[str, float], ...] | list[tuple[str, float]] = (),
 ) -> SignedRecord:
     """Build, sign and encode a record; the result decodes with :func:`decode_record` (which checks everything).
 
     ``fingerprint`` (32 hex digits), ``num_layers`` and ``layer_hashes`` are the checkpoint's identity
-    (:class:`sangama_p2p.model.fingerprint.ModelIdentity`); a malformed one raises :class:`RecordError`.
+    (:class:`sangama_p2p.model.fingerprint.ModelIdentity`); a malformed one raises :class:`RecordError`. ``links``:
+    the round trips (seconds) this stage measured to the stages that can follow it (at most ``MAX_LINKS``; stored in
+    whole microseconds).
     """
     if version == "":
         version = __version__
@@ -153,6 +160,7 @@ def sign_record(
         "fp": _unhex(fingerprint, "fingerprint"),
         "depth": int(num_layers),
         "lh": {str(part): _unhex(digest, f"layer hash of {part}") for part, digest in layer_hashes},
+        "links": {str(peer): max(1, round(float(rtt) * 1e6)) for peer, rtt in list(links)[:MAX_LINKS]},
     }
     body_bytes = msgpack.packb(body, use_bin_type=True)
     signature = key_pair.private_key.sign(SIGNING_DOMAIN + body_bytes)
@@ -227,6 +235,9 @@ def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
     _check(body, "depth", int, lambda v: 0 < v <= MAX_DEPTH)
     _check(body, "lh", dict, lambda v: all(_is_part(k, body) and isinstance(h, bytes) and len(h) == 16
                                            for k, h in v.items()))
+    _check(body, "links", dict, lambda v: len(v) <= MAX_LINKS and all(
+        isinstance(k, str) and _is_peer_id(k) and k != body["peer"] and isinstance(us, int) and not isinstance(us, bool)
+        and 0 < us <= MAX_LINK_US for k, us in v.items()))
     record = ServingRecord(
         model_id=body["model"],
         peer_id=body["peer"],
@@ -242,6 +253,7 @@ def _parse_body(body: Any) -> tuple[ServingRecord, bytes]:
         fingerprint=body["fp"].hex(),
         num_layers=body["depth"],
         layer_hashes=tuple(sorted(((k, h.hex()) for k, h in body["lh"].items()), key=lambda kv: _part_key(kv[0]))),
+        links=tuple(sorted((k, us / 1e6) for k, us in body["links"].items())),
     )
     return record, body["pk"]
 

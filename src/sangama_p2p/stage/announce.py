@@ -48,7 +48,8 @@ class StageAnnouncer:
                              "identity= (model.fingerprint.stage_identity)")
         return ServingOffer(s.config.model_id, s.model.start, s.model.end, throughput=round(float(s.throughput), 3),
                      free_sessions=int(s.free_sessions), ttl=s.config.record_ttl, fingerprint=ident.fingerprint,
-                     num_layers=ident.num_layers, layer_hashes=tuple(ident.layer_hashes))
+                     num_layers=ident.num_layers, layer_hashes=tuple(ident.layer_hashes),
+                     links=s.link_meter.snapshot())
 
     def changed(self, offer: ServingOffer) -> bool:
         old = self.offer

@@ -40,6 +40,9 @@ class StageConfig:
     they drain; at twice it the stream is closed), ``outbox_budget`` bytes queued on all of the stage's streams
     together (a frame over it first fails the queues holding the most, whose readers are not reading; at least
     ``max_frame``, so that a lone frame always fits).
+    ``measure_links_every``: how often (seconds, +-20 % jitter; 0: never) the stage measures the round trip to up to
+    ``max_measured_links`` stages that can follow it (same checkpoint, range starting where this one ends) over
+    the link its frames would take, and publishes them in its record (:mod:`sangama_p2p.stage.neighbours`).
     """
 
     model_id: str
@@ -76,6 +79,8 @@ class StageConfig:
     partial_frame_rate: int = 256 << 10  # bytes/s: a 64 MiB frame gets 30 + 256 s
     outbox_bytes: int = 64 << 20
     outbox_budget: int = 256 << 20  # four largest frames
+    measure_links_every: float = 30.0
+    max_measured_links: int = 8
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -94,6 +99,9 @@ class StageConfig:
             raise StageError("announce_every, record_ttl, next_hop_timeout and lane_timeout must be positive")
         if not 0 <= self.inline_step_s <= 1.0:
             raise StageError(f"inline_step_s must be in 0..1 s, got {self.inline_step_s}")
+        if self.measure_links_every < 0 or not 0 <= self.max_measured_links <= 16:
+            raise StageError("measure_links_every must be >= 0 and max_measured_links in 0..16 (a record carries "
+                             "at most 16 links)")
         if self.input_per_peer < 0:
             raise StageError(f"input_per_peer must be >= 0, got {self.input_per_peer}")
         if self.max_sessions_per_peer < 0:

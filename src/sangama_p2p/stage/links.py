@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections import deque
 from functools import partial
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Union
@@ -42,7 +44,7 @@ import trio
 
 from ..errors import ErrorCode, NetworkError, OutboxFull, SangamaError, translate
 from ..net.streams import FramedStream
-from ..wire.messages import ErrorMessage, Message
+from ..wire.messages import ErrorMessage, InfoRequest, InfoResponse, Message
 
 __all__ = ["SMALL_ITEM", "Item", "NextHops", "Outbox", "OutboxBudget", "tensor_bytes"]
 
@@ -289,6 +291,7 @@ class NextHops:
         self.max_bytes = max_bytes
         self.budget = budget
         self.links: dict[str, Outbox] = {}
+        self._pings: dict[str, deque[trio.MemorySendChannel[float]]] = {}
 
     def get(self, peer: str) -> Outbox:
         """The live outbox to ``peer``, or a fresh one (dialling in its writer task) in place of a failed one."""
@@ -300,6 +303,26 @@ class NextHops:
         self.links[peer] = link
         self._spawn(link.run)
         return link
+
+    async def ping(self, peer: str) -> float:
+        """The round trip in seconds of an ``InfoRequest`` to ``peer`` over the link this stage's frames to it take
+        (dialled first if none is up, which the first ping's time includes: measure more than once). The caller
+        bounds the wait; a link that fails meanwhile raises :class:`NetworkError`."""
+        link = self.get(peer)
+        send, recv = trio.open_memory_channel[float](1)
+        t0 = time.perf_counter()
+        if not link.put(InfoRequest()):
+            raise NetworkError(f"the link to {peer} is full")
+        # answers come back in the order the requests left: a ping given up on keeps its place (closed), so that
+        # its late answer is not taken for the next one's
+        self._pings.setdefault(peer, deque()).append(send)
+        try:
+            answered = await recv.receive()
+        except trio.EndOfChannel as exc:
+            raise NetworkError(f"the link to {peer} closed during a ping") from exc
+        finally:
+            send.close()
+        return answered - t0
 
     def streams(self) -> Iterator[FramedStream]:
         """The streams opened so far."""
@@ -314,7 +337,7 @@ class NextHops:
         return fs
 
     async def _read(self, fs: FramedStream) -> None:
-        """The next stage only sends errors back upstream: relay them to the sessions' owners."""
+        """The next stage sends back errors, which go to the sessions' owners, and the answers to our pings."""
         try:
             while True:
                 msg = await fs.recv()
@@ -322,6 +345,13 @@ class NextHops:
                     break
                 if isinstance(msg, ErrorMessage) and msg.session_id is not None:
                     self._report(msg)
+                elif isinstance(msg, InfoResponse):
+                    waiting = self._pings.get(fs.peer)
+                    if waiting:
+                        try:
+                            waiting.popleft().send_nowait(time.perf_counter())
+                        except trio.ClosedResourceError:  # that ping was given up on
+                            pass
         except (SangamaError, trio.BrokenResourceError) as exc:
             log.debug("stream to next hop %s ended: %s", fs.peer, exc)
         finally:
@@ -329,10 +359,14 @@ class NextHops:
             if link is not None and link.stream is fs:
                 self.links.pop(fs.peer, None)
                 link.close()
+                for waiter in self._pings.pop(fs.peer, ()):  # pings in flight on it end at once
+                    waiter.close()
 
     def _failed(self, link: Outbox, lost: list[Item], exc: BaseException) -> None:
         if self.links.get(link.peer) is link:
             self.links.pop(link.peer, None)
+            for waiter in self._pings.pop(link.peer, ()):  # its pings get no answer
+                waiter.close()
         if link.stream is not None and not link.stream.closed:  # evicted: its writer may be stuck in a write
             self._spawn(partial(link.stream.aclose, reset=True))
         code = ErrorCode.OVERLOADED if isinstance(exc, OutboxFull) else ErrorCode.INTERNAL  # evicted: not taking

@@ -67,6 +67,7 @@ from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .announce import StageAnnouncer
 from .config import StageConfig
 from .links import SMALL_ITEM, Item, NextHops, Outbox, OutboxBudget, tensor_bytes
+from .neighbours import LinkMeter
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
 
@@ -103,6 +104,7 @@ class StageServer:
         self.input_budget = ByteBudget(config.input_budget, per_peer=config.input_share,
                                        partial_timeout=config.partial_frame_s, partial_rate=config.partial_frame_rate)
         self.announcer: Any = None
+        self.link_meter = LinkMeter(self)
         self.lane_listener: LaneListener | None = None
         self.lanes = LaneDialer(node, enabled=config.lanes, timeout=config.lane_timeout, max_frame=config.max_frame)
 
@@ -141,6 +143,8 @@ class StageServer:
                 self.announcer = StageAnnouncer(self)
                 await self.announcer.publish()
                 self._nursery.start_soon(self.announcer.run)
+                self.link_meter.on_change = self.announcer.publish_soon  # new round trips: re-publish at once
+                self._nursery.start_soon(self.link_meter.run)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
             raise
