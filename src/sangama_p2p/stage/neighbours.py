@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 PINGS = 3  # after a first one that may include the dial: the smallest of these is the link's round trip
 PING_TIMEOUT = 5.0  # seconds for one ping (a dial included)
 FIRST_DELAY = (1.0, 3.0)  # seconds before the first round: successors that start with us are in the DHT by then
+SOON = 5.0  # seconds to the next round while no successor answered (one that starts after us is measured soon)
 
 
 def links_changed(old: dict[str, float], new: dict[str, float], *, rel: float = 0.2, floor: float = 0.002) -> bool:
@@ -116,4 +117,6 @@ class LinkMeter:
                     self.on_change()
             else:
                 self.rtts = new
-            await trio.sleep(every * random.uniform(0.8, 1.2))
+            last = self.server.identity is None or self.server.model.end >= self.server.identity.num_layers
+            wait = every if new or last else min(every, SOON)
+            await trio.sleep(wait * random.uniform(0.8, 1.2))
