@@ -213,8 +213,11 @@ class Router:
 
 def main() -> int:
     config = json.loads(sys.argv[1])
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, int(config.get("nice", -10)))  # the lab's clock: ahead of its peers
+    try:  # the lab's clock: ahead of the peers it carries packets for
+        if config.get("realtime"):
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        else:
+            os.setpriority(os.PRIO_PROCESS, 0, -10)
     except OSError:
         pass
     Router(config).run()

@@ -1,4 +1,4 @@
-"""Measuring tools for the delay lab, run inside its namespaces (``lab.popen(host, sys.executable, lab_probe.py, ...)``).
+"""Measuring tools for the delay lab, run inside its namespaces (``DelayLab.probe(host, ...)``, ``ip netns exec``).
 
     lab_probe.py udp-echo PORT                        echo every datagram back; prints {"event": "ready"} when bound
     lab_probe.py udp-ping IP PORT COUNT [GAP_MS]      COUNT pings of 64 B, one at a time; prints {"rtt_ms": [...]}

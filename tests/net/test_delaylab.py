@@ -28,6 +28,8 @@ def test_every_pair_needs_a_round_trip_and_a_host_pair_wins_over_its_regions() -
         DelayLab(hosts, rtt_ms={("eu", "us"): 80})
     with pytest.raises(ValueError, match="rate_mbit names hosts"):
         DelayLab(hosts, rtt_ms={("eu", "eu"): 2, ("eu", "us"): 80}, rate_mbit={"d": 1})
+    with pytest.raises(ValueError, match="two different round trips"):
+        DelayLab(hosts, rtt_ms={("eu", "eu"): 2, ("eu", "us"): 80, ("us", "eu"): 40})
     rtt = {("eu", "eu"): 2, ("us", "eu"): 80, ("c", "b"): 30}
     assert _pair_rtt(hosts, rtt, "a", "c") == 80  # region pairs are unordered
     assert _pair_rtt(hosts, rtt, "b", "c") == 30  # so are host pairs, and they win
@@ -43,7 +45,7 @@ def test_pings_take_the_configured_round_trip_near_and_far() -> None:
         near, far = lab.ping("a", "b", 20), lab.ping("a", "c", 20)
         assert None not in near and None not in far, (near, far)
         assert min(near) >= 4 and min(far) >= 40, (near, far)  # never sooner than configured
-        assert statistics.median(near) < 4 + 5 and statistics.median(far) < 40 + 10, (near, far)  # loosely: not much later
+        assert statistics.median(near) < 4 + 5 and statistics.median(far) < 40 + 10, (near, far)  # nor much later
         assert max(near) < min(far)
         stats = lab.stats()
         assert stats["packets"] >= 80 and stats["queued"] == 0, stats  # 40 pings there and back, none left behind
