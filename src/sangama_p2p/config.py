@@ -37,6 +37,11 @@ class PeerConfig:
     generation (its ``model_id`` is the default model that ``generate`` asks for). ``tokenizer_path`` (a checkpoint
     directory or a ``.gguf`` file) lets a client-only peer take text prompts and stop at the model's
     end-of-sequence tokens.
+
+    A peer that serves ``layers = "auto"`` re-checks the swarm every ``rebalance_every`` seconds (times a random
+    0.75..1.25; 0: never) and moves its stage to a range nobody serves when its own stays served without it
+    (:mod:`sangama_p2p.stage.rebalance`); the old stage's open sessions get ``rebalance_drain_s`` seconds to finish
+    before it closes. A fixed range never moves. In TOML both are ``[stage]`` keys, beside ``layers``.
     """
 
     host: HostConfig = HostConfig(listen_addrs=("/ip4/0.0.0.0/tcp/0",))
@@ -46,6 +51,13 @@ class PeerConfig:
     layers: str = "auto"
     tokenizer_path: Path | None = None
     api: ApiConfig | None = None  # from an [api] table: ``sangama-peer api`` listens with it
+    rebalance_every: float = 20.0
+    rebalance_drain_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.rebalance_every < 0 or self.rebalance_drain_s < 0:
+            raise SangamaError(f"rebalance_every and rebalance_drain_s must be >= 0, got {self.rebalance_every}, "
+                               f"{self.rebalance_drain_s}")
 
     def replace(self, **changes: Any) -> PeerConfig:
         return dataclasses.replace(self, **changes)
@@ -69,7 +81,7 @@ class PeerConfig:
         if unknown:
             raise SangamaError(f"unknown tables in {path}: {sorted(unknown)} (expected host, stage, client, api)")
         host = HostConfig.from_toml(path) if "host" in data else cls.host
-        stage, model_path, layers = None, None, "auto"
+        stage, model_path, layers, moves = None, None, "auto", {}
         if "stage" in data:
             table = dict(data["stage"])
             model = table.pop("model", None)
@@ -77,6 +89,9 @@ class PeerConfig:
                 raise SangamaError(f"[stage] of {path} needs `model` (a checkpoint path)")
             model_path = (path.parent / Path(model).expanduser()).resolve()
             layers = str(table.pop("layers", "auto"))
+            moves = {k: table.pop(k) for k in ("rebalance_every", "rebalance_drain_s") if k in table}
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in moves.values()):
+                raise SangamaError(f"[stage] of {path}: rebalance_every and rebalance_drain_s are seconds (numbers)")
             table.setdefault("model_id", default_model_id(model_path))
             start, end = _template_range(layers)
             stage = _build(StageConfig, {"start": start, "end": end, **table}, f"[stage] of {path}")
@@ -102,7 +117,8 @@ class PeerConfig:
             except ModelError as exc:
                 raise SangamaError(f"[api] of {path}: {exc}") from exc
             api = _build(ApiConfig, table, f"[api] of {path}").replace(guesses=guesses)
-        return cls(host, stage, client, model_path, layers, tokenizer, api)
+        return cls(host, stage, client, model_path, layers, tokenizer, api,
+                   **{k: float(v) for k, v in moves.items()})
 
 
 def _template_range(layers: str) -> tuple[int, int]:

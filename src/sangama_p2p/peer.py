@@ -10,7 +10,8 @@ Under trio::
 
 A peer is a libp2p node (:func:`sangama_p2p.net.open_host`) plus at most one stage server
 (:class:`sangama_p2p.stage.StageServer`: a node has one handler per protocol id, so a second stage would take the
-first one's streams; run another peer for another range) and one chain client per model (:class:`sangama_p2p.client.ChainClient`).
+first one's streams; run another peer for another range; an ``auto`` range moves by handing the handlers to a new
+stage, :mod:`sangama_p2p.stage.rebalance`) and one chain client per model (:class:`sangama_p2p.client.ChainClient`).
 Each server and client lives in a task of the peer's own nursery, whichever task asked for it, so the asyncio face
 (:mod:`sangama_p2p.aio`) can call ``serve`` from any job; ``aclose`` cancels them all, then closes the host.
 """
@@ -42,7 +43,9 @@ from .net.host import open_host
 from .net.identity import KeyPair
 from .net.node import Node
 from .net.traversal import Traversal, TraversalConfig
+from .placement.rebalance import thinnest_range
 from .stage.config import StageConfig
+from .stage.rebalance import Rebalancer
 from .stage.server import StageServer
 
 # PeerConfig and default_model_id live in sangama_p2p.config; they are named here too because the peer is built on
@@ -71,40 +74,17 @@ def _keep_probe_hang_ups_quiet() -> None:
 
 
 def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None) -> tuple[int, int]:
-    """Up to ``span`` layers where the swarm is thinnest, given the ``(start, end)`` ranges already served.
-
-    Chains are built from whole stage ranges that meet end to start, so the choice keeps to existing boundaries:
-
-    * if some layer is served by nobody, fill the first gap from its start, up to ``span`` layers and never past
-      the gap (the next stage there starts where the gap ends);
-    * otherwise add a spare that starts at an existing boundary: the window whose least-served layer has the fewest
-      peers, then the fewest peers per layer, then the lowest start.
-
-    ``span`` defaults to a third of the model (rounded up): three peers cover it. Pure, for tests.
+    """Up to ``span`` layers where the swarm is thinnest, given the ``(start, end)`` ranges already served: the first
+    gap from its start (never past it), else a spare at an existing boundary where the fewest peers serve
+    (:func:`sangama_p2p.placement.rebalance.thinnest_range`). ``span`` defaults to a third of the model (rounded up):
+    three peers cover it. Pure, for tests; LayerRangeError on a bad depth or span.
     """
     if num_layers <= 0:
         raise LayerRangeError("the model has no layers")
     span = -(-num_layers // 3) if span is None else span
     if not 0 < span <= num_layers:
         raise LayerRangeError(f"span must be in 1..{num_layers}, got {span}")
-    count = [0] * num_layers
-    for start, end in covered:
-        for i in range(max(start, 0), min(end, num_layers)):
-            count[i] += 1
-    if 0 in count:
-        start = count.index(0)
-        end = start
-        while end < num_layers and end - start < span and count[end] == 0:
-            end += 1
-        return start, end
-    bounds = {0} | {b for r in covered for b in r if 0 <= b < num_layers}
-
-    def key(s: int) -> tuple[int, float, int]:
-        window = count[s:min(s + span, num_layers)]
-        return min(window), sum(window) / len(window), s  # a mean: a window cut short by the model's end is no lighter
-
-    best = min(bounds, key=key)
-    return best, min(best + span, num_layers)
+    return thinnest_range(covered, num_layers, span)
 
 
 @dataclass(frozen=True)
@@ -127,6 +107,8 @@ class Peer:
         self.traversal: Traversal | None = None  # when the peer has bootstrap nodes
         self.node: Node | None = None
         self.servers: list[StageServer] = []  # in the order served
+        self._server_scopes: dict[int, trio.CancelScope] = {}  # id(server) -> the scope of its task
+        self.rebalancer: Rebalancer | None = None  # serving "auto" layers: re-checks the swarm and moves
         self._clients: dict[str, tuple[ChainClient, trio.CancelScope]] = {}
         self._client_lock = trio.Lock()
         self._stack: AsyncExitStack | None = None
@@ -234,8 +216,21 @@ class Peer:
         ckpt.spec.check_range(start, end)
         config = base.replace(model_id=mid, start=start, end=end, **stage_options)
         server = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
-        await nursery.start(self._run_server, server)
-        self.servers.append(server)
+        await self._start_server(server)
+        if str(layers).startswith("auto") and self.config.rebalance_every > 0 and server.identity is not None:
+            span = parse_auto_span(str(layers), num_layers) or -(-num_layers // 3)
+            self.rebalancer = Rebalancer(self.node, mid, server.identity.fingerprint, num_layers=num_layers,
+                                         span=span, current=self._served_range, move=partial(self._move, ckpt),
+                                         every=self.config.rebalance_every)
+            nursery.start_soon(self.rebalancer.run)
+            if self.traversal is not None:  # `status` shows the moves (/sangama/links/1)
+                self.traversal.report_extra = lambda: {"rebalance": self.rebalancer.report() if self.rebalancer else {}}
+        await self._drop_client(mid)
+        return start, end
+
+    async def _start_server(self, server: StageServer) -> None:
+        self._server_scopes[id(server)] = await self._running().start(self._run_server, server)
+        self.servers = [server]
         if self.traversal is not None and server.announcer is not None:
             self.traversal.listeners.append(server.announcer.publish_soon)  # new circuit address: re-publish now
             # the first record was signed before this listener existed, and storing it on the DHT can take seconds
@@ -243,8 +238,34 @@ class Peer:
             # periodic re-publish (announce_every, 60 s) - measured: `ready` 67 s after start instead of ~5 s
             if set(server.announcer.published_addrs()) != {str(a) for a in self.node.advertised_addrs()}:
                 server.announcer.publish_soon()
-        await self._drop_client(mid)
-        return start, end
+
+    def _served_range(self) -> tuple[int, int]:
+        return self.servers[0].config.start, self.servers[0].config.end
+
+    async def _move(self, ckpt: Checkpoint, start: int, end: int) -> None:
+        """Serve ``start:end`` instead (the rebalancer decided): load it beside the old stage (same open checkpoint;
+        no layer is shared between the two), retire the old one (no more records or lanes), start the new one (its
+        handlers take the node's new streams, then it publishes its record), and let the old one's sessions drain
+        for ``rebalance_drain_s`` before it closes (a client cut off then fails over and replays: same tokens)."""
+        old = self.servers[0]
+        config = old.config.replace(start=start, end=end)
+        ckpt.spec.check_range(start, end)
+        new = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
+        await old.retire()
+        if self.traversal is not None and old.announcer is not None:
+            self.traversal.listeners.remove(old.announcer.publish_soon)
+        await self._start_server(new)
+        await self._drop_client(config.model_id)  # the next generation here routes through the new stage
+        self._running().start_soon(self._drain, old)
+
+    async def _drain(self, old: StageServer) -> None:
+        with trio.move_on_after(self.config.rebalance_drain_s):
+            while old.open_sessions:
+                await trio.sleep(0.2)
+        if old.open_sessions:
+            log.info("closing the old stage %d:%d with %d sessions open after %g s", old.config.start,
+                     old.config.end, old.open_sessions, self.config.rebalance_drain_s)
+        self._server_scopes.pop(id(old)).cancel()
 
     async def wait_reachable(self, *, warn_every_s: float = 15.0) -> str:
         """Wait until others can reach this peer's stage: reachability known, and public or with a ``/p2p-circuit``
@@ -284,10 +305,12 @@ class Peer:
         return choose_layers([(r.start, r.end) for r in records], num_layers, span)
 
     @staticmethod
-    async def _run_server(server: StageServer, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with server:
-            task_status.started()
-            await trio.sleep_forever()
+    async def _run_server(server: StageServer,
+                          task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            async with server:
+                task_status.started(scope)
+                await trio.sleep_forever()
 
     # generating -------------------------------------------------------------------------------------------------
 

@@ -157,18 +157,22 @@ class LocalFleet:
         self.bootstrap_addr = boot.wait_for("--bootstrap", self.start_timeout).split()[-1]
         if self.on_ready is not None:
             self.on_ready("bootstrap node", time.monotonic() - t0)
-        joins = []
-        for i, layers in enumerate(self.layers):
-            joins.append(self._spawn(f"stage{i}", [
-                "join", "--model", str(self.model_dir), "--layers", layers,
-                "--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
-                "--key", str(self.workdir / f"stage{i}.key"), *self.join_args,
-            ]))
+        joins = [self.join(f"stage{i}", layers) for i, layers in enumerate(self.layers)]
         for layers, child in zip(self.layers, joins):  # they load at once; we see each as it is ready
             peer_id = child.wait_for(READY_PREFIX, self.start_timeout).split()[1]
             self.stage_ids.append(peer_id)
             if self.on_ready is not None:
                 self.on_ready(f"stage {layers} (peer …{peer_id[-8:]})", time.monotonic() - t0)
+
+    def join(self, name: str, layers: str, *extra: str) -> Child:
+        """Start one more ``join`` of ``layers`` into the fleet (after :meth:`start`; with the fleet's
+        ``join_args``, then ``extra``); wait for its ``ready`` line with :meth:`Child.wait_for`. Call it from the
+        thread that stops the fleet: children die with the thread that started them (``PR_SET_PDEATHSIG``)."""
+        return self._spawn(name, [
+            "join", "--model", str(self.model_dir), "--layers", layers,
+            "--bootstrap", self.bootstrap_addr, "--listen", "/ip4/127.0.0.1/tcp/0",
+            "--key", str(self.workdir / f"{name}.key"), *self.join_args, *extra,
+        ])
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGINT each child, then SIGTERM, then SIGKILL its process group; reap them all."""

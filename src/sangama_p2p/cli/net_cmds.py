@@ -205,6 +205,10 @@ def _print_table(status, bootstrap_ids: frozenset[str] = frozenset(), console=No
     for peer in status.peers:
         addrs = sorted({a.removesuffix(f"/p2p/{peer.peer_id}") for rec in peer.records for a in rec.addrs})
         role = " (bootstrap)" if peer.peer_id in bootstrap_ids else ""
+        moves = peer.rebalance or {}
+        if moves.get("moves") and isinstance(moves.get("last"), dict):
+            last = moves["last"]
+            role += f" (moved {moves['moves']}x, last {last.get('from')} -> {last.get('to')})"
         console.print(f"  {peer.peer_id}{role}", markup=False, soft_wrap=True)
         for addr in addrs[:3]:
             console.print(f"    {addr}", markup=False, soft_wrap=True)

@@ -164,6 +164,9 @@ def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str
                 for addr in peer.addrs:
                     say(f"  listening {addr}")
                 say(f"  reachable {reach}")
+                if peer.rebalancer is not None:  # an auto range may move later (stage/rebalance.py)
+                    peer.rebalancer.on_move = lambda m: say(f"moved {peer.peer_id} {server.config.model_id} "
+                                                            f"{m.new[0]}:{m.new[1]}")
                 if sys.stdout.isatty():
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_live_panel, peer)

@@ -51,6 +51,9 @@ class PeerStatus:
     """Bytes of stage frames the peer sent and received, relayed and direct (None: it did not say)."""
     circuit_bytes: int | None = None
     """What the peer relayed for others (a relay node)."""
+    rebalance: dict[str, Any] | None = None
+    """The peer's stage moves, when it serves ``auto`` layers: ``moves``, ``every_s``, ``last`` (from, to, reason,
+    ``ago_s``); None: it did not say."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,18 @@ async def fetch_links(node: Node, peer_id: ID, *, timeout: float = 5.0) -> dict[
     return {}
 
 
+def _small_dict(value: Any) -> dict[str, Any] | None:
+    """A peer's ``rebalance`` report if it is a small dict of plain values (it came from the network)."""
+    if not isinstance(value, dict) or len(value) > 8:
+        return None
+    ok = (str, int, float, bool, type(None))
+    clean = {str(k): v for k, v in value.items() if isinstance(v, ok)}
+    last = value.get("last")
+    if isinstance(last, dict) and len(last) <= 8:
+        clean["last"] = {str(k): v for k, v in last.items() if isinstance(v, ok)}
+    return clean
+
+
 async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0) -> SwarmStatus:
     """Find the swarm's peers and ask each what it serves (concurrently, each bounded by ``timeout``)."""
     dht = node.dht
@@ -206,7 +221,8 @@ async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0
         info = link_info(node.host, peer)
         link = str(info) if info is not None else "unreachable"
         results.append(PeerStatus(peer.to_base58(), link, rtt, tuple(records), error,
-                                  tuple(links.get("streams", ())), links.get("traffic"), links.get("circuit_bytes")))
+                                  tuple(links.get("streams", ())), links.get("traffic"), links.get("circuit_bytes"),
+                                  _small_dict(links.get("rebalance"))))
 
     async with trio.open_nursery() as nursery:
         for peer in peers:

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import trio
@@ -109,6 +110,8 @@ class Traversal:
         self._serving = False
         self.listeners: list[Callable[[], None]] = []
         """Called when reachability or our circuit addresses changed (a stage re-publishes its record at once)."""
+        self.report_extra: Callable[[], dict[str, Any]] | None = None
+        """More for ``/sangama/links/1`` answers (the peer adds its stage's moves under ``rebalance``)."""
 
     @property
     def reachability(self) -> Reachability:
@@ -154,7 +157,10 @@ class Traversal:
         try:
             client = self.relay_client
             circuit = getattr(getattr(client, "_protocol", None), "relayed_bytes", None) if self._serving else None
-            await stream.write(msgpack.packb(links_report(circuit), use_bin_type=True))
+            report = links_report(circuit)
+            if self.report_extra is not None:
+                report.update(self.report_extra())
+            await stream.write(msgpack.packb(report, use_bin_type=True))
         except Exception as exc:  # the asker went away
             logger.debug("links request failed: %s", exc)
         finally:

@@ -30,6 +30,7 @@ class StageAnnouncer:
         self.announcer = Announcer(server.node)
         self.offer: ServingOffer | None = None
         self._soon = trio.Event()
+        self._withdrawn = False
 
     def publish_soon(self) -> None:
         """Re-publish at once from :meth:`run` (our reachability or circuit addresses changed)."""
@@ -61,6 +62,8 @@ class StageAnnouncer:
         return abs(offer.throughput - old.throughput) / base > 0.1
 
     async def publish(self) -> None:
+        if self._withdrawn:
+            return
         offer = self.current()
         try:
             await self.announcer.update(offer)
@@ -69,6 +72,9 @@ class StageAnnouncer:
             log.warning("publishing the stage record failed: %s", exc)
 
     def withdraw(self) -> None:
+        """Stop publishing for good (the stage closes or retires): the record expires after its TTL unless a newer
+        one, e.g. the successor stage's of the same peer, replaces it first."""
+        self._withdrawn = True
         self.announcer.withdraw(self.server.config.model_id)
 
     async def run(self) -> None:

@@ -96,6 +96,7 @@ class StageServer:
                                    inline_max_s=config.inline_step_s)
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
+        self._retired = False  # a successor stage took over the node's handlers (retire)
         self._inbound: dict[FramedStream, Outbox] = {}
         self.outbox_budget = OutboxBudget(config.outbox_budget)
         self.next_hops = NextHops(self._open_next, spawn=self._spawn, report=self._report,
@@ -169,11 +170,28 @@ class StageServer:
         async with self:
             await trio.sleep_forever()
 
-    async def _shutdown(self) -> None:
+    async def retire(self) -> None:
+        """Make way for a successor stage on the same node (a peer moving to another range, ``peer.py``): stop
+        announcing this range (the successor's record, newer, replaces it) and offering lanes (the port is free
+        when this returns), and leave the protocol handlers at close to whoever registered them last. Streams and
+        sessions already open keep running here until :meth:`aclose` (bound their draining with
+        :attr:`open_sessions`)."""
+        self._retired = True
+        if self.announcer is not None:
+            self.announcer.withdraw()  # for good: its refresh loop publishes nothing more
         if self.lane_listener is not None:
             self.lane_listener.stop()
+            with trio.move_on_after(2):
+                while self.lane_listener.bound_port:  # closed by its task, once the stop reaches it
+                    await trio.sleep(0.01)
+
+    async def _shutdown(self) -> None:
+        retired = self._retired
+        if self.lane_listener is not None and not retired:
+            self.lane_listener.stop()
         for proto in (STAGE_PROTOCOL, STAGE_MOVABLE_PROTOCOL, INFO_PROTOCOL):
-            self.node.stop_serving(proto)
+            if not retired:  # a successor serves them now
+                self.node.stop_serving(proto)
         if self.announcer is not None:
             self.announcer.withdraw()
         streams = [*self._inbound, *self.next_hops.streams()]

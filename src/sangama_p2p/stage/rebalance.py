@@ -1,0 +1,177 @@
+"""``Rebalancer``: a peer that joined with ``--layers auto`` re-checks the swarm now and then and moves its stage.
+
+Every ``every`` seconds (times a random factor in 0.75..1.25, so the peers of a swarm do not all look at once) it
+lists the model's serving peers (:func:`~sangama_p2p.net.discovery.find_serving_peers`), keeps those of its own
+checkpoint fingerprint, and asks each over its stage stream for its live range (``InfoRequest``): a record outlives
+its peer by up to its TTL (180 s by default), so a peer that does not answer within ``probe_timeout`` counts as
+gone. :func:`~sangama_p2p.placement.rebalance.choose_move` decides on the live ranges. When peers with lower ids
+would make the same move (:func:`~sangama_p2p.placement.rebalance.first_mover`), it holds back for up to
+``max_defer`` re-checks (one of them moves; a fixed-range peer never does, hence the bound). Then it waits a short
+random delay (``confirm_s`` times 0.5..1.5: another spare may have moved), looks again, and moves only if the same
+answer comes back; ``move(start, end)`` (the peer's) does the move. Each move is logged at INFO and kept
+in :attr:`Rebalancer.moves` for status answers.
+
+Usage (trio)::
+
+    reb = Rebalancer(node, model_id, fingerprint, num_layers=8, span=3, current=lambda: (0, 3), move=peer_move)
+    nursery.start_soon(reb.run)          # or: await reb.check() -> (3, 6) or None
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..errors import SangamaError
+from ..net.discovery import find_serving_peers
+from ..net.lane import LaneDialer
+from ..net.stage_stream import open_stage_stream
+from ..placement.rebalance import choose_move, first_mover
+from ..wire.messages import InfoRequest, InfoResponse
+
+__all__ = ["Move", "Rebalancer"]
+
+log = logging.getLogger(__name__)
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One move of this peer's stage: from ``old`` to ``new`` (``(start, end)``), why (``gap``: a layer nobody
+    served; ``spare``: the old range was well served, the new one thin), and when (trio clock seconds)."""
+
+    old: Range
+    new: Range
+    reason: str
+    at: float
+
+
+class Rebalancer:
+    """Periodic re-checks of the swarm and moves of one auto-placed stage (see the module docstring)."""
+
+    def __init__(self, node: Any, model_id: str, fingerprint: str, *, num_layers: int, span: int,
+                 current: Callable[[], Range], move: Callable[[int, int], Awaitable[Any]], every: float = 20.0,
+                 confirm_s: float = 2.0, probe_timeout: float = 5.0, margin: int | None = 2, max_defer: int = 2,
+                 rng: random.Random | None = None) -> None:
+        if every <= 0 or confirm_s < 0 or probe_timeout <= 0:
+            raise ValueError("every and probe_timeout must be positive, confirm_s >= 0")
+        self.node = node
+        self.model_id = model_id
+        self.fingerprint = fingerprint
+        self.num_layers = num_layers
+        self.span = span
+        self.current = current
+        self._move = move
+        self.every = every
+        self.confirm_s = confirm_s
+        self.probe_timeout = probe_timeout
+        self.margin = margin
+        self.max_defer = max_defer
+        self._deferred = 0  # re-checks in a row held back for a peer with a lower id
+        self.rng = rng or random.Random()
+        self.moves: list[Move] = []
+        self.on_move: Callable[[Move], None] | None = None  # told of each move once it is done (join prints it)
+        self._lanes = LaneDialer(node, enabled=False)  # a probe is one frame each way: a libp2p stream will do
+
+    # ---- looking -------------------------------------------------------------------------------------------
+    async def live_ranges(self) -> dict[str, Range]:
+        """Peer id -> the range each other live peer of our fingerprint serves now (as it answers, not as
+        recorded)."""
+        me = self.node.peer_id.to_base58()
+        records = [r for r in await find_serving_peers(self.node, self.model_id, include_self=False)
+                   if r.fingerprint == self.fingerprint and r.peer_id != me]
+        found: dict[str, Range] = {}
+
+        async def probe(rec: Any) -> None:
+            with trio.move_on_after(self.probe_timeout):
+                try:
+                    fs = await open_stage_stream(self.node, self._lanes, rec.peer_id, timeout=self.probe_timeout,
+                                                 addrs=tuple(rec.addrs))
+                except SangamaError as exc:
+                    log.debug("rebalance: %s does not answer: %s", rec.peer_id, exc)
+                    return
+                try:
+                    await fs.send(InfoRequest())
+                    info = await fs.recv()
+                except (SangamaError, trio.BrokenResourceError) as exc:
+                    log.debug("rebalance: %s did not say what it serves: %s", rec.peer_id, exc)
+                    return
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        await fs.aclose()
+                if (isinstance(info, InfoResponse) and info.peer == rec.peer_id and info.model_id == self.model_id
+                        and 0 <= info.start < info.end):
+                    found[rec.peer_id] = (info.start, info.end)
+
+        async with trio.open_nursery() as nursery:
+            for rec in records:
+                nursery.start_soon(probe, rec)
+        return dict(sorted(found.items()))
+
+    async def check(self) -> Range | None:
+        """The range to move to now, or None (one look at the swarm)."""
+        return self._decide(await self.live_ranges())
+
+    def _decide(self, others: dict[str, Range]) -> Range | None:
+        return choose_move(list(others.values()), self.current(), self.num_layers, self.span, margin=self.margin)
+
+    # ---- moving --------------------------------------------------------------------------------------------
+    async def step(self) -> Move | None:
+        """One re-check: look, and on a decision wait ``confirm_s`` (jittered), look again, move if it holds."""
+        first = await self.live_ranges()
+        target = self._decide(first)
+        if target is None:
+            self._deferred = 0
+            return None
+        me = self.node.peer_id.to_base58()
+        if (self._deferred < self.max_defer and not first_mover(me, self.current(), first, self.num_layers,
+                                                                 self.span, margin=self.margin)):
+            self._deferred += 1
+            log.debug("rebalance: a peer with a lower id would move to %s too: holding back (%d)", target,
+                      self._deferred)
+            return None
+        await trio.sleep(self.confirm_s * self.rng.uniform(0.5, 1.5))
+        others = list((await self.live_ranges()).values())
+        old = self.current()
+        again = choose_move(others, old, self.num_layers, self.span, margin=self.margin)
+        if again != target:
+            log.debug("rebalance: %s no longer holds after a second look (%s)", target, again)
+            return None
+        self._deferred = 0
+        counts = [sum(a <= i < b for a, b in others) for i in range(self.num_layers)]
+        reason = "gap" if 0 in counts else "spare"
+        t0 = trio.current_time()
+        await self._move(*target)
+        move = Move(old, target, reason, trio.current_time())
+        self.moves.append(move)
+        what = (f"layers {counts.index(0)}.. were served by nobody" if reason == "gap"
+                else "the old range is well served, the new one thin")
+        log.info("rebalanced %s: moved from layers %d:%d to %d:%d in %.1f s (%s)", self.model_id, *old, *target,
+                 move.at - t0, what)
+        if self.on_move is not None:
+            self.on_move(move)
+        return move
+
+    async def run(self) -> None:
+        """Re-check forever (cancel to stop); a failed look or move is logged and tried again next time."""
+        while True:
+            await trio.sleep(self.every * self.rng.uniform(0.75, 1.25))
+            try:
+                await self.step()
+            except SangamaError as exc:
+                log.warning("rebalance check of %s failed: %s", self.model_id, exc)
+
+    def report(self) -> dict[str, Any]:
+        """Moves so far, for status answers: ``{"moves": n, "last": {"from", "to", "reason", "ago_s"}}``."""
+        out: dict[str, Any] = {"moves": len(self.moves), "every_s": self.every}
+        if self.moves:
+            m = self.moves[-1]
+            out["last"] = {"from": f"{m.old[0]}:{m.old[1]}", "to": f"{m.new[0]}:{m.new[1]}", "reason": m.reason,
+                           "ago_s": round(trio.current_time() - m.at, 1)}
+        return out
