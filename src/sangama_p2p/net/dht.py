@@ -20,39 +20,30 @@ from collections.abc import Iterable
 
 from typing import Any
 
-import multiaddr
 import trio
-import varint
-from libp2p.custom_types import TProtocol
-from libp2p.kad_dht.common import BUCKET_SIZE, MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
+from libp2p.kad_dht.common import BUCKET_SIZE, PROTOCOL_ID
 from libp2p.kad_dht.common import DEFAULT_TTL as VALUE_TTL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
-from libp2p.kad_dht.peer_routing import PeerRouting
-from libp2p.kad_dht.utils import maybe_consume_signed_record, sort_peer_ids_by_distance
+from libp2p.kad_dht.pb.kademlia_pb2 import Record
+from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
-from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.records.pubkey import PublicKeyValidator
 from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
-from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from ..errors import NetworkError
+from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, ServerRouting, get_providers
 from .node import Node, offers_protocol
 from .records import NAMESPACE, RecordLedger, RecordValidator
 
 __all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
 
 log = logging.getLogger(__name__)
-QUERY_TIMEOUT = 5.0  # per RPC; py-libp2p's own is 10 s
 AUTHOR_GRACE_S = 1.0  # once a DHT server answered with a valid value, how long the record's own author may still
 # answer (a NATed author's dead addresses otherwise held every lookup for QUERY_TIMEOUT: 5 s measured)
 BOOTSTRAP_IDENTIFY_WAIT = 3.0  # seconds identify has, after the bootstrap connect, to say whether it serves the DHT
 IDENTIFY_WAIT = 10.0  # seconds a peer that queried us has for identify to tell whether it is a DHT server
-_CONCURRENCY = 10
-MIN_SEEDS = 5  # a routing table thinner than this is topped up with connected DHT servers (py-libp2p's threshold)
 
 
 def _require_dht(node: Node) -> KadDHT:
@@ -158,7 +149,7 @@ class _ServerDHT(KadDHT):
 
     def __init__(self, host: Any, mode: DHTMode, nursery: trio.Nursery, **kwargs: Any) -> None:
         super().__init__(host, mode, **kwargs)
-        self.peer_routing = _ServerRouting(host, self.routing_table)
+        self.peer_routing = ServerRouting(host, self.routing_table)
         self.provider_store.peer_routing = self.peer_routing
         self._nursery = nursery
         self._identifying: set[ID] = set()
@@ -280,114 +271,6 @@ async def _closest(dht: KadDHT, key: bytes) -> list[ID]:
     return []
 
 
-async def _rpc(host: Any, peer: ID, kind: int, key: bytes) -> Message | None:
-    """One KAD request of type ``kind`` for ``key`` to ``peer``: its answer, or None when it answered another type.
-    Raises what the dial or the stream raised (a peer that cannot be reached, or that hung up)."""
-    stream = await host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
-    try:
-        message = Message()
-        message.type = kind
-        message.key = key
-        message.senderRecord = env_to_send_in_RPC(host)[0]
-        body = message.SerializeToString()
-        await stream.write(varint.encode(len(body)) + body)
-        response = Message()
-        response.ParseFromString(await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE))
-    finally:
-        await stream.close()
-    if response.type != kind:
-        return None
-    maybe_consume_signed_record(response, host, peer)
-    return response
-
-
-def _infos(host: Any, peer: ID, protos: Any) -> list[PeerInfo]:
-    """The peer entries of an answer from ``peer``, with their addresses (a malformed entry is skipped)."""
-    out = []
-    for proto in protos:
-        try:
-            maybe_consume_signed_record(proto, host)
-            addrs = [multiaddr.Multiaddr(a) for a in proto.addrs]
-            out.append(PeerInfo(ID(proto.id), addrs))
-        except Exception as exc:  # one malformed entry must not spoil the answer
-            log.debug("bad peer entry from %s: %s", peer, exc)
-    return out
-
-
-async def _get_providers(node: Node, peer: ID, key: bytes) -> tuple[list[PeerInfo], list[PeerInfo]]:
-    """One GET_PROVIDERS RPC: (providers, closer peers), both with addresses.
-
-    py-libp2p's own version drops the closer peers' addresses, which an iterative lookup needs to dial them.
-    """
-    response = await _rpc(node.host, peer, Message.MessageType.GET_PROVIDERS, key)
-    if response is None:
-        return [], []
-    return (_infos(node.host, peer, response.providerPeers), _infos(node.host, peer, response.closerPeers))
-
-
-async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET_SIZE) -> list[ID]:
-    """The ``count`` DHT servers closest to ``key`` that answered a FIND_NODE lookup for it, closest first.
-
-    The lookup starts from the routing table (topped up with the connected peers identify shows serving the DHT when
-    it holds fewer than ``MIN_SEEDS``), asks the closest ``count`` peers seen until all of them answered or failed,
-    and keeps only the peers that answered: see :class:`_ServerRouting` for why py-libp2p's own lookup is not used.
-    """
-    local = host.get_id()
-    peerstore = host.get_peerstore()
-    seen: set[ID] = set(table.find_local_closest_peers(key, count))
-    if len(seen) < MIN_SEEDS:
-        seen.update(p for p in host.get_connected_peers() if offers_dht(host, p))
-    seen.discard(local)
-    asked: set[ID] = set()
-    answered: set[ID] = set()
-    limiter = trio.CapacityLimiter(_CONCURRENCY)
-
-    async def ask(peer: ID) -> None:
-        async with limiter:
-            with trio.move_on_after(QUERY_TIMEOUT):
-                try:
-                    response = await _rpc(host, peer, Message.MessageType.FIND_NODE, key)
-                except Exception as exc:  # a dead or misbehaving peer must not stop the lookup
-                    log.debug("FIND_NODE from %s failed: %s", peer, exc)
-                    seen.discard(peer)  # its place among the closest goes to the next peer
-                    return
-                answered.add(peer)
-                for info in _infos(host, peer, response.closerPeers if response is not None else ()):
-                    if info.peer_id != local and info.addrs:
-                        peerstore.add_addrs(info.peer_id, info.addrs, 600)
-                        seen.add(info.peer_id)
-                return
-            seen.discard(peer)  # no answer within QUERY_TIMEOUT
-
-    while True:  # until the closest ``count`` peers seen have all been asked
-        todo = [p for p in sort_peer_ids_by_distance(key, list(seen))[:count] if p not in asked]
-        if not todo:
-            break
-        asked.update(todo)
-        async with trio.open_nursery() as nursery:
-            for peer in todo:
-                nursery.start_soon(ask, peer)
-    for peer in answered:  # a peer that answered a KAD query is a DHT server
-        await table.add_peer(peer, skip_server_mode_check=True)
-    return sort_peer_ids_by_distance(key, list(answered))[:count]
-
-
-class _ServerRouting(PeerRouting):
-    """py-libp2p's peer routing with :func:`closest_servers` as the network lookup (``put_value``, ``provide``,
-    ``get_value``, routing-table refresh and our own callers all use it).
-
-    py-libp2p's ``find_closest_peers_network`` tops a thin routing table (under 5 peers: every small fleet) up with
-    every connected peer and then with every peer in the peerstore, and returns peers that never answered among the
-    closest. A stage that had looked up who serves its model held the other NATed stages' private addresses in its
-    peerstore, so its PUT_VALUE and ADD_PROVIDER dialled those first, 5 s per lookup and 5 s per store: its provider
-    record reached the bootstrap ~15 s after ``ready``, and a client started then found nobody for its layers
-    (tests/net/test_nat_fleet.py; bisected to the join's pre-flight lookup).
-    """
-
-    async def find_closest_peers_network(self, target_key: bytes, count: int = BUCKET_SIZE) -> list[ID]:
-        return await closest_servers(self.host, self.routing_table, target_key, count)
-
-
 async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_SIZE) -> set[ID]:
     """Every provider of ``key`` known to the ``count`` peers closest to it, plus our local store.
 
@@ -400,13 +283,13 @@ async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_
     seen: set[ID] = set(dht.routing_table.find_local_closest_peers(key, count)) or set(node.host.get_connected_peers())
     seen.discard(node.peer_id)
     asked: set[ID] = set()
-    limiter = trio.CapacityLimiter(_CONCURRENCY)
+    limiter = trio.CapacityLimiter(CONCURRENCY)
 
     async def ask(peer: ID) -> None:
         async with limiter:
             with trio.move_on_after(QUERY_TIMEOUT):
                 try:
-                    providers, closer = await _get_providers(node, peer, key)
+                    providers, closer = await get_providers(node, peer, key)
                 except Exception as exc:  # a dead or misbehaving peer must not stop the lookup
                     log.debug("GET_PROVIDERS from %s failed: %s", peer, exc)
                     return
