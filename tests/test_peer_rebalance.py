@@ -88,7 +88,11 @@ def test_in_process_the_spare_moves_switches_handlers_and_the_old_stage_closes(t
                     stop_b.set()  # the only 3:6 peer leaves (its record stays until its TTL)
                     await trio.sleep(0.5)
                     old = spare.servers[0]
-                    move = await spare.rebalancer.step()
+                    # on a busy machine a peer's answer can miss the re-check's probe deadline: an unsure look
+                    # never moves (the swarm may be whole), the next one does
+                    with trio.fail_after(60):
+                        while (move := await spare.rebalancer.step()) is None:
+                            await trio.sleep(0.5)
                     assert move is not None and (move.old, move.new, move.reason) == ((0, 3), (3, 6), "gap")
                     assert (spare.servers[0].config.start, spare.servers[0].config.end) == (3, 6)
                     assert spare.servers[0] is not old

@@ -229,7 +229,7 @@ class Peer:
         return start, end
 
     async def _start_server(self, server: StageServer) -> None:
-        self._server_scopes[id(server)] = await self._running().start(self._run_server, server)
+        self._server_scopes[id(server)] = await self._running().start(self._run_inside, server)
         self.servers = [server]
         if self.traversal is not None and server.announcer is not None:
             self.traversal.listeners.append(server.announcer.publish_soon)  # new circuit address: re-publish now
@@ -305,10 +305,11 @@ class Peer:
         return choose_layers([(r.start, r.end) for r in records], num_layers, span)
 
     @staticmethod
-    async def _run_server(server: StageServer,
+    async def _run_inside(resource: Any,
                           task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold ``resource`` (a stage server or a chain client) open until the returned scope is cancelled."""
         with trio.CancelScope() as scope:
-            async with server:
+            async with resource:
                 task_status.started(scope)
                 await trio.sleep_forever()
 
@@ -362,17 +363,9 @@ class Peer:
                 # our own stage joins our chains through an in-process stream (libp2p cannot dial itself)
                 local = own[0].open_local_stream if own else None
                 client = ChainClient(self.node, config, local_stage=local)
-                scope = await nursery.start(self._run_client, client)
+                scope = await nursery.start(self._run_inside, client)
                 self._clients[model_id] = (client, scope)
         return self._clients[model_id][0]
-
-    @staticmethod
-    async def _run_client(client: ChainClient,
-                          task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
-        with trio.CancelScope() as scope:
-            async with client:
-                task_status.started(scope)
-                await trio.sleep_forever()
 
     async def _drop_client(self, model_id: str) -> None:
         """Close the client of ``model_id`` (e.g. after serving it: the next one routes through our own stage)."""
