@@ -27,6 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model": {"errors", "guesses", "wire", "positions", "generation"},
     "net": {"errors", "wire", "_version"},
     "hub": {"errors", "model"},
+    "dashboard": {"errors", "net"},  # the swarm's web page and /metrics: a survey and its view, no torch
     "api": {"errors", "guesses", "model"},
     "client": {"errors", "guesses", "net", "wire", "_version", "positions", "generation"},
     "stage": {"errors", "guesses", "model", "net", "tensors", "wire", "_version", "positions", "placement"},
@@ -34,6 +35,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "peer": {"errors", "guesses", "model", "net", "wire", "api", "client", "stage", "config", "_version", "placement"},
     "aio": {"errors", "model", "net", "api", "config", "peer"},
     "cli": {"errors", "guesses", "positions", "generation", "model", "net", "hub", "api", "client", "stage", "config",
+            "dashboard",
             "peer", "aio", "__init__", "_version"},
     "__init__": {"errors", "_version", "peer", "config"},
 }

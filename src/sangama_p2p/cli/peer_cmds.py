@@ -57,6 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="TCP port for direct lanes (stage traffic off libp2p; default: any free port)")
     p.add_argument("--no-lanes", action="store_true",
                    help="carry all stage traffic over libp2p streams (no direct lanes)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port; default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics server listens on (default 127.0.0.1)")
     add_progress_arg(p, "loading the stage")
     p.add_argument("--run-for", type=float, default=None, help=argparse.SUPPRESS)  # tests: stop after N seconds
     p.set_defaults(handler=_join)
@@ -146,35 +150,48 @@ def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str
     what = f"layers {layers}" if not str(layers).startswith("auto") else "the layers the swarm lacks"
 
     async def main() -> None:
-        async with Peer(config.replace(model_path=None), key_pair=key_pair) as peer:
-            mid = model_id or (config.stage.model_id if config.stage is not None else default_model_id(model))
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(warn_if_unchainable, peer.node, mid, checked)  # while the layers load
-                with progress(f"loading {what} of {Path(model).name}", show=show):
-                    start, end = await peer.serve(model, layers, model_id=model_id, tokenizer=False, **options)
-                # a lookup still under way gets a few seconds more, not the stage's readiness
-                nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + 10.0)
-            server = peer.servers[-1]
-            # `ready` means reachable: public, or with a relay circuit address in the published record
-            with progress("waiting until other peers can reach this one", show=show):
-                reach = await peer.wait_reachable()
-            # from here on a signal stops us through the normal exit path: install the handler before saying ready
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                say(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}")
-                for addr in peer.addrs:
-                    say(f"  listening {addr}")
-                say(f"  reachable {reach}")
-                if peer.rebalancer is not None:  # an auto range may move later (stage/rebalance.py)
-                    peer.rebalancer.on_move = lambda m: say(f"moved {peer.peer_id} {server.config.model_id} "
-                                                            f"{m.new[0]}:{m.new[1]}")
-                if sys.stdout.isatty():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(_live_panel, peer)
-                        await until_signal(signals, args.run_for)
-                        nursery.cancel_scope.cancel()
-                else:
+        async with Peer(config.replace(model_path=None), key_pair=key_pair) as peer, trio.open_nursery() as extras:
+            await _serve(peer, extras)
+            extras.cancel_scope.cancel()
+
+    async def _serve(peer: Any, extras: Any) -> None:
+        metrics = None
+        if args.metrics_port is not None:  # bound before the layers load: a busy port fails in seconds
+            from ..net.bans import default_bans_path
+            from ..stage.metrics import serve_metrics, stage_registry
+
+            metrics = await extras.start(serve_metrics, stage_registry(lambda: peer.servers, default_bans_path()),
+                                         args.metrics_host, args.metrics_port)
+        mid = model_id or (config.stage.model_id if config.stage is not None else default_model_id(model))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(warn_if_unchainable, peer.node, mid, checked)  # while the layers load
+            with progress(f"loading {what} of {Path(model).name}", show=show):
+                start, end = await peer.serve(model, layers, model_id=model_id, tokenizer=False, **options)
+            # a lookup still under way gets a few seconds more, not the stage's readiness
+            nursery.cancel_scope.deadline = min(nursery.cancel_scope.deadline, trio.current_time() + 10.0)
+        server = peer.servers[-1]
+        # `ready` means reachable: public, or with a relay circuit address in the published record
+        with progress("waiting until other peers can reach this one", show=show):
+            reach = await peer.wait_reachable()
+        # from here on a signal stops us through the normal exit path: install the handler before saying ready
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            say(f"{READY_PREFIX}{peer.peer_id} {server.config.model_id} {start}:{end}")
+            for addr in peer.addrs:
+                say(f"  listening {addr}")
+            say(f"  reachable {reach}")
+            if metrics is not None:
+                say(f"  metrics {metrics}/metrics")
+            if peer.rebalancer is not None:  # an auto range may move later (stage/rebalance.py)
+                peer.rebalancer.on_move = lambda m: say(f"moved {peer.peer_id} {server.config.model_id} "
+                                                        f"{m.new[0]}:{m.new[1]}")
+            if sys.stdout.isatty():
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_live_panel, peer)
                     await until_signal(signals, args.run_for)
-                say("stopping")
+                    nursery.cancel_scope.cancel()
+            else:
+                await until_signal(signals, args.run_for)
+            say("stopping")
 
     trio.run(main)
     return 0

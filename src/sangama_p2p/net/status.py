@@ -21,7 +21,7 @@ import msgpack
 import trio
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError, translate
+from ..errors import NetworkError, SangamaError, translate
 from .dial import dial_peer
 from .discovery import RECORDS_PROTOCOL, find_serving_peers
 from .holepunch import link_info
@@ -30,7 +30,7 @@ from .lineup import Lineup, choose_lineup
 from .node import Node
 from .records import ServingRecord, decode_record, record_key
 
-__all__ = ["PeerStatus", "SwarmStatus", "ban_lines", "fetch_links", "fetch_records", "survey"]
+__all__ = ["PeerStatus", "SwarmStatus", "ban_lines", "fetch_info", "fetch_links", "fetch_records", "survey"]
 
 log = logging.getLogger(__name__)
 MAX_RESPONSE = 1 << 20
@@ -179,6 +179,33 @@ async def fetch_links(node: Node, peer_id: ID, *, timeout: float = 5.0) -> dict[
             return {}
         return body if isinstance(body, dict) else {}
     return {}
+
+
+async def fetch_info(node: Node, peer_id: str, *, timeout: float = 3.0) -> dict[str, Any] | None:
+    """A stage's own figures over the info protocol (``throughput``, ``free_sessions``, ``queue``: fresher than its
+    record), or None when it does not answer (the dashboard asks this of every serving peer)."""
+    from ..wire.messages import InfoRequest, InfoResponse
+    from ..wire.protocols import INFO_PROTOCOL
+    from .streams import FramedStream
+
+    with trio.move_on_after(timeout):
+        try:
+            stream = await node.host.new_stream(ID.from_base58(peer_id), [INFO_PROTOCOL])
+        except Exception as exc:  # no handler, gone: the record's figures stand
+            log.debug("%s gave no info: %s", peer_id, exc)
+            return None
+        fs = FramedStream(stream, max_frame=4096)
+        try:
+            await fs.send(InfoRequest())
+            msg = await fs.recv()
+        except (SangamaError, trio.BrokenResourceError) as exc:
+            log.debug("info from %s failed: %s", peer_id, exc)
+            return None
+        finally:
+            await fs.aclose()
+        if isinstance(msg, InfoResponse) and msg.peer == peer_id:
+            return {"throughput": msg.throughput, "free_sessions": msg.free_sessions, "queue": msg.queue}
+    return None
 
 
 def _small_dict(value: Any) -> dict[str, Any] | None:

@@ -28,7 +28,15 @@ from ..wire.codec import decode, encode_message_frame
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
 from ..wire.messages import Message
 
-__all__ = ["FramedStream", "MemoryStream", "PeerConn", "memory_stream_pair"]
+__all__ = ["FRAME_BYTES", "FramedStream", "MemoryStream", "PeerConn", "memory_stream_pair"]
+
+FRAME_BYTES: dict[tuple[str, str], int] = {}
+"""Bytes this process's framed streams received and sent, by (link kind, ``"in"``/``"out"``): ``lane``, ``libp2p``,
+``local`` (the stage's ``/metrics``, ``sangama_stage_frame_bytes_total``)."""
+
+
+def _count(kind: str, direction: str, n: int) -> None:
+    FRAME_BYTES[kind, direction] = FRAME_BYTES.get((kind, direction), 0) + n
 
 
 class FramedStream:
@@ -61,7 +69,9 @@ class FramedStream:
 
     async def _read(self, n: int) -> bytes:
         try:
-            return await self.stream.read(n)
+            data = await self.stream.read(n)
+            _count(self.link_kind, "in", len(data))
+            return data
         except Exception as exc:  # StreamEOF, StreamReset, MuxedConnUnavailable, ...: all end this stream
             if type(exc).__name__ in ("StreamEOF", "StreamClosed"):  # libp2p's end of stream, or ours (a reset)
                 return b""
@@ -102,7 +112,9 @@ class FramedStream:
         Raises :class:`StreamClosed` when the stream is gone, WireError for a message that cannot be encoded."""
         if not self.can_send_nowait:
             return False
-        self._write_now(encode_message_frame(msg, self.max_frame))
+        frame = encode_message_frame(msg, self.max_frame)
+        self._write_now(frame)
+        _count(self.link_kind, "out", len(frame))
         return True
 
     @property
@@ -129,6 +141,7 @@ class FramedStream:
         lane with no write in flight the frame goes straight to the socket (no lock, no yield) when it fits."""
         if self.closed:
             raise StreamClosed(f"stream to {self.peer} is closed")
+        _count(self.link_kind, "out", len(frame))
         if self.can_send_nowait:
             self._write_now(frame)
             if not self._tail:

@@ -81,6 +81,8 @@ class _Stats:
     jobs: int = 0
     tokens: int = 0
     ewma_step_s: float = 0.0  # smoothed duration of a decode-like batched step (prefills left out)
+    compute_s: float = 0.0  # seconds the batched steps took, all together
+    queue_s: float = 0.0  # seconds the jobs waited between their frame's arrival and their step's start, summed
 
 
 class Scheduler:
@@ -206,6 +208,8 @@ class Scheduler:
         s.jobs += len(ready)
         s.tokens += sum(len(batch[i].msg.token_ids) for i in ready)
         dt = (t1 - t0) / 1e9
+        s.compute_s += dt
+        s.queue_s += sum(max(t0 - batch[i].recv_ns, 0) for i in ready) / 1e9
         if _decode_like([batch[i] for i in ready]):
             s.ewma_step_s = dt if not s.ewma_step_s else 0.8 * s.ewma_step_s + 0.2 * dt
         for i, res in zip(ready, results):

@@ -1,0 +1,86 @@
+"""The dashboard's web server: starlette routes served by hypercorn's trio worker (as the OpenAI API is).
+
+Routes: ``GET /`` (and ``/dashboard``) the page, ``GET /events`` the swarm's state as server-sent events (one
+``data:`` JSON object per survey), ``GET /state.json`` the latest state, ``GET /metrics`` Prometheus text format,
+``GET /health``. The page is one HTML file with its script and style inline, shipped in the package
+(``dashboard/static/index.html``); it fetches nothing from elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import resources
+from typing import Any
+
+import trio
+
+from .live import SwarmWatch
+from .metrics import swarm_registry
+
+__all__ = ["build_app", "page_html", "serve_dashboard"]
+
+log = logging.getLogger(__name__)
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# starlette and hypercorn come with the `api` extra and take 0.5 s to import: imported where the server starts
+
+
+def page_html() -> str:
+    """The page, from the package's data."""
+    return resources.files(__package__).joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def build_app(watch: SwarmWatch) -> Any:
+    """The ASGI app over ``watch`` (its refresh task runs elsewhere: :func:`serve_dashboard`)."""
+    from prometheus_client import generate_latest
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    html = page_html()
+    registry = swarm_registry(watch)
+
+    async def page(request: Any) -> Any:
+        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+
+    async def events(request: Any) -> Any:
+        return StreamingResponse(watch.updates(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def state(request: Any) -> Any:
+        return JSONResponse(watch.state())
+
+    async def metrics(request: Any) -> Any:
+        return Response(generate_latest(registry), media_type=METRICS_TYPE)
+
+    async def health(request: Any) -> Any:
+        ok = watch.version > 0 and watch.error is None
+        return JSONResponse({"status": "ok" if ok else ("starting" if watch.version == 0 else "degraded"),
+                             "surveys": watch.version, "error": watch.error}, status_code=200 if ok else 503)
+
+    return Starlette(routes=[Route("/", page), Route("/dashboard", page), Route("/events", events),
+                             Route("/state.json", state), Route("/metrics", metrics), Route("/health", health)])
+
+
+async def serve_dashboard(watch: SwarmWatch, host: str, port: int,
+                          *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Refresh ``watch`` and serve the page on ``host:port`` until cancelled; ``task_status.started`` gets the base
+    URL (``http://host:port``)."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    cfg = Config()
+    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    cfg.accesslog = None
+    cfg.errorlog = log
+    cfg.graceful_timeout = 1.0
+
+    class _Status:
+        def started(self, binds: Any = None) -> None:
+            task_status.started(binds[0] if binds else None)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        await serve(build_app(watch), cfg, shutdown_trigger=trio.sleep_forever,
+                    task_status=_Status())  # type: ignore[arg-type]
+        nursery.cancel_scope.cancel()
