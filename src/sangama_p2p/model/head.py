@@ -91,7 +91,7 @@ class Head:
             for t in over:
                 mask[t] = False
                 if spans is None or float(spans[t]) == 0.0:  # a greedy row with that many near-ties (never seen)
-                    out[t] = self._whole(x[t : t + 1])[0]
+                    out[t] = self.whole(x[t : t + 1])[0]
                 else:  # a sampled row: its MAX_EXACT_ROWS highest scores (the tail's mass is negligible)
                     mask[t, coarse[t].topk(MAX_EXACT_ROWS).indices] = True
             t_idx, r_idx = mask.nonzero(as_tuple=True)
@@ -102,8 +102,9 @@ class Head:
         out[t_idx, r_idx] = (rows * xs).sum(-1)  # one reduction per (row, candidate): batching changes nothing
         return out
 
-    def _whole(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ stored.T`` in float32, a chunk of the stored rows at a time."""
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ stored.T`` in float32, a chunk of the stored rows at a time: every logit a float32 product of the
+        stored weight (perplexity scores every row's target, not only its top)."""
         out = torch.empty(x.shape[0], self.stored.shape[0], dtype=torch.float32, device=x.device)
         for r0, rows, _ in _row_chunks(self.stored, _CHUNK_BYTES):
             out[:, r0 : r0 + rows.shape[0]] = x @ rows.to(x.device).t()
