@@ -51,20 +51,27 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, float, f
         return out.read().decode(), usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
-def find_or_build_llama_cpp(given: str | None) -> Path:
+def find_or_build_llama_cpp(given: str | None, targets: tuple[str, ...] = ("llama-bench",)) -> Path:
+    """A llama.cpp tree whose build/bin holds ``targets`` (DIR, $LLAMA_CPP_DIR, or built from the sdist into
+    ~/.cache/sangama-bench; a cached build that lacks a target builds just that one)."""
+    def has(tree: Path) -> bool:
+        return all((tree / "build" / "bin" / t).exists() for t in targets)
+
     for cand in (given, os.environ.get("LLAMA_CPP_DIR")):
-        if cand and (Path(cand) / "build" / "bin" / "llama-bench").exists():
+        if cand and has(Path(cand)):
             return Path(cand)
     root = Path.home() / ".cache" / "sangama-bench"
     tree = root / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
-    if not (tree / "build" / "bin" / "llama-bench").exists():
-        root.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:", SDIST,
-                        "-d", str(root)], check=True)
-        with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as t:
-            t.extractall(root, filter="data")
-        subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=tree, check=True)
-        subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", "llama-bench"], cwd=tree,
+    if not has(tree):
+        if not tree.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:", SDIST,
+                            "-d", str(root)], check=True)
+            with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as t:
+                t.extractall(root, filter="data")
+        if not (tree / "build" / "CMakeCache.txt").exists():
+            subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=tree, check=True)
+        subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", *targets], cwd=tree,
                        check=True)
     return tree
 
