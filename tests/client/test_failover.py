@@ -69,7 +69,8 @@ def test_no_spare_for_a_dead_stage_raises_route_error(ckpt):
     async def main():
         with trio.fail_after(60):
             async with fleet(ckpt, [(0, 4), (4, 8)]) as f:
-                async with ChainClient(f.clients[0], ClientConfig(MODEL, step_timeout=10)) as client:
+                config = ClientConfig(MODEL, step_timeout=10, recover_s=0)  # give up at once
+                async with ChainClient(f.clients[0], config) as client:
                     def on_tokens(new):
                         if f.stages[1][2].cancel_called is False:
                             f.kill(1)
@@ -78,6 +79,37 @@ def test_no_spare_for_a_dead_stage_raises_route_error(ckpt):
                         await client.generate(PROMPT, 20, on_tokens=on_tokens)
 
     trio.run(main)
+
+
+def test_a_generation_waits_for_a_peer_to_cover_the_range_its_dead_stage_left(ckpt):
+    """The only 4:8 stage dies mid-generation beside two 0:4 stages, and a peer starts serving 4:8 three seconds
+    later (what the ``--layers auto`` spare of 0:4 does when it moves, issue 24): the failover surveys again every
+    ``recover_every_s`` until the range is covered, replays, and the tokens are those of an uninterrupted run.
+    Without a served-twice layer (nobody could move) the failover gives up at once (the test above)."""
+    want = local_chain(ckpt, [(0, 4), (4, 8)]).generate(PROMPT, 20).tokens
+    killed: list[float] = []
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [(0, 4), (0, 4), (4, 8)]) as f:
+                config = ClientConfig(MODEL, step_timeout=10, recover_s=30, recover_every_s=0.5)
+                async with ChainClient(f.clients[0], config) as client, trio.open_nursery() as nursery:
+                    async def cover_later():
+                        await trio.sleep(3)
+                        await f.add_stage(4, 8)
+
+                    def on_tokens(new):
+                        if not killed:
+                            killed.append(trio.current_time())
+                            f.kill(2)
+                            nursery.start_soon(cover_later)
+
+                    res = await client.generate(PROMPT, 20, on_tokens=on_tokens)
+        return res
+
+    res = trio.run(main)
+    assert killed and res.tokens == want
+    assert res.failovers == 1 and res.replay_diverged is None
 
 
 def test_cancelled_generations_leave_the_shared_streams_healthy(ckpt):

@@ -38,7 +38,10 @@ class ClientConfig:
     ``verify``: the fraction of trips re-run through a second chain of other peers for the same ranges and compared
     (:mod:`sangama_p2p.client.verify`; None: 0.05 in a public swarm, 0 in a private fleet, i.e. with a fleet
     secret). A peer found lying is banned for ``ban_s`` seconds; ``bans_file``: where bans are kept between runs
-    (``status`` shows them; None: in memory only).
+    (``status`` shows them; None: in memory only). ``recover_s``: after a failover finds no chain (the only peer of a
+    range left), how long the generation waits for one, surveying again every ``recover_every_s`` seconds (peers
+    that joined with ``--layers auto`` move to cover a range nobody serves, within about 25 s); a generation's
+    first route never waits (0: give up at once).
     """
 
     model_id: str
@@ -59,6 +62,8 @@ class ClientConfig:
     verify: float | None = None
     bans_file: Path | None = None
     ban_s: float = 24 * 3600.0
+    recover_s: float = 60.0
+    recover_every_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -72,6 +77,8 @@ class ClientConfig:
             raise RouteError(f"fingerprint must be 32 lowercase hex digits, got {self.fingerprint!r}")
         if self.stall_factor < 0 or self.stall_floor_s <= 0:
             raise RouteError("stall_factor must be >= 0 and stall_floor_s positive")
+        if self.recover_s < 0 or self.recover_every_s <= 0:
+            raise RouteError("recover_s must be >= 0 and recover_every_s positive")
         if self.max_failovers < 0:
             raise RouteError("max_failovers must be >= 0")
         if self.max_step_tokens <= 0:

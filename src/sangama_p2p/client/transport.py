@@ -16,11 +16,13 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
+import trio
+
 from ..errors import ErrorCode, RouteError
 from ..generation import Answer, GenerationResult, Trip
 from ..positions import session_length
 from .config import ClientConfig
-from .routing import hop_latencies
+from .routing import RouteCandidate, hop_latencies
 from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
 from .timing import trip_timing
 from .verifier import TripVerifier, Verification
@@ -137,9 +139,26 @@ class ChainTransport:
         self.exclude |= bad
         if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
             self.avoid |= stalled
-        self.session = await client.open_chain(self.params, self.exclude, 0.0 if config.rediscover else math.inf,
-                                               pin=session.fingerprint, avoid=self.avoid)
+        self.session = await self._reopen(session.fingerprint)
         client.active[id(result)] = self.session
+
+    async def _reopen(self, fingerprint: str | None) -> ChainSession:
+        """A chain for the rest of the generation; when none covers the model while some layer is served twice (a
+        spare that may move to the range that was left), survey again every ``recover_every_s`` until one does or
+        ``recover_s`` passed."""
+        client, config = self.client, self.client.config
+        deadline = trio.current_time() + config.recover_s
+        while True:
+            try:
+                return await client.open_chain(self.params, self.exclude, 0.0 if config.rediscover else math.inf,
+                                               pin=fingerprint, avoid=self.avoid)
+            except RouteError as exc:
+                live = [o for o in client.offers if o.peer_id not in self.exclude]
+                if trio.current_time() + config.recover_every_s > deadline or not _has_spare(live):
+                    raise  # nobody could move to the range that was left: say so at once
+                log.info("no chain to continue on (%s): surveying again in %g s", exc, config.recover_every_s)
+                await trio.sleep(config.recover_every_s)
+
 
     async def close(self) -> None:
         self.client.active.pop(id(self.result), None)
@@ -152,3 +171,9 @@ class ChainTransport:
                 await self.verifier.aclose()
         finally:
             await self.session.close()
+
+
+def _has_spare(offers: Sequence[RouteCandidate]) -> bool:
+    """Whether two of ``offers`` overlap: some layer is served twice, so a peer could leave it for a gap."""
+    spans = sorted((o.start, o.end) for o in offers)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
