@@ -52,6 +52,8 @@ class Answer:
 
     tokens: tuple[int, ...]
     guesses: tuple[int, ...] = ()
+    # one per token when the request asked for log-probabilities (wire.TokenLogprobs); a replay compares tokens only
+    logprobs: tuple[Any, ...] = field(default=(), compare=False)
 
     @property
     def accepted(self) -> int:
@@ -76,6 +78,7 @@ class GenerationResult:
     prompt_ids: list[int]
     tokens: list[int]  # new token ids
     text: str | None = None
+    logprobs: list[Any] = field(default_factory=list)  # one per new token when asked for (wire.TokenLogprobs)
     prefill_s: float = 0.0  # until the first new token
     decode_s: float = 0.0  # from the first new token to the last
     steps: int = 0  # trips after the first (prefill chunks and replays count too)
@@ -206,11 +209,13 @@ class Generation:
             self._count_guesses(k, accepted)
         self.start = next_start(trip.start, len(trip.tokens), k, accepted)
         out, new = res.tokens, []
-        for tok in answer.tokens:
+        for j, tok in enumerate(answer.tokens):
             if len(out) >= self.max_new:
                 break
             out.append(tok)
             new.append(tok)
+            if answer.logprobs:
+                res.logprobs.append(answer.logprobs[j])
             if tok in self.stop:
                 break
         now = self.clock() if now is None else now

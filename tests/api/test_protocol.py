@@ -38,7 +38,14 @@ def test_parse_request_defaults_and_fields():
     ({"model": "m", "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": "m", "prompt": "hi", "stop": ["a"] * 5}, "stop"),
     ({"model": "m", "prompt": "hi", "guesses": 99}, "guesses"),
-    ({"model": "m", "prompt": "hi", "logprobs": 5}, "logprobs"),
+    ({"model": "m", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": 1}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "hi", "max_tokens": 101}, "max_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**12},
@@ -53,6 +60,17 @@ def test_bad_requests_are_400_naming_the_field(body, param):
     with pytest.raises(ApiError) as err:
         _parse(body, chat="messages" in body)
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_logprobs_fields_parse_as_openai_defines_them():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}]}
+    assert _parse(chat, chat=True).top_logprobs is None
+    assert _parse({**chat, "logprobs": False}, chat=True).top_logprobs is None
+    assert _parse({**chat, "logprobs": True}, chat=True).top_logprobs == 0
+    assert _parse({**chat, "logprobs": True, "top_logprobs": 20}, chat=True).top_logprobs == 20
+    assert _parse({"model": "m", "prompt": "hi", "logprobs": 0}, chat=False).top_logprobs == 0
+    assert _parse({"model": "m", "prompt": "hi", "logprobs": 5}, chat=False).top_logprobs == 5
+    assert _parse({**chat, "response_format": {"type": "text"}}, chat=True).top_logprobs is None
 
 
 def test_decode_body_names_the_field_nested_too_deeply():

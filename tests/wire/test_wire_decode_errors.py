@@ -57,8 +57,17 @@ def test_a_version_1_open_session_is_refused_by_its_version_byte() -> None:
     v1 = [SID, "m", 4, 8, None, "client", 64, 0.0, 1.0, 0, 0, False]
     with pytest.raises(UnsupportedVersionError, match="version 1"):
         decode(payload(1, v1, version=1))
-    with pytest.raises(MalformedFrameError, match="13 fields"):
+    with pytest.raises(MalformedFrameError, match="14 fields"):
         decode(payload(1, v1))
+
+
+def test_a_version_2_step_result_is_refused_by_its_version_byte() -> None:
+    """Version 2's StepResult had no logprobs (5 fields): refused for its version, and for its arity at version 3."""
+    v2 = [SID, 1, [7], [], []]
+    with pytest.raises(UnsupportedVersionError, match="version 2"):
+        decode(payload(4, v2, version=2))
+    with pytest.raises(MalformedFrameError, match="6 fields"):
+        decode(payload(4, v2))
 
 
 @pytest.mark.parametrize("tag", [0, 7, 15, 19, 255])

@@ -22,6 +22,7 @@ from sangama_p2p.wire import (
     Step,
     StepResult,
     Tensor,
+    TokenLogprobs,
     TraceStamp,
     decode,
     encode,
@@ -58,8 +59,19 @@ def open_sessions(draw: st.DrawFn) -> OpenSession:
         draw(sids), draw(ids), start, draw(st.integers(start + 1, 2000)), draw(st.none() | ids), draw(st.none() | ids),
         draw(ids),
         draw(idx), draw(st.floats(0, 10)), draw(st.floats(0.01, 1.0)), draw(u64), draw(st.integers(0, MAX_GUESSES)),
-        draw(st.booleans()),
+        draw(st.booleans()), draw(st.none() | st.integers(0, 20)),
     )  # fmt: skip
+
+
+@st.composite
+def step_results(draw: st.DrawFn) -> StepResult:
+    toks = draw(st.lists(tokens, min_size=1, max_size=MAX_GUESSES + 1).map(tuple))
+    lp = st.floats(-1e4, 0.0)
+    top = draw(st.integers(0, 20))
+    score = st.builds(TokenLogprobs, lp, st.lists(tokens, min_size=top, max_size=top).map(tuple),
+                      st.lists(lp, min_size=top, max_size=top).map(tuple))
+    scores = draw(st.just(()) | st.lists(score, min_size=len(toks), max_size=len(toks)).map(tuple))
+    return StepResult(draw(sids), draw(u64), toks, draw(guesses), draw(traces), scores)
 
 
 @st.composite
@@ -75,6 +87,7 @@ messages = st.one_of(
     st.builds(SessionOpened, sids, idx),
     st.builds(Step, sids, u64, idx, st.lists(tokens, max_size=32).map(tuple), st.none() | tensors(), guesses, traces),
     st.builds(StepResult, sids, u64, guesses, guesses, traces),
+    step_results(),
     st.builds(CloseSession, sids),
     st.builds(ErrorMessage, st.none() | sids, st.none() | u64, st.sampled_from(list(ErrorCode)), st.text(max_size=60)),
     st.just(InfoRequest()),

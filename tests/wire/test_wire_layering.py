@@ -11,7 +11,7 @@ import sangama_p2p.wire as wire
 PUBLIC = {
     "DEFAULT_MAX_FRAME", "DTYPE_SIZES", "INFO_PROTOCOL", "LANE_PROTOCOL", "STAGE_PROTOCOL", "WIRE_VERSION", "CloseSession",
     "ErrorMessage", "FrameDecoder", "FrameReader", "InfoRequest", "InfoResponse", "LaneOffer", "Message", "OpenSession",
-    "SessionOpened", "Step", "StepResult", "Tensor", "TraceStamp", "decode", "encode", "encode_frame",
+    "SessionOpened", "Step", "StepResult", "Tensor", "TokenLogprobs", "TraceStamp", "decode", "encode", "encode_frame",
     "encode_message_frame", "read_exactly", "read_frame",
 }  # fmt: skip
 

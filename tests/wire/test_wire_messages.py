@@ -90,13 +90,13 @@ def test_type_tags_are_pinned() -> None:
         "InfoResponse": 17,
         "LaneOffer": 18,
     }
-    assert WIRE_VERSION == 2
-    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/2", "/sangama/info/2", "/sangama/lane/3")
+    assert WIRE_VERSION == 3
+    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/3", "/sangama/info/3", "/sangama/lane/4")
 
 
 def test_payload_layout_is_pinned() -> None:
     header = msgpack.packb((SID,), use_bin_type=True)
-    assert encode(CloseSession(SID)) == bytes([2, 5]) + struct.pack(">I", len(header)) + header
+    assert encode(CloseSession(SID)) == bytes([3, 5]) + struct.pack(">I", len(header)) + header
     step = encode(Step(SID, 1, 2, (), Tensor("fp16", (2,), b"\x01\x02\x03\x04"), (), ()))
     assert step.endswith(b"\x01\x02\x03\x04")
     (hlen,) = struct.unpack(">I", step[2:6])
@@ -104,9 +104,10 @@ def test_payload_layout_is_pinned() -> None:
 
 
 def test_info_response_bytes_are_pinned() -> None:
-    # Field names never travel: renaming ``throughput_tps`` to ``throughput`` changed no byte (bytes from before it).
+    # Field names never travel: renaming ``throughput_tps`` to ``throughput`` changed no byte (bytes from before it;
+    # only the version byte moved, 2 -> 3).
     msg = InfoResponse("12D3KooWA", "m", 0, 20, 41.5, 3, 2, "0.1.0")
-    assert encode(msg).hex() == "02110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
+    assert encode(msg).hex() == "03110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
     assert [f.name for f in dataclasses.fields(InfoResponse)] == [
         "peer", "model_id", "start", "end", "throughput", "free_sessions", "queue", "version"]
 
@@ -218,3 +219,23 @@ def test_bad_trace_stamp_and_error_code() -> None:
 def test_encoding_a_non_message_is_refused() -> None:
     with pytest.raises(InvalidMessageError):
         encode(TRACE[0])  # type: ignore[arg-type]
+
+
+def test_step_result_logprobs_round_trip_and_are_checked() -> None:
+    from sangama_p2p.wire import TokenLogprobs
+
+    scores = (TokenLogprobs(-0.25, (7, 3), (-0.25, -1.5)), TokenLogprobs(-2.0, (1, 2), (-0.5, -2.0)))
+    res = StepResult(SID, 4, (7, 9), (), (), scores)
+    back = decode(encode(res))
+    assert back == res and back.logprobs[0].top_ids == (7, 3)
+    assert decode(encode(StepResult(SID, 4, (7,), (), ()))).logprobs == ()
+    with pytest.raises(InvalidMessageError, match="logprobs for 1 tokens"):
+        StepResult(SID, 4, (7,), (), (), scores)
+    with pytest.raises(InvalidMessageError, match="<= 0"):
+        TokenLogprobs(0.5, (), ())
+    with pytest.raises(InvalidMessageError, match="top_logprobs for"):
+        TokenLogprobs(-1.0, (1, 2), (-1.0,))
+    with pytest.raises(InvalidMessageError, match="top_ids"):
+        TokenLogprobs(-1.0, tuple(range(21)), (-1.0,) * 21)
+    with pytest.raises(InvalidMessageError, match="top_logprobs must lie"):
+        OpenSession(SID, "m", 0, 4, None, None, "c", 64, 0.0, 1.0, 0, 0, False, 21)

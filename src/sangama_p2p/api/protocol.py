@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import ApiError, CapacityError, ChatTemplateError, ErrorCode, ModelError, RouteError, SangamaError
 from ..errors import StageError, translate
 from ..guesses import parse_guesses
+from .logprobs import parse_logprobs
 
 __all__ = ["ApiRequest", "StopScanner", "chat_chunk", "chat_response", "completion_chunk", "completion_response",
            "decode_body", "error_body", "error_for", "fit_context", "parse_request", "prompt_chars", "usage"]
@@ -46,6 +47,7 @@ class ApiRequest:
     guesses: int | str
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens, past the end-of-sequence ids
     max_tokens_field: str | None = None  # the field that set max_tokens (None: the server's default)
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
 
 
 def decode_body(raw: bytes) -> Any:
@@ -119,7 +121,13 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     n = _int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(f"n={n} is not supported: this server returns one choice (n=1)", param="n")
-    for name in ("logprobs", "echo", "tools", "functions", "logit_bias", "best_of"):
+    top_logprobs = parse_logprobs(body, chat=chat)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+        raise ApiError(f"response_format {kind!r} is not supported by this server (constrained decoding is not "
+                       "implemented; only {\"type\": \"text\"})", param="response_format")
+    for name in ("echo", "tools", "functions", "logit_bias", "best_of"):
         value = body.get(name)
         if value not in (None, False, 0, 1, {}, []) or (name == "best_of" and value not in (None, 1)):
             raise ApiError(f"{name} is not supported by this server", param=name)
@@ -190,7 +198,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     return ApiRequest(chat, model, prompt, messages, max_tokens or default_max_tokens,
                       _number(body, "temperature", 1.0, 0.0, 2.0), top_p, int(seed or 0), stops, stream,
                       bool(options and options.get("include_usage")), guesses, ignore_eos,
-                      field if max_tokens is not None else None)
+                      field if max_tokens is not None else None, top_logprobs)
 
 
 def prompt_chars(req: ApiRequest) -> int:
@@ -282,30 +290,32 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict[str, Any]
 
 
 def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, int],
-                  token_ids: Sequence[int]) -> dict[str, Any]:
+                  token_ids: Sequence[int], logprobs: Any = None) -> dict[str, Any]:
     return {**_head(rid, "chat.completion", model, None),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None, "token_ids": list(token_ids)}],
+                         "logprobs": logprobs, "token_ids": list(token_ids)}],
             "usage": use}
 
 
 def completion_response(rid: str, model: str, text: str, finish: str, use: dict[str, int],
-                        token_ids: Sequence[int]) -> dict[str, Any]:
+                        token_ids: Sequence[int], logprobs: Any = None) -> dict[str, Any]:
     return {**_head(rid, "text_completion", model, None),
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs,
                          "token_ids": list(token_ids)}],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None, finish: str | None,
-               token_ids: Sequence[int] = (), use: dict[str, int] | None = None) -> dict[str, Any]:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None,
+               token_ids: Sequence[int] = (), use: dict[str, int] | None = None,
+               logprobs: Any = None) -> dict[str, Any]:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
                                          "token_ids": list(token_ids)}]
     return {**_head(rid, "chat.completion.chunk", model, created), "choices": choices, "usage": use}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None, finish: str | None,
-                     token_ids: Sequence[int] = (), use: dict[str, int] | None = None) -> dict[str, Any]:
-    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+                     token_ids: Sequence[int] = (), use: dict[str, int] | None = None,
+                     logprobs: Any = None) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs,
                                         "token_ids": list(token_ids)}]
     return {**_head(rid, "text_completion", model, created), "choices": choices, "usage": use}

@@ -38,6 +38,7 @@ from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder
 from .config import ApiConfig
 from .guard import ClientSlots, Gate, check_content_type, check_port, client_key, is_loopback, read_body
+from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import (ApiRequest, StopScanner, chat_chunk, chat_response, completion_chunk, completion_response,
                        decode_body, error_body, error_for, fit_context, new_id, parse_request, prompt_chars, usage)
 
@@ -119,6 +120,9 @@ class _Run:
     prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
+    scores: list[Any] = field(default_factory=list)  # wire.TokenLogprobs per token, when asked for
+    sent: int = 0  # tokens whose log-probabilities a chunk carried
+    chars: int = 0  # characters of completion text those chunks carried
 
 
 class ApiServer:
@@ -291,7 +295,8 @@ class ApiServer:
             if not await _while_connected(request, work):
                 return Response(status_code=499)  # nobody reads it: the client has gone, its sessions closed
             if req.stream:
-                stream = StreamingResponse(self._events(req, pieces, first[0], run), media_type="text/event-stream",
+                stream = StreamingResponse(self._events(model, req, pieces, first[0], run),
+                                           media_type="text/event-stream",
                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 release, done = None, release
                 return _Released(stream, done)
@@ -308,7 +313,8 @@ class ApiServer:
                 release()
         build = chat_response if chat else completion_response
         return JSONResponse(build(new_id(chat), req.model, "".join(text), run.finish or "length",
-                                  usage(run.prompt_tokens, len(run.tokens)), run.tokens))
+                                  usage(run.prompt_tokens, len(run.tokens)), run.tokens,
+                                  _logprobs(model, req, run, run.tokens)))
 
     async def _pieces(self, model: ServedModel, req: ApiRequest, ids: list[int], stop_ids: tuple[int, ...],
                       run: _Run) -> AsyncIterator[tuple[str, list[int]]]:
@@ -329,7 +335,9 @@ class ApiServer:
                 async for item in recv:
                     if isinstance(item, BaseException):
                         raise item
+                    item, score = item
                     run.tokens.append(item)
+                    run.scores.append(score)
                     held.append(item)
                     if item in stops:
                         run.finish = "stop"
@@ -355,9 +363,10 @@ class ApiServer:
         with scope:
             async with send:
                 try:
-                    async with aclosing(client.stream(ids, req.max_tokens, temperature=req.temperature,
-                                                      top_p=req.top_p, seed=req.seed, guesses=req.guesses,
-                                                      stop_tokens=stop_ids)) as tokens:
+                    async with aclosing(client.stream_scored(ids, req.max_tokens, req.top_logprobs,
+                                                             temperature=req.temperature, top_p=req.top_p,
+                                                             seed=req.seed, guesses=req.guesses,
+                                                             stop_tokens=stop_ids)) as tokens:
                         async for tok in tokens:
                             send.send_nowait(tok)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -368,16 +377,18 @@ class ApiServer:
                     except (trio.BrokenResourceError, trio.ClosedResourceError):  # the request is gone
                         pass
 
-    async def _events(self, req: ApiRequest, pieces: AsyncIterator[tuple[str, list[int]]],
+    async def _events(self, model: ServedModel, req: ApiRequest, pieces: AsyncIterator[tuple[str, list[int]]],
                       first: tuple[str, list[int]] | None, run: _Run) -> AsyncIterator[str]:
         rid, created = new_id(req.chat), int(time.time())
 
         def chunk(text: str | None, finish: str | None, toks: Sequence[int] = (), use: Any = None) -> str:
+            lp = _logprobs(model, req, run, toks) if toks else None
             if req.chat:
                 delta = None if text is None else ({"content": text} if finish is None else {})
-                obj = chat_chunk(rid, req.model, created, delta, finish, toks, use)
+                obj = chat_chunk(rid, req.model, created, delta, finish, toks, use, lp)
             else:
-                obj = completion_chunk(rid, req.model, created, text, finish, toks, use)
+                obj = completion_chunk(rid, req.model, created, text, finish, toks, use, lp)
+                run.chars += len(text or "")
             return f"data: {json.dumps(obj)}\n\n"
 
         if req.chat:
@@ -399,3 +410,13 @@ class ApiServer:
         if req.include_usage:
             yield chunk(None, None, use=usage(run.prompt_tokens, len(run.tokens)))
         yield "data: [DONE]\n\n"
+
+
+def _logprobs(model: ServedModel, req: ApiRequest, run: _Run, toks: Sequence[int]) -> Any:
+    """The ``logprobs`` of the next ``toks`` of ``run`` (None when the request asked for none)."""
+    if req.top_logprobs is None:
+        return None
+    scores, run.sent = run.scores[run.sent:run.sent + len(toks)], run.sent + len(toks)
+    if req.chat:
+        return chat_logprobs(model.tokenizer, toks, scores)
+    return completion_logprobs(model.tokenizer, toks, scores, run.chars)

@@ -298,6 +298,7 @@ class ChainClient:
         guesses: int | str = 0,
         stop_tokens: Sequence[int] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
+        top_logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``prompt_ids``; stop early at any of ``stop_tokens``.
 
@@ -305,9 +306,12 @@ class ChainClient:
         :class:`~sangama_p2p.errors.RouteError` when no chain covers the model (also after ``max_failovers``
         re-routes), :class:`~sangama_p2p.errors.StageError` (with its ``code``) when a stage refuses the request
         for a reason a re-route cannot fix (e.g. ``CAPACITY`` on every candidate, ``BAD_POSITION``).
+        ``top_logprobs``: fill ``result.logprobs`` (one ``wire.TokenLogprobs`` per new token, with that many
+        alternatives) from the last stage's float32 logits.
         """
         result = _network_result(prompt_ids)
-        async for new in self._run(result, max_new_tokens, temperature, top_p, seed, guesses, stop_tokens):
+        async for new in self._run(result, max_new_tokens, temperature, top_p, seed, guesses, stop_tokens,
+                                   top_logprobs):
             if on_tokens is not None:
                 on_tokens(new)
         return result
@@ -318,18 +322,29 @@ class ChainClient:
         To stop early and free the chain's sessions at once (not when the generator is collected), iterate inside
         ``async with contextlib.aclosing(client.stream(...)) as tokens:``.
         """
+        async for tok, _ in self.stream_scored(prompt_ids, max_new_tokens, None, **kwargs):
+            yield tok
+
+    async def stream_scored(self, prompt_ids: Sequence[int], max_new_tokens: int, top_logprobs: int | None,
+                            **kwargs: Any) -> AsyncIterator[tuple[int, Any]]:
+        """Like :meth:`stream`, yielding ``(token id, wire.TokenLogprobs)`` pairs: each token's log-probability
+        and its ``top_logprobs`` best alternatives' (``None`` in place of them when ``top_logprobs`` is None)."""
         result = _network_result(prompt_ids)
         opts = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "guesses": 0, "stop_tokens": ()}
         unknown = set(kwargs) - set(opts)
         if unknown:
             raise TypeError(f"unknown arguments {sorted(unknown)}")
         opts.update(kwargs)
-        async for new in self._run(result, max_new_tokens, **opts):  # type: ignore[arg-type]
-            for tok in new:
-                yield tok
+        async for new in self._run(result, max_new_tokens, **opts,  # type: ignore[arg-type]
+                                   top_logprobs=top_logprobs):
+            scores = (result.logprobs[len(result.tokens) - len(new):] if top_logprobs is not None
+                      else [None] * len(new))
+            for tok, score in zip(new, scores):
+                yield tok, score
 
     async def _run(self, result: GenerationResult, max_new: int, temperature: float, top_p: float, seed: int,
-                   guesses: int | str, stop_tokens: Sequence[int]) -> AsyncIterator[list[int]]:
+                   guesses: int | str, stop_tokens: Sequence[int],
+                   top_logprobs: int | None = None) -> AsyncIterator[list[int]]:
         """The generation loop (``generation.GenerationLoop``) over this client's network transport, yielding each
         trip's new tokens."""
         if not result.prompt_ids:
@@ -337,7 +352,8 @@ class ChainClient:
         if max_new <= 0:
             return
         max_guesses, adaptive = parse_guesses(guesses)
-        transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses, adaptive)
+        transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses, adaptive,
+                                              top_logprobs)
         loop = GenerationLoop([Generation(result, max_new, stop_tokens, max_step_tokens=self.config.max_step_tokens)])
         try:
             while trips := loop.trips():

@@ -62,6 +62,7 @@ class SessionParams:
     seed: int = 0
     max_guesses: int = 0
     adaptive_guesses: bool = False
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
 
 
 class ChainSession:
@@ -112,7 +113,7 @@ class ChainSession:
             prev = self.route[i - 1].peer_id if i else None
             msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, prev, p.client_id,
                               p.max_length, float(p.temperature), float(p.top_p), p.seed, p.max_guesses,
-                              p.adaptive_guesses)
+                              p.adaptive_guesses, p.top_logprobs)
             await self._send_to(link, msg)
         waiting = set(self.peers)
         with trio.move_on_after(self.open_timeout):
@@ -142,6 +143,11 @@ class ChainSession:
                             raise ChainBroken(f"{peer} is not the last stage but answered a step",
                                               misbehaving=frozenset({peer}))
                         check_result(got, token_ids, n_guesses, peer)
+                        if self.params.top_logprobs is not None and (
+                                len(got.logprobs) != len(got.tokens) or any(
+                                    len(s.top_ids) != self.params.top_logprobs for s in got.logprobs)):
+                            raise ChainBroken(f"{peer} answered without the {self.params.top_logprobs} logprobs "
+                                              "asked for", misbehaving=frozenset({peer}))
                         if len(got.guesses) > self.params.max_guesses:
                             raise ChainBroken(f"{peer} drafted {len(got.guesses)} guesses",
                                               misbehaving=frozenset({peer}))

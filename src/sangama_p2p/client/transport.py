@@ -65,14 +65,15 @@ class ChainTransport:
 
     @classmethod
     async def open(cls, client: ChainOpener, result: GenerationResult, max_new: int, temperature: float,
-                   top_p: float, seed: int, max_guesses: int, adaptive: bool) -> ChainTransport:
+                   top_p: float, seed: int, max_guesses: int, adaptive: bool,
+                   top_logprobs: int | None = None) -> ChainTransport:
         """Route and open a session for ``result``'s request; raises RouteError or StageRefused."""
         config, prompt = client.config, result.prompt_ids
         exclude: set[str] = set()  # open_chain adds the peers it had to leave out
         while True:
             params = SessionParams(config.model_id, client.peer_id,
                                    session_length(len(prompt), max_new, max_guesses),
-                                   temperature, top_p, seed, max_guesses, adaptive)
+                                   temperature, top_p, seed, max_guesses, adaptive, top_logprobs)
             try:
                 session = await client.open_chain(params, exclude, config.survey_max_age)
                 return cls(client, result, params, session, exclude)
@@ -110,7 +111,7 @@ class ChainTransport:
             self.result.route = self.session.peers
         emitted = 0 if trip.chunk or trip.replay else len(res.tokens)
         self.result.trips.append(trip_timing(trip.number, len(trip.tokens), emitted, trip_s, res.trace))
-        return [Answer(tuple(res.tokens), tuple(res.guesses))]
+        return [Answer(tuple(res.tokens), tuple(res.guesses), res.logprobs)]
 
     def _non_finite(self, exc: NonFiniteHidden) -> frozenset[str]:
         """Hidden states with NaN or Inf: the first time, the peer that computed them may be at fault (a broken
@@ -158,7 +159,6 @@ class ChainTransport:
                     raise  # nobody could move to the range that was left: say so at once
                 log.info("no chain to continue on (%s): surveying again in %g s", exc, config.recover_every_s)
                 await trio.sleep(config.recover_every_s)
-
 
     async def close(self) -> None:
         self.client.active.pop(id(self.result), None)

@@ -30,7 +30,7 @@ from .speculative import GuessPolicy, accept_guesses
 from .stage import StageModel
 from .state import Segment, SessionState
 
-__all__ = ["Decoder", "PENDING_MAX", "StepOutcome", "LastStep", "finish_steps"]
+__all__ = ["Decoder", "PENDING_MAX", "StepOutcome", "LastStep", "finish_steps", "token_logprobs"]
 
 PENDING_MAX = 64  # accepted rows a session that drafts nothing may hold back from the MTP layer
 
@@ -38,13 +38,15 @@ PENDING_MAX = 64  # accepted rows a session that drafts nothing may hold back fr
 class Decoder:
     """Per-session decoding state on the last stage: sampling, outstanding guesses, guess policy, counters."""
 
-    def __init__(self, state: SessionState, sampling: SamplingParams, policy: GuessPolicy) -> None:
+    def __init__(self, state: SessionState, sampling: SamplingParams, policy: GuessPolicy, *,
+                 top_logprobs: int | None = None) -> None:
         if not state.window.fits_guesses(policy.max_guesses):
             raise ModelError(f"{policy.max_guesses} guesses need a rollback ring of {ring_size(policy.max_guesses)}, "
                              f"session has {state.ring}")
         self.state = state
         self.sampling = sampling
         self.policy = policy
+        self.top_logprobs = top_logprobs  # None: no log-probabilities; n: each token's and its n best alternatives'
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.guesses: tuple[int, ...] = ()
         self.draft_probs: torch.Tensor | None = None  # [k, V] when sampling
@@ -108,6 +110,20 @@ class StepOutcome:
     tokens: tuple[int, ...]  # accepted guesses + one new token
     accepted: int
     guesses: tuple[int, ...]  # drafts to check in the next step
+    # per token (when the session asked): its log-probability and the top ones, (logprob, top ids, top logprobs)
+    logprobs: tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int
+                   ) -> tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...]:
+    """For each token ``tokens[j]`` chosen from ``logits[j]`` ([len(tokens), V]): its natural-log probability under
+    the model (float32 log-softmax of the raw logits: before temperature and top-p, as OpenAI reports them) and the
+    ``top`` highest ones, best first."""
+    lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)  # [T, V]
+    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.long).unsqueeze(-1)).squeeze(-1).clamp(max=0.0)
+    vals, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+    vals = vals.clamp(max=0.0)
+    return tuple((float(c), tuple(i), tuple(v)) for c, i, v in zip(chosen.tolist(), ids.tolist(), vals.tolist()))
 
 
 @dataclasses.dataclass
@@ -145,6 +161,7 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
     logits = stage.head_logits(wanted, _spans([it.decoder for it in items], [it.n_guesses + 1 for it in items]))
     # 2. acceptance per session
     outcomes: list[tuple[int, tuple[int, ...]]] = []
+    logprobs: list[tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...]] = []
     row = 0
     for it in items:
         k = it.n_guesses
@@ -155,6 +172,8 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
         if not dec.sampling.greedy:  # this step's draws (acceptance, new token, drafts) keyed by where they start
             dec.generator.manual_seed(position_seed(dec.sampling.seed, it.start + len(it.tokens) - k))
         res = accept_guesses(logits[row:row + k + 1], guesses, probs, dec.sampling, dec.generator)
+        scores = () if dec.top_logprobs is None else token_logprobs(logits[row:row + k + 1], res.tokens,
+                                                                    dec.top_logprobs)
         row += k + 1
         dec.steps += 1
         dec.proposed += k
@@ -165,9 +184,10 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
         dec.policy.update(k, res.accepted)
         dec.checked = k if is_decode_step(len(it.tokens), k) else None
         outcomes.append((res.accepted, res.tokens))
+        logprobs.append(scores)
     # 3. + 4. keep the MTP layer current and draft
     drafts = _mtp_and_draft(stage, items, offsets, normed.to(stage.dtype), outcomes)  # (the MTP computes in the stage's dtype)
-    return [StepOutcome(tokens, acc, drafts[i]) for i, (acc, tokens) in enumerate(outcomes)]
+    return [StepOutcome(tokens, acc, drafts[i], logprobs[i]) for i, (acc, tokens) in enumerate(outcomes)]
 
 
 def _mtp_and_draft(

@@ -60,6 +60,7 @@ from ..wire.messages import (
     SessionOpened,
     Step,
     StepResult,
+    TokenLogprobs,
     TraceStamp,
 )
 from ..wire.framing import ByteBudget
@@ -401,8 +402,9 @@ class StageServer:
 
         if out.last is not None:
             res = out.last
+            scores = tuple(TokenLogprobs(*s) for s in res.logprobs)
             self._to_owner(session, lambda: StepResult(m.session_id, m.step, res.tokens, res.guesses,
-                                                        (*m.trace, stamp())))
+                                                        (*m.trace, stamp()), scores))
             return
         hidden = out.hidden
         item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731

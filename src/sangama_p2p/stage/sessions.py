@@ -155,7 +155,8 @@ class SessionTable:
         decoder = None
         if model.is_last:
             sampling = SamplingParams(msg.temperature, msg.top_p, msg.seed)
-            decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses))
+            decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses),
+                              top_logprobs=msg.top_logprobs)
         session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need,
                                upstream=msg.prev_hop)
         self.sessions[msg.session_id] = session

@@ -24,6 +24,7 @@ from sangama_p2p.wire.messages import (
     SessionOpened,
     Step,
     StepResult,
+    TokenLogprobs,
     TraceStamp,
 )
 from sangama_p2p.wire.protocols import INFO_PROTOCOL, LANE_PROTOCOL, STAGE_PROTOCOL, WIRE_VERSION
@@ -49,6 +50,7 @@ __all__ = [
     "Step",
     "StepResult",
     "Tensor",
+    "TokenLogprobs",
     "TraceStamp",
     "decode",
     "encode",

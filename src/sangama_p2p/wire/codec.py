@@ -27,7 +27,7 @@ import msgpack
 from sangama_p2p.errors import InvalidMessageError, MalformedFrameError, UnsupportedVersionError, translate
 from sangama_p2p.wire.framing import DEFAULT_MAX_FRAME, encode_frame
 from sangama_p2p.wire.limits import MAX_U64, SESSION_ID_BYTES
-from sangama_p2p.wire.messages import MESSAGE_TYPES, Message, Step, StepResult, TraceStamp
+from sangama_p2p.wire.messages import MESSAGE_TYPES, Message, Step, StepResult, TokenLogprobs, TraceStamp
 from sangama_p2p.wire.protocols import WIRE_VERSION
 from sangama_p2p.wire.tensor import Tensor
 
@@ -81,12 +81,24 @@ def _step_in(f: Header, blob: Blob) -> Step:
 
 
 def _result_out(m: StepResult) -> tuple[Header, bytes]:
-    return (m.session_id, m.step, m.tokens, m.guesses, _trace_out(m.trace)), _EMPTY
+    scores = tuple((s.logprob, s.top_ids, s.top_logprobs) for s in m.logprobs)
+    return (m.session_id, m.step, m.tokens, m.guesses, _trace_out(m.trace), scores), _EMPTY
+
+
+def _logprobs_in(items: object) -> tuple[TokenLogprobs, ...]:
+    if type(items) is not tuple:
+        raise InvalidMessageError(f"logprobs must be an array, got {type(items).__name__}")
+    out = []
+    for item in items:
+        if type(item) is not tuple or len(item) != 3:
+            raise InvalidMessageError("a token's logprobs must be an array [logprob, top_ids, top_logprobs]")
+        out.append(TokenLogprobs(*item))
+    return tuple(out)
 
 
 def _result_in(f: Header, blob: Blob) -> StepResult:
     _no_blob(blob)
-    return StepResult(f[0], f[1], f[2], f[3], _trace_in(f[4]))
+    return StepResult(f[0], f[1], f[2], f[3], _trace_in(f[4]), _logprobs_in(f[5]))
 
 
 def _plain_out(names: tuple[str, ...]) -> Callable[[Any], tuple[Header, bytes]]:

@@ -35,6 +35,8 @@ MAX_TOKEN_ID: Final = 1 << 31
 MAX_GUESSES: Final = 8
 """Speculative guesses checked or drafted in one trip: the one bound, which the client's ``--guesses`` and a stage's
 ``max_guesses`` obey too (``sangama_p2p.guesses`` takes it from here)."""
+MAX_TOP_LOGPROBS: Final = 20
+"""Alternatives a session may ask the last stage to score per token (OpenAI's ``top_logprobs`` limit)."""
 MAX_TRACE: Final = 64
 """Trace stamps in one frame: one per stage, so at most this many stages per chain."""
 MAX_INDEX: Final = 1 << 31

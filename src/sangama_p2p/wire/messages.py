@@ -18,6 +18,7 @@ from sangama_p2p.wire.limits import (
     MAX_GUESSES,
     MAX_TEXT_BYTES,
     MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
     MAX_TRACE,
     MAX_U64,
     check_bool,
@@ -47,6 +48,7 @@ __all__ = [
     "SessionOpened",
     "Step",
     "StepResult",
+    "TokenLogprobs",
     "TraceStamp",
 ]
 
@@ -93,6 +95,7 @@ class OpenSession:
     seed: int
     max_guesses: int
     adaptive_guesses: bool
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -114,6 +117,7 @@ class OpenSession:
         check_uint("seed", self.seed, MAX_U64)
         check_uint("max_guesses", self.max_guesses, MAX_GUESSES + 1)
         check_bool("adaptive_guesses", self.adaptive_guesses)
+        check_opt_uint("top_logprobs", self.top_logprobs, MAX_TOP_LOGPROBS + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +162,31 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One returned token's natural-log probability under the model (float32 log-softmax of the logits it was
+    chosen from, before temperature and top-p), and the ``top_ids`` with the highest ones, best first."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _set(self, "logprob", check_float("logprob", self.logprob))
+        _set(self, "top_ids", check_tokens("top_ids", self.top_ids, MAX_TOP_LOGPROBS))
+        if type(self.top_logprobs) not in (tuple, list):
+            raise InvalidMessageError(f"top_logprobs must be a tuple, got {type(self.top_logprobs).__name__}")
+        tops = tuple(check_float("top_logprobs", v) for v in self.top_logprobs)
+        if len(tops) != len(self.top_ids):
+            raise InvalidMessageError(f"{len(tops)} top_logprobs for {len(self.top_ids)} top_ids")
+        if max((self.logprob, *tops)) > 0.0:
+            raise InvalidMessageError(f"log-probabilities must be <= 0, got {max((self.logprob, *tops))}")
+        _set(self, "top_logprobs", tops)
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
-    """Last stage -> client: ``tokens`` = accepted guesses + one new token; ``guesses`` = next drafts."""
+    """Last stage -> client: ``tokens`` = accepted guesses + one new token; ``guesses`` = next drafts;
+    ``logprobs``: one per token when the session asked for them (``OpenSession.top_logprobs``), else empty."""
 
     TAG: ClassVar[int] = 4
     session_id: bytes
@@ -167,6 +194,7 @@ class StepResult:
     tokens: tuple[int, ...]
     guesses: tuple[int, ...]
     trace: tuple[TraceStamp, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -174,6 +202,9 @@ class StepResult:
         _set(self, "tokens", check_tokens("tokens", self.tokens, MAX_GUESSES + 1))
         _set(self, "guesses", check_tokens("guesses", self.guesses, MAX_GUESSES))
         _set(self, "trace", check_tuple_of("trace", self.trace, TraceStamp, MAX_TRACE))
+        _set(self, "logprobs", check_tuple_of("logprobs", self.logprobs, TokenLogprobs, MAX_GUESSES + 1))
+        if self.logprobs and len(self.logprobs) != len(self.tokens):
+            raise InvalidMessageError(f"{len(self.logprobs)} logprobs for {len(self.tokens)} tokens")
 
 
 @dataclass(frozen=True, slots=True)
