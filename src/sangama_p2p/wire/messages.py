@@ -1,4 +1,4 @@
-"""The typed messages of ``/sangama/stage/2`` and ``/sangama/info/2`` (and the ``LaneOffer`` of ``/sangama/lane/3``).
+"""The typed messages of ``/sangama/stage/3`` and ``/sangama/info/3`` (and the ``LaneOffer`` of ``/sangama/lane/4``).
 
 Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
 Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
