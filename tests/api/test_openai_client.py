@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 openai = pytest.importorskip("openai")
+import httpx  # noqa: E402  (openai depends on it)
 
 from .conftest import KEY  # noqa: E402
 
@@ -39,6 +40,8 @@ def _chat_prompt(model_dir, local, messages):
 
 
 def test_models_auth_and_request_errors(api):
+    health = httpx.get(api.url + "/health", timeout=30)  # no key: what probes and load balancers ask
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": 1}
     client = _client(api)
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL

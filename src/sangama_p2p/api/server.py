@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP API over the swarm: starlette routes served by hypercorn's trio worker.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as server-sent
-events ending in ``data: [DONE]``). Each request runs one :meth:`ChainClient.stream` on the one client per model,
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` as
+server-sent events ending in ``data: [DONE]``). Each request runs one :meth:`ChainClient.stream` on the one client per model,
 so concurrent requests batch at the stages like concurrent ``generate`` calls. Chat prompts go through the
 checkpoint's own template (:func:`sangama_p2p.model.chat.render_chat`) and end at its stop ids. Errors are
 OpenAI's ``{"error": {...}}`` objects with the status :func:`~sangama_p2p.api.protocol.error_for` gives; a failure
@@ -156,6 +156,7 @@ class ApiServer:
                                         status, "invalid_request_error", code="not_found" if status == 404 else None))
 
         return Starlette(routes=[
+            Route("/health", self._health, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/models/{model:path}", self._model_info, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
@@ -220,6 +221,13 @@ class ApiServer:
 
     def _card(self, m: ServedModel) -> dict[str, Any]:
         return {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "sangama"}
+
+    async def _health(self, request: Any) -> Any:
+        """``GET /health``: 200 ``{"status": "ok", "models": N}`` while the server runs (no key needed: load balancers
+        and container probes ask it; it names no model)."""
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "ok", "models": len(self.models)})
 
     async def _models(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
