@@ -11,8 +11,8 @@ Instruct set of vs_llamacpp.py (F16, Q8_0, Q4_K_M, Q4_1). llama.cpp: built as vs
 
 Per file: ours (`sangama-peer perplexity FILE -f TEXT --ctx N --chunks K --json`, a fresh process), then
 `llama-perplexity -m FILE -f TEXT -c N --chunks K -t T` (its `[i]x` running figures and `Final estimate`), and the
-text's ids from `llama-tokenize --ids --no-parse-special` against ours (the first difference, if any: a tokenization
-difference would move the figures for reasons other than numerics). Prints a table and writes
+text's ids from `llama-tokenize --ids --no-parse-special --no-escape` against ours (the first difference, if any:
+a tokenization difference would move the figures for reasons other than numerics). Prints a table and writes
 benchmarks/results/perplexity.json. ``--ours-only J`` runs our side alone into J (while llama.cpp builds, say) and
 ``--ours-from J`` takes it from there.
 """
@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,10 +57,16 @@ def llama_perplexity(tree: Path, path: Path, text: Path, ctx: int, chunks: int |
             "chunk_ppl": [float(v) for _, v in _CHUNK.findall(out)], "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def llama_ids(tree: Path, path: Path, text: Path) -> list[int]:
-    cmd = [str(tree / "build" / "bin" / "llama-tokenize"), "-m", str(path), "-f", str(text), "--ids",
-           "--no-parse-special", "--log-disable"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+def llama_ids(tree: Path, path: Path, text: str) -> list[int]:
+    """``text``'s ids from llama-tokenize: it reads a file verbatim (no newline dropped) and, unless told
+    ``--no-escape``, turns ``\\"`` and the like into the characters (llama-perplexity does neither: it sets
+    ``params.escape = false``), so it is given exactly the text llama-perplexity tokenizes, unescaped."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".txt") as f:
+        f.write(text.encode())
+        f.flush()
+        cmd = [str(tree / "build" / "bin" / "llama-tokenize"), "-m", str(path), "-f", f.name, "--ids",
+               "--no-parse-special", "--no-escape", "--log-disable"]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return list(ast.literal_eval(out.strip().splitlines()[-1]))
 
 
@@ -116,7 +123,7 @@ def main() -> None:
     for label, path in files.items():
         mine = mine_all[label]
         theirs = llama_perplexity(tree, path, text_file, args.ctx, args.chunks, args.threads)
-        a, b = our_ids(path, text), llama_ids(tree, path, text_file)
+        a, b = our_ids(path, text), llama_ids(tree, path, text)
         diff = first_difference(a, b)
         rows.append({"file": label, "ours": round(mine["ppl"], 4), "llama_cpp": theirs["ppl"],
                      "rel_diff": round(mine["ppl"] / theirs["ppl"] - 1, 5),
