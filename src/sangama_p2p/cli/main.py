@@ -22,7 +22,7 @@ from .. import __version__
 from ..errors import SangamaError, group_leaves
 
 _COMMAND_MODULES = ("generate_cmds", "net_cmds", "make_cmds", "peer_cmds", "chat_cmds", "hub_cmds", "api_cmds",
-                    "dashboard_cmds")
+                    "dashboard_cmds", "perplexity_cmds")
 _VERBOSE_HELP = "more logging (-v info, -vv debug)"
 _WITHOUT_TORCH = frozenset({"id", "bootstrap", "status", "dashboard"})  # these run on machines without torch
 _TORCH = "torch"  # a name, so that tests can stand in a module of their own
