@@ -67,7 +67,10 @@ class Fleet:
 
     async def add_stage(self, start: int, end: int, *, ckpt: Checkpoint | None = None, **config: Any) -> StageServer:
         """A new peer serving ``[start, end)`` of ``ckpt`` (default: the fleet's checkpoint); cancel
-        ``stages[i][2]`` to kill it (node and server)."""
+        ``stages[i][2]`` to kill it (node and server). The stages measure no links unless asked
+        (``measure_links_every``): on loopback in one process a ping measures the event loop's delays, which made
+        routing, and the tests that expect a given chain, depend on the machine's load."""
+        config.setdefault("measure_links_every", 0.0)
         ready: list[Any] = []
         done = trio.Event()
 
