@@ -84,7 +84,9 @@ async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET
 
     The lookup starts from the routing table (topped up with the connected peers identify shows serving the DHT when
     it holds fewer than ``MIN_SEEDS``), asks the closest ``count`` peers seen until all of them answered or failed,
-    and keeps only the peers that answered: see :class:`ServerRouting` for why py-libp2p's own lookup is not used.
+    and keeps the peers that answered, then (where fewer answered than ``count``) those that were only slow: still
+    connected, no answer within ``QUERY_TIMEOUT`` (a busy server still takes a store). A peer that could not be
+    reached is never returned: see :class:`ServerRouting` for why py-libp2p's own lookup is not used.
     """
     local = host.get_id()
     peerstore = host.get_peerstore()
@@ -94,6 +96,7 @@ async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET
     seen.discard(local)
     asked: set[ID] = set()
     answered: set[ID] = set()
+    slow: set[ID] = set()
     limiter = trio.CapacityLimiter(CONCURRENCY)
 
     async def ask(peer: ID) -> None:
@@ -112,6 +115,7 @@ async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET
                         seen.add(info.peer_id)
                 return
             seen.discard(peer)  # no answer within QUERY_TIMEOUT
+            slow.add(peer)
 
     while True:  # until the closest ``count`` peers seen have all been asked
         todo = [p for p in sort_peer_ids_by_distance(key, list(seen))[:count] if p not in asked]
@@ -123,7 +127,9 @@ async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET
                 nursery.start_soon(ask, peer)
     for peer in answered:  # a peer that answered a KAD query is a DHT server
         await table.add_peer(peer, skip_server_mode_check=True)
-    return sort_peer_ids_by_distance(key, list(answered))[:count]
+    connected = set(host.get_connected_peers())
+    late = [p for p in sort_peer_ids_by_distance(key, list(slow - answered)) if p in connected]
+    return (sort_peer_ids_by_distance(key, list(answered)) + late)[:count]
 
 
 class ServerRouting(PeerRouting):
