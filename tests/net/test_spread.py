@@ -92,8 +92,9 @@ def _cgroup_reason() -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(_cgroup_reason() is not None, reason=_cgroup_reason() or "")
-def test_a_stage_held_to_a_quarter_of_a_core_is_avoided_while_an_equal_alternative_serves(tmp_path: Path) -> None:
-    """Issue 24, uneven speeds: two stages serve 4:8, one in a cgroup with a 25 % cpu quota. Its measured (and
+def test_a_stage_held_to_a_tenth_of_a_core_is_avoided_while_an_equal_alternative_serves(tmp_path: Path) -> None:
+    """Issue 24, uneven speeds: two stages serve 4:8, one in a cgroup with a 10 % cpu quota (its steps ~10x slower;
+    a loaded machine slows the other 2-4x, and at 25 % the two crossed once under the parallel suite). Its measured (and
     announced) speed is lower, so the client chains the other; once the other stops, the slow one is used (the only
     chain) and the tokens stay those of ``generate --local``."""
     import os
@@ -124,7 +125,7 @@ def test_a_stage_held_to_a_quarter_of_a_core_is_avoided_while_an_equal_alternati
 
     try:
         (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text("25000")  # a quarter of one core
+        (group / "cpu.cfs_quota_us").write_text("10000")  # a tenth of one core: far below any load's noise
         boot_p = start("bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(tmp_path / "b.key"))
         boot_p.wait_for("  --bootstrap ", 60)
         boot = next(x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap "))
@@ -149,4 +150,4 @@ def test_a_stage_held_to_a_quarter_of_a_core_is_avoided_while_an_equal_alternati
     assert first["route"] == [ids[0], ids[1]], (first["route"], ids)
     assert second["route"] == [ids[0], ids[2]], (second["route"], ids)
     print(f"\nuneven speeds: {first['decode_ms'] / max(1, first['steps']):.1f} ms per token on the fast chain, "
-          f"{second['decode_ms'] / max(1, second['steps']):.1f} on the 25 %-of-a-core stage")
+          f"{second['decode_ms'] / max(1, second['steps']):.1f} on the 10 %-of-a-core stage")
