@@ -63,9 +63,9 @@ def chromium(url: str, *extra: str) -> str:
 
     ``--timeout`` ends the page's load (its event stream stays open, so ``--virtual-time-budget`` never runs out);
     on a loaded machine the browser may dump before the first state arrived: then it tries again, waiting longer."""
-    for wait_ms in (8000, 15000, 30000):
+    for wait_ms in (8000, 20000, 60000):  # the two-worker suite once starved it past 30 s
         out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                              f"--timeout={wait_ms}", *extra, url], capture_output=True, text=True, timeout=120)
+                              f"--timeout={wait_ms}", *extra, url], capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stderr[-2000:]
         if "--dump-dom" not in extra or "<body data-version=" in out.stdout:
             return out.stdout
