@@ -298,10 +298,9 @@ class Peer:
             r = parse_layer_range(text)
             return r.start, r.end
         span = parse_auto_span(text, num_layers)
-        records = await find_serving_peers(self.node, model_id, include_self=False)
-        if ckpt is not None:  # only peers of our own checkpoint count: others will never be chained with us
-            mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint
-            records = [r for r in records if r.fingerprint == mine]
+        # only peers of our own checkpoint count: others will never be chained with us
+        mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint if ckpt else None
+        records = await find_serving_peers(self.node, model_id, include_self=False, fingerprint=mine)
         return choose_layers([(r.start, r.end) for r in records], num_layers, span)
 
     @staticmethod

@@ -105,11 +105,11 @@ async def warn_if_unchainable(node: Any, model_id: str, checked: Checked) -> str
     if checked.layers is None:
         return None
     try:
-        records = await find_serving_peers(node, model_id, include_self=False)
+        records = await find_serving_peers(node, model_id, include_self=False, fingerprint=checked.fingerprint)
     except SangamaError as exc:  # a look-up for a warning never stops the stage
         log.debug("looking up the ranges of %s: %s", model_id, exc)
         return None
-    spans = [(r.start, r.end) for r in records if r.fingerprint == checked.fingerprint]
+    spans = [(r.start, r.end) for r in records]
     warning = chain_warning(checked.layers, spans, checked.num_layers)
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr, flush=True)

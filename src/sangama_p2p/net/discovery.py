@@ -171,8 +171,10 @@ class Announcer:
                 await self._wake.wait()
 
 
-async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = True) -> list[ServingRecord]:
-    """Every live peer serving ``model_id`` with its newest valid record, sorted by layer range then peer id."""
+async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = True,
+                             fingerprint: str | None = None) -> list[ServingRecord]:
+    """Every live peer serving ``model_id`` with its newest valid record, sorted by layer range then peer id;
+    ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with)."""
     providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)))
     if not include_self:
         providers.discard(node.peer_id)
@@ -196,5 +198,6 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     async with trio.open_nursery() as nursery:
         for peer in providers:
             nursery.start_soon(fetch, peer)
-    return sorted(found.values(), key=lambda r: (r.start, r.end, r.peer_id))
+    keep = [r for r in found.values() if fingerprint is None or r.fingerprint == fingerprint]
+    return sorted(keep, key=lambda r: (r.start, r.end, r.peer_id))
 

@@ -64,8 +64,9 @@ class LinkMeter:
         ident = s.identity
         if ident is None or s.model.end >= ident.num_layers:
             return []
-        records = await find_serving_peers(s.node, s.config.model_id, include_self=False)
-        peers = sorted({r.peer_id for r in records if r.fingerprint == ident.fingerprint and r.start == s.model.end})
+        records = await find_serving_peers(s.node, s.config.model_id, include_self=False,
+                                           fingerprint=ident.fingerprint)
+        peers = sorted({r.peer_id for r in records if r.start == s.model.end})
         return peers[: s.config.max_measured_links]
 
     async def measure(self, peer: str) -> float | None:

@@ -83,9 +83,7 @@ class Rebalancer:
     async def live_ranges(self) -> dict[str, Range]:
         """Peer id -> the range each other live peer of our fingerprint serves now (as it answers, not as
         recorded)."""
-        me = self.node.peer_id.to_base58()
-        records = [r for r in await find_serving_peers(self.node, self.model_id, include_self=False)
-                   if r.fingerprint == self.fingerprint and r.peer_id != me]
+        records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint)
         found: dict[str, Range] = {}
 
         async def probe(rec: Any) -> None:
