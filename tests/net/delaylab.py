@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from .netns import remove_stale_labs
+    from .netns import delete_namespaces, remove_stale_labs
 except ImportError:  # imported as a top-level module (benchmarks put tests/net on sys.path)
-    from netns import remove_stale_labs  # type: ignore[no-redef]
+    from netns import delete_namespaces, remove_stale_labs  # type: ignore[no-redef]
 
 __all__ = ["DelayLab", "delaylab_unavailable_reason"]
 
@@ -155,14 +155,7 @@ class DelayLab:
                     pass
             _stop(self._router, grace=2)
             self._router = None
-        for name in reversed(self._made):
-            for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (OSError, ValueError):
-                    pass
-            _run(["ip", "netns", "del", name], check=False)
-        self._made.clear()
+        delete_namespaces(self._made)
 
     def _build(self) -> None:
         names = list(self.hosts)

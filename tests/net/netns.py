@@ -97,6 +97,18 @@ def remove_stale_labs() -> None:
             pass
 
 
+def delete_namespaces(made: list[str]) -> None:
+    """Kill what still runs in each namespace of ``made`` (newest first), delete it, and empty the list."""
+    for name in reversed(made):
+        for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
+            try:
+                os.kill(int(pid), 9)
+            except (OSError, ValueError):
+                pass
+        _run(["ip", "netns", "del", name], check=False)
+    made.clear()
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """A started agent's identity as the other agents need it."""
@@ -227,14 +239,7 @@ class NatLab:
             except Exception:  # keep tearing down: a stuck agent must not leave namespaces behind
                 pass
         self._agents.clear()
-        for name in reversed(self._made):
-            for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (OSError, ValueError):
-                    pass
-            _run(["ip", "netns", "del", name], check=False)
-        self._made.clear()
+        delete_namespaces(self._made)
 
     # -- building ------------------------------------------------------------------------------------------------
     def sh(self, role: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
