@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+
+# A suite started in the background by a non-interactive shell (`cmd &`, no job control) inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: every Ctrl-C test (ours, and the processes they start, which inherit
+# the disposition) would fail. Ctrl-C is what they test, so they get it back; a handler installed here is reset to the
+# default at exec, so the processes they start handle it too.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
