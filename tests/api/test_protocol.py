@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sangama_p2p.api import ApiConfig
@@ -42,10 +44,16 @@ def test_parse_request_defaults_and_fields():
     ({"model": "m", "prompt": "hi", "logprobs": True}, "logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": 1}, "logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "yaml"}},
      "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": "json"}, "response_format"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}],
-      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}],  # not a schema the engine can compile
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "quaternion"}}}},
+     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * 40_000]}}}}, "response_format"),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "hi", "max_tokens": 101}, "max_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 10**12},
@@ -71,6 +79,18 @@ def test_logprobs_fields_parse_as_openai_defines_them():
     assert _parse({"model": "m", "prompt": "hi", "logprobs": 0}, chat=False).top_logprobs == 0
     assert _parse({"model": "m", "prompt": "hi", "logprobs": 5}, chat=False).top_logprobs == 5
     assert _parse({**chat, "response_format": {"type": "text"}}, chat=True).top_logprobs is None
+
+
+def test_response_format_compiles_to_a_grammar_for_the_last_stage():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}]}
+    assert _parse(chat, chat=True).grammar is None
+    assert _parse({**chat, "response_format": {"type": "text"}}, chat=True).grammar is None
+    any_object = _parse({**chat, "response_format": {"type": "json_object"}}, chat=True).grammar
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    typed = _parse({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                   chat=True).grammar
+    assert any_object and typed and any_object != typed
+    assert json.loads(typed)  # llguidance's JSON form, as the wire carries it
 
 
 def test_decode_body_names_the_field_nested_too_deeply():

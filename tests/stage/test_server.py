@@ -218,3 +218,49 @@ def test_non_finite_hidden_states_are_refused_to_their_owner_with_a_typed_code(c
                 assert replies[good].step == 4 and len(replies[good].tokens) == 1
 
     trio.run(main)
+
+
+def test_a_grammar_holds_the_last_stage_and_is_refused_elsewhere(tmp_path, fl):
+    """Through ChainClient: output held to a schema (guesses asked for are off); over raw streams: a grammar sent to
+    a stage before the last, or one the engine cannot compile, is a BAD_FRAME for that session only."""
+    import json
+
+    from sangama_p2p.model.constraint import json_grammar
+
+    ckpt = fl.make_checkpoint(tmp_path, vocab=None)  # the made tokenizer's 1000 tokens spell JSON
+    c = open_checkpoint(ckpt)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [7, 8]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    grammar = json_grammar(schema)
+
+    async def main():
+        with trio.fail_after(90):
+            async with fl.fleet(ckpt, SPLIT) as f:
+                async with ChainClient(f.clients[0], ClientConfig(fl.MODEL)) as client:
+                    held = await client.generate([5, 9, 2], 24, guesses=2, grammar=grammar,
+                                                 stop_tokens=c.spec.eos_token_ids)
+                    free = await client.generate([5, 9, 2], 24, guesses=2)
+                (_, s1, _), (_, s2, _) = f.stages
+                me = f.clients[0].peer_id.to_base58()
+                first, last = await _raw(f.clients[0], s1), await _raw(f.clients[0], s2)
+                sid = os.urandom(16)
+                bad = OpenSession(sid, fl.MODEL, 0, 4, s2.peer_id, None, me, 64, 0.0, 1.0, 0, 0, False, None, grammar)
+                await first.send(bad)
+                refused = await first.recv()
+                sid2 = os.urandom(16)
+                await last.send(OpenSession(sid2, fl.MODEL, 4, 8, None, s1.peer_id, me, 64, 0.0, 1.0, 0, 0, False,
+                                            None, '{"grammars": [{"nope": 1}]}', 3))
+                broken = await last.recv()
+                await last.send(_open(os.urandom(16), me, 4, 8, None, prev_hop=s1.peer_id))  # the stream goes on
+                fine = await last.recv()
+        return held, free, refused, broken, fine
+
+    held, free, refused, broken, fine = trio.run(main)
+    text = c.tokenizer.decode([t for t in held.tokens if t not in c.spec.eos_token_ids])
+    value = json.loads(text)
+    assert isinstance(value["ok"], bool) and value["n"] in (7, 8), text
+    assert held.tokens[-1] in c.spec.eos_token_ids and held.guesses_proposed == 0
+    assert free.tokens != held.tokens
+    assert isinstance(refused, ErrorMessage) and refused.code == ErrorCode.BAD_FRAME and "last stage" in refused.message
+    assert isinstance(broken, ErrorMessage) and broken.code == ErrorCode.BAD_FRAME and "grammar" in broken.message
+    assert isinstance(fine, SessionOpened)

@@ -72,6 +72,11 @@ def test_round_trip(msg: object) -> None:
     assert struct.unpack(">I", encode_message_frame(msg)[:4])[0] == len(payload)  # type: ignore[arg-type]
 
 
+def test_a_constrained_open_session_round_trips() -> None:
+    msg = OpenSession(SID, "m", 20, 40, None, None, "c", 64, 0.0, 1.0, 0, 0, False, None, '{"grammars": []}', 17)
+    assert decode(encode(msg)) == msg
+
+
 def test_every_message_type_is_sampled() -> None:
     assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES)
 
@@ -90,13 +95,13 @@ def test_type_tags_are_pinned() -> None:
         "InfoResponse": 17,
         "LaneOffer": 18,
     }
-    assert WIRE_VERSION == 3
-    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/3", "/sangama/info/3", "/sangama/lane/4")
+    assert WIRE_VERSION == 4
+    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/4", "/sangama/info/4", "/sangama/lane/5")
 
 
 def test_payload_layout_is_pinned() -> None:
     header = msgpack.packb((SID,), use_bin_type=True)
-    assert encode(CloseSession(SID)) == bytes([3, 5]) + struct.pack(">I", len(header)) + header
+    assert encode(CloseSession(SID)) == bytes([4, 5]) + struct.pack(">I", len(header)) + header
     step = encode(Step(SID, 1, 2, (), Tensor("fp16", (2,), b"\x01\x02\x03\x04"), (), ()))
     assert step.endswith(b"\x01\x02\x03\x04")
     (hlen,) = struct.unpack(">I", step[2:6])
@@ -105,9 +110,9 @@ def test_payload_layout_is_pinned() -> None:
 
 def test_info_response_bytes_are_pinned() -> None:
     # Field names never travel: renaming ``throughput_tps`` to ``throughput`` changed no byte (bytes from before it;
-    # only the version byte moved, 2 -> 3).
+    # only the version byte moved, 2 -> 3 -> 4).
     msg = InfoResponse("12D3KooWA", "m", 0, 20, 41.5, 3, 2, "0.1.0")
-    assert encode(msg).hex() == "03110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
+    assert encode(msg).hex() == "04110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
     assert [f.name for f in dataclasses.fields(InfoResponse)] == [
         "peer", "model_id", "start", "end", "throughput", "free_sessions", "queue", "version"]
 
@@ -161,6 +166,10 @@ BAD_FIELDS = [
     (OPEN, {"seed": 2**64}),
     (OPEN, {"max_guesses": 65}),
     (OPEN, {"adaptive_guesses": 1}),
+    (OPEN, {"grammar": "{}"}),  # OPEN drafts 4 guesses: a constrained session drafts none
+    (OPEN, {"grammar": "x" * (64 * 1024 + 1), "max_guesses": 0}),
+    (OPEN, {"grammar": b"{}", "max_guesses": 0}),
+    (OPEN, {"grammar_start": -1}),
     (STEP, {"step": -1}),
     (STEP, {"start_pos": 1.0}),
     (STEP, {"token_ids": (2**31,)}),

@@ -20,6 +20,7 @@ from ..errors import ApiError, CapacityError, ChatTemplateError, ErrorCode, Mode
 from ..errors import StageError, translate
 from ..guesses import parse_guesses
 from .logprobs import parse_logprobs
+from .structured import parse_response_format
 
 __all__ = ["ApiRequest", "StopScanner", "chat_chunk", "chat_response", "completion_chunk", "completion_response",
            "decode_body", "error_body", "error_for", "fit_context", "parse_request", "prompt_chars", "usage"]
@@ -48,6 +49,7 @@ class ApiRequest:
     ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens, past the end-of-sequence ids
     max_tokens_field: str | None = None  # the field that set max_tokens (None: the server's default)
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
+    grammar: str | None = None  # response_format's grammar (api/structured.py), held to at the last stage
 
 
 def decode_body(raw: bytes) -> Any:
@@ -122,11 +124,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     if n is not None and n != 1:
         raise ApiError(f"n={n} is not supported: this server returns one choice (n=1)", param="n")
     top_logprobs = parse_logprobs(body, chat=chat)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, Mapping) else fmt
-        raise ApiError(f"response_format {kind!r} is not supported by this server (constrained decoding is not "
-                       "implemented; only {\"type\": \"text\"})", param="response_format")
+    grammar, _ = parse_response_format(body)
     for name in ("echo", "tools", "functions", "logit_bias", "best_of"):
         value = body.get(name)
         if value not in (None, False, 0, 1, {}, []) or (name == "best_of" and value not in (None, 1)):
@@ -198,7 +196,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     return ApiRequest(chat, model, prompt, messages, max_tokens or default_max_tokens,
                       _number(body, "temperature", 1.0, 0.0, 2.0), top_p, int(seed or 0), stops, stream,
                       bool(options and options.get("include_usage")), guesses, ignore_eos,
-                      field if max_tokens is not None else None, top_logprobs)
+                      field if max_tokens is not None else None, top_logprobs, grammar)
 
 
 def prompt_chars(req: ApiRequest) -> int:

@@ -374,7 +374,7 @@ class ApiServer:
                     async with aclosing(client.stream_scored(ids, req.max_tokens, req.top_logprobs,
                                                              temperature=req.temperature, top_p=req.top_p,
                                                              seed=req.seed, guesses=req.guesses,
-                                                             stop_tokens=stop_ids)) as tokens:
+                                                             stop_tokens=stop_ids, grammar=req.grammar)) as tokens:
                         async for tok in tokens:
                             send.send_nowait(tok)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):

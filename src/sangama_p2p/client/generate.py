@@ -299,6 +299,7 @@ class ChainClient:
         stop_tokens: Sequence[int] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
         top_logprobs: int | None = None,
+        grammar: str | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` after ``prompt_ids``; stop early at any of ``stop_tokens``.
 
@@ -307,11 +308,12 @@ class ChainClient:
         re-routes), :class:`~sangama_p2p.errors.StageError` (with its ``code``) when a stage refuses the request
         for a reason a re-route cannot fix (e.g. ``CAPACITY`` on every candidate, ``BAD_POSITION``).
         ``top_logprobs``: fill ``result.logprobs`` (one ``wire.TokenLogprobs`` per new token, with that many
-        alternatives) from the last stage's float32 logits.
+        alternatives) from the last stage's float32 logits. ``grammar``: the last stage samples only tokens it
+        allows (``model.constraint.json_grammar`` makes one of a JSON schema); such a generation drafts no guesses.
         """
         result = _network_result(prompt_ids)
         async for new in self._run(result, max_new_tokens, temperature, top_p, seed, guesses, stop_tokens,
-                                   top_logprobs):
+                                   top_logprobs, grammar):
             if on_tokens is not None:
                 on_tokens(new)
         return result
@@ -330,7 +332,7 @@ class ChainClient:
         """Like :meth:`stream`, yielding ``(token id, wire.TokenLogprobs)`` pairs: each token's log-probability
         and its ``top_logprobs`` best alternatives' (``None`` in place of them when ``top_logprobs`` is None)."""
         result = _network_result(prompt_ids)
-        opts = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "guesses": 0, "stop_tokens": ()}
+        opts = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "guesses": 0, "stop_tokens": (), "grammar": None}
         unknown = set(kwargs) - set(opts)
         if unknown:
             raise TypeError(f"unknown arguments {sorted(unknown)}")
@@ -344,7 +346,7 @@ class ChainClient:
 
     async def _run(self, result: GenerationResult, max_new: int, temperature: float, top_p: float, seed: int,
                    guesses: int | str, stop_tokens: Sequence[int],
-                   top_logprobs: int | None = None) -> AsyncIterator[list[int]]:
+                   top_logprobs: int | None = None, grammar: str | None = None) -> AsyncIterator[list[int]]:
         """The generation loop (``generation.GenerationLoop``) over this client's network transport, yielding each
         trip's new tokens."""
         if not result.prompt_ids:
@@ -352,8 +354,10 @@ class ChainClient:
         if max_new <= 0:
             return
         max_guesses, adaptive = parse_guesses(guesses)
+        if grammar is not None:  # the grammar decides each token after the one before: nothing to guess ahead
+            max_guesses, adaptive = 0, False
         transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses, adaptive,
-                                              top_logprobs)
+                                              top_logprobs, grammar)
         loop = GenerationLoop([Generation(result, max_new, stop_tokens, max_step_tokens=self.config.max_step_tokens)])
         try:
             while trips := loop.trips():

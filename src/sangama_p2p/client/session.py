@@ -63,6 +63,9 @@ class SessionParams:
     max_guesses: int = 0
     adaptive_guesses: bool = False
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
+    # the last stage samples only what this grammar (llguidance's JSON form) allows from position grammar_start on
+    grammar: str | None = None
+    grammar_start: int = 0
 
 
 class ChainSession:
@@ -113,7 +116,8 @@ class ChainSession:
             prev = self.route[i - 1].peer_id if i else None
             msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, prev, p.client_id,
                               p.max_length, float(p.temperature), float(p.top_p), p.seed, p.max_guesses,
-                              p.adaptive_guesses, p.top_logprobs)
+                              p.adaptive_guesses, p.top_logprobs, p.grammar if nxt is None else None,
+                              p.grammar_start if nxt is None else 0)
             await self._send_to(link, msg)
         waiting = set(self.peers)
         with trio.move_on_after(self.open_timeout):

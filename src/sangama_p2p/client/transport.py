@@ -66,14 +66,15 @@ class ChainTransport:
     @classmethod
     async def open(cls, client: ChainOpener, result: GenerationResult, max_new: int, temperature: float,
                    top_p: float, seed: int, max_guesses: int, adaptive: bool,
-                   top_logprobs: int | None = None) -> ChainTransport:
+                   top_logprobs: int | None = None, grammar: str | None = None) -> ChainTransport:
         """Route and open a session for ``result``'s request; raises RouteError or StageRefused."""
         config, prompt = client.config, result.prompt_ids
         exclude: set[str] = set()  # open_chain adds the peers it had to leave out
         while True:
             params = SessionParams(config.model_id, client.peer_id,
                                    session_length(len(prompt), max_new, max_guesses),
-                                   temperature, top_p, seed, max_guesses, adaptive, top_logprobs)
+                                   temperature, top_p, seed, max_guesses, adaptive, top_logprobs, grammar,
+                                   len(prompt) if grammar is not None else 0)
             try:
                 session = await client.open_chain(params, exclude, config.survey_max_age)
                 return cls(client, result, params, session, exclude)

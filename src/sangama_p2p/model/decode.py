@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ModelError, SessionStateError, TooManyGuessesError
 from ..positions import guess_room, is_decode_step, kept, mtp_keep, ring_size, step_guesses
+from .constraint import TokenConstraint
 from .head import SPAN_NATS
 from .sampling import SamplingParams, position_seed, token_probs
 from .speculative import GuessPolicy, accept_guesses
@@ -39,7 +40,7 @@ class Decoder:
     """Per-session decoding state on the last stage: sampling, outstanding guesses, guess policy, counters."""
 
     def __init__(self, state: SessionState, sampling: SamplingParams, policy: GuessPolicy, *,
-                 top_logprobs: int | None = None) -> None:
+                 top_logprobs: int | None = None, constraint: TokenConstraint | None = None) -> None:
         if not state.window.fits_guesses(policy.max_guesses):
             raise ModelError(f"{policy.max_guesses} guesses need a rollback ring of {ring_size(policy.max_guesses)}, "
                              f"session has {state.ring}")
@@ -47,6 +48,9 @@ class Decoder:
         self.sampling = sampling
         self.policy = policy
         self.top_logprobs = top_logprobs  # None: no log-probabilities; n: each token's and its n best alternatives'
+        if constraint is not None and policy.max_guesses:
+            raise ModelError("a session held to a grammar drafts no guesses")
+        self.constraint = constraint  # the grammar the sampled tokens follow, or None
         self.generator = torch.Generator().manual_seed(sampling.seed)
         self.guesses: tuple[int, ...] = ()
         self.draft_probs: torch.Tensor | None = None  # [k, V] when sampling
@@ -171,7 +175,11 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
         probs = dec.draft_probs if k and not dec.sampling.greedy else None
         if not dec.sampling.greedy:  # this step's draws (acceptance, new token, drafts) keyed by where they start
             dec.generator.manual_seed(position_seed(dec.sampling.seed, it.start + len(it.tokens) - k))
-        res = accept_guesses(logits[row:row + k + 1], guesses, probs, dec.sampling, dec.generator)
+        scored = logits[row:row + k + 1]
+        if dec.constraint is not None:  # k == 0: the grammar follows the step's tokens, then decides the next one
+            dec.constraint.follow(it.start, it.tokens)
+            scored = _constrained(stage, wanted[row:row + 1], scored, dec)
+        res = accept_guesses(scored, guesses, probs, dec.sampling, dec.generator)
         scores = () if dec.top_logprobs is None else token_logprobs(logits[row:row + k + 1], res.tokens,
                                                                     dec.top_logprobs)
         row += k + 1
@@ -292,6 +300,17 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
     for a, dec in enumerate(decs):
         dec.guesses = tuple(got[a])
         dec.draft_probs = torch.stack(probs[a]) if probs[a] else None
+
+
+def _constrained(stage: StageModel, normed: torch.Tensor, logits: torch.Tensor, dec: Decoder) -> torch.Tensor:
+    """A constrained session's scores ``[1, V]``: -inf for every token its grammar does not allow next, and the allowed
+    ones near the best allowed recomputed in float32 (the head refined only those near the best of all)."""
+    assert dec.constraint is not None
+    allowed = dec.constraint.allowed(logits.shape[-1])
+    if stage.exact_head is not None:  # the others sink to the row's lowest score: never candidates, same bounds
+        spans = None if dec.sampling.greedy else torch.tensor([SPAN_NATS * dec.sampling.temperature])
+        logits = stage.exact_head.logits(normed.float(), torch.where(allowed, logits, logits.amin()), spans)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _spans(decs: Sequence[Decoder], rows: Sequence[int]) -> torch.Tensor | None:

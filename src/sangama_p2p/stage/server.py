@@ -41,8 +41,9 @@ from typing import Any
 import trio
 
 from .._version import __version__
-from ..errors import (ErrorCode, InvalidMessageError, LaneError, OutboxFull, SangamaError, StageError, StreamClosed,
-                      WireError)
+from ..errors import (ErrorCode, InvalidMessageError, LaneError, ModelError, OutboxFull, SangamaError, StageError,
+                      StreamClosed, WireError)
+from ..model.constraint import GrammarTokenizer, TokenConstraint, load_grammar_tokenizer
 from ..model.device import resolve_device
 from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
@@ -90,6 +91,11 @@ class StageServer:
         self.model = model
         self.config = config
         self.identity = identity
+        # where the grammar engine's view of the vocabulary comes from (the checkpoint's tokenizer, loaded at the first
+        # constrained session: ~1 s and ~20 MiB that a stage serving no grammar never spends); None: no grammars
+        self.checkpoint_path: Any = None
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+        self._grammar_lock = trio.Lock()
         self.peer_id: str = node.peer_id.to_base58()
         self.table = SessionTable(model, config)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
@@ -121,7 +127,10 @@ class StageServer:
         identity = stage_identity(checkpoint.spec, checkpoint.source, parts_of(model.loaded_names))
         log.info("checkpoint fingerprint %s (%d layers), %d parts hashed in %.2f s", identity.fingerprint,
                  identity.num_layers, len(identity.layer_hashes), time.perf_counter() - t0)
-        return cls(node, model, config, identity)
+        server = cls(node, model, config, identity)
+        if model.is_last:
+            server.checkpoint_path = checkpoint.path
+        return server
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     async def __aenter__(self) -> StageServer:
@@ -328,6 +337,8 @@ class StageServer:
         peer = fs.peer
         if isinstance(msg, Step):
             self._on_step(peer, outbox, msg, recv_ns, alone=not fs.has_frames)
+        elif isinstance(msg, OpenSession) and msg.grammar is not None:
+            self._spawn(self._open_constrained, outbox, msg, peer)  # the client steps it only once it is open
         elif isinstance(msg, OpenSession):
             try:
                 self.table.open(msg, peer, outbox)
@@ -427,6 +438,32 @@ class StageServer:
         session = self.table.sessions.get(msg.session_id) if msg.session_id is not None else None
         if session is not None:
             self._to_owner(session, msg)
+
+    async def _open_constrained(self, outbox: Outbox, msg: OpenSession, peer: str) -> None:
+        """Open a session held to a grammar: the vocabulary's grammar form (once per stage) and the grammar compiled
+        in a thread, so neither stalls the other sessions' steps."""
+        assert msg.grammar is not None
+        try:
+            if not self.model.is_last:
+                raise StageError("only the last stage holds output to a grammar (grammar must be empty)",
+                                 ErrorCode.BAD_FRAME)
+            async with self._grammar_lock:
+                if self._grammar_tokenizer is None:
+                    if self.checkpoint_path is None:
+                        raise StageError("this stage knows no tokenizer: it cannot hold output to a grammar",
+                                         ErrorCode.BAD_FRAME)
+                    self._grammar_tokenizer = await trio.to_thread.run_sync(load_grammar_tokenizer,
+                                                                            self.checkpoint_path)
+            constraint = await trio.to_thread.run_sync(TokenConstraint, self._grammar_tokenizer, msg.grammar,
+                                                       msg.grammar_start)
+            self.table.open(msg, peer, outbox, constraint)
+        except StageError as exc:
+            outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)[:1000]))
+            return
+        except ModelError as exc:  # a grammar the engine refuses, a tokenizer it cannot read
+            outbox.put(ErrorMessage(msg.session_id, None, ErrorCode.BAD_FRAME, str(exc)[:1000]))
+            return
+        outbox.put(SessionOpened(msg.session_id, self.free_sessions))
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         if self._nursery is not None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CapacityError, ErrorCode, StageError
+from ..model.constraint import TokenConstraint
 from ..model.decode import Decoder
 from ..model.sampling import SamplingParams
 from ..model.speculative import GuessPolicy
@@ -112,8 +113,9 @@ class SessionTable:
     def _max_len(self) -> int:
         return min(self.config.max_session_length, self.model.spec.max_position_embeddings)
 
-    def open(self, msg: OpenSession, peer: str, reply: Any) -> StageSession:
-        """Validate ``msg`` from ``peer`` and allocate the session; raises :class:`StageError` with a code."""
+    def open(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None = None) -> StageSession:
+        """Validate ``msg`` from ``peer`` and allocate the session; raises :class:`StageError` with a code.
+        ``constraint``: the grammar of ``msg.grammar``, compiled by the caller (it may take a thread's while)."""
         cfg, model = self.config, self.model
         if msg.client_id != peer:
             raise StageError(f"client_id {msg.client_id} is not the sending peer {peer}", ErrorCode.NOT_OWNER)
@@ -133,6 +135,11 @@ class SessionTable:
             raise StageError(what, ErrorCode.BAD_FRAME)
         if model.is_first and msg.prev_hop is not None:
             raise StageError("the first stage takes token ids from its client only (prev_hop must be empty)",
+                             ErrorCode.BAD_FRAME)
+        if (msg.grammar is not None) != (constraint is not None):
+            raise StageError("a grammar needs its compiled constraint", ErrorCode.INTERNAL)
+        if msg.grammar is not None and not model.is_last:
+            raise StageError("only the last stage holds output to a grammar (grammar must be empty)",
                              ErrorCode.BAD_FRAME)
         if msg.max_guesses > cfg.max_guesses:
             raise StageError(f"at most {cfg.max_guesses} guesses per step here", ErrorCode.TOO_MANY_GUESSES)
@@ -156,7 +163,7 @@ class SessionTable:
         if model.is_last:
             sampling = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses),
-                              top_logprobs=msg.top_logprobs)
+                              top_logprobs=msg.top_logprobs, constraint=constraint)
         session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need,
                                upstream=msg.prev_hop)
         self.sessions[msg.session_id] = session

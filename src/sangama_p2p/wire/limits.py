@@ -37,6 +37,8 @@ MAX_GUESSES: Final = 8
 ``max_guesses`` obey too (``sangama_p2p.guesses`` takes it from here)."""
 MAX_TOP_LOGPROBS: Final = 20
 """Alternatives a session may ask the last stage to score per token (OpenAI's ``top_logprobs`` limit)."""
+MAX_GRAMMAR_BYTES: Final = 64 * 1024
+"""A session's grammar (``OpenSession.grammar``: llguidance's JSON grammar, compiled from a JSON schema)."""
 MAX_TRACE: Final = 64
 """Trace stamps in one frame: one per stage, so at most this many stages per chain."""
 MAX_INDEX: Final = 1 << 31

@@ -1,4 +1,4 @@
-"""The typed messages of ``/sangama/stage/3`` and ``/sangama/info/3`` (and the ``LaneOffer`` of ``/sangama/lane/4``).
+"""The typed messages of ``/sangama/stage/4`` and ``/sangama/info/4`` (and the ``LaneOffer`` of ``/sangama/lane/5``).
 
 Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
 Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
@@ -18,6 +18,7 @@ from sangama_p2p.wire.limits import (
     MAX_GUESSES,
     MAX_TEXT_BYTES,
     MAX_TOKENS,
+    MAX_GRAMMAR_BYTES,
     MAX_TOP_LOGPROBS,
     MAX_TRACE,
     MAX_U64,
@@ -96,6 +97,10 @@ class OpenSession:
     max_guesses: int
     adaptive_guesses: bool
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
+    # the last stage samples only tokens this grammar allows (llguidance's JSON form), from position grammar_start
+    # (the prompt's length) on; None: no constraint. A constrained session drafts no guesses.
+    grammar: str | None = None
+    grammar_start: int = 0
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -118,6 +123,10 @@ class OpenSession:
         check_uint("max_guesses", self.max_guesses, MAX_GUESSES + 1)
         check_bool("adaptive_guesses", self.adaptive_guesses)
         check_opt_uint("top_logprobs", self.top_logprobs, MAX_TOP_LOGPROBS + 1)
+        check_opt_text("grammar", self.grammar, MAX_GRAMMAR_BYTES)
+        check_uint("grammar_start", self.grammar_start)
+        if self.grammar is not None and self.max_guesses:
+            raise InvalidMessageError("a session held to a grammar drafts no guesses (max_guesses must be 0)")
 
 
 @dataclass(frozen=True, slots=True)
