@@ -3,6 +3,7 @@ loopback in this process, with tokens equal to the one-process chain; lifetimes 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from sangama_p2p.model.spec import LayerRange
 from sangama_p2p.net.config import HostConfig
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+SCHEMA = {"type": "object", "properties": {"id": {"enum": [1, 2, 3]}}, "required": ["id"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,9 @@ def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) 
                         seen["guess"] = list((await d.generate(prompt, 12, guesses=2, stop_at_eos=False)).tokens)
                         seen["stream"] = [t async for t in d.stream(prompt, 12, stop_at_eos=False)]
                         seen["text_prompt"] = len((await d.generate("def f(", 3, stop_at_eos=False)).tokens)
+                        held = await d.generate(prompt, 40, guesses=2, json_schema=SCHEMA)
+                        seen["json"] = d.tokenizer.decode([t for t in held.tokens if t not in (0,)])  # eos: 0
+                        seen["json_end"] = held.tokens[-1]
                     # a serving peer generates through a chain that includes its own stage (in-process stream)
                     own = await b.generate(prompt, 12, stop_at_eos=False)
                     seen["own"], seen["own_route"] = list(own.tokens), own.result.route
@@ -82,6 +87,8 @@ def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) 
     assert seen["text"] == open_checkpoint(tiny).tokenizer.decode(expected)
     assert len(seen["route"]) == 3
     assert seen["text_prompt"] == 3
+    value = json.loads(seen["json"])  # the made model's random weights, held to the schema
+    assert set(value) == {"id"} and value["id"] in (1, 2, 3) and seen["json_end"] == 0, seen["json"]
     assert seen["own"] == expected and len(seen["own_route"]) == 3
 
 

@@ -19,7 +19,7 @@ Each server and client lives in a task of the peer's own nursery, whichever task
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +35,7 @@ from .config import PeerConfig, default_model_id
 from .errors import LayerRangeError, ModelError, SangamaError, StageError
 from .model.chat_model import open_chat_model
 from .model.checkpoint import Checkpoint, open_checkpoint
+from .model.constraint import json_grammar
 from .model.fingerprint import stage_identity
 from .model.spec import ModelSpec, parse_auto_span, parse_layer_range
 from .model.tokenizer import Tokenizer
@@ -390,16 +391,20 @@ class Peer:
         seed: int = 0,
         stop_at_eos: bool = True,
         on_tokens: Callable[[list[int]], None] | None = None,
+        json_schema: Mapping[str, Any] | bool | None = None,
     ) -> Generation:
         """Generate through the swarm; greedy at ``temperature`` 0 gives the same tokens as ``generate --local``.
 
         ``guesses``: MTP guesses per trip, 0..8 or ``"auto"``. ``on_tokens(ids)``: called with each trip's new ids
-        as they arrive. Errors: :class:`RouteError` when no chain covers the model, :class:`StageError` when every
-        stage refuses.
+        as they arrive. ``json_schema``: the new tokens are JSON that follows this schema (``True``: any JSON
+        object), held to it at the last stage (no guesses then); ``ModelError`` for a schema that does not compile.
+        Errors: :class:`RouteError` when no chain covers the model, :class:`StageError` when every stage refuses.
         """
         ids = self.encode(prompt)
         client = await self.client(model_id)
         kwargs = self._gen_kwargs({}, stop_at_eos)
+        if json_schema is not None and json_schema is not False:
+            kwargs["grammar"] = json_grammar(None if json_schema is True else dict(json_schema))  # type: ignore[arg-type]
         result = await client.generate(ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                        guesses=guesses, on_tokens=on_tokens, **kwargs)
         text = self._tokenizer.decode(result.tokens) if self._tokenizer is not None else None
