@@ -65,11 +65,16 @@ def chromium(url: str, *extra: str) -> str:
     on a loaded machine the browser may dump before the first state arrived: then it tries again, waiting longer."""
     for wait_ms in (8000, 20000, 60000):  # the two-worker suite once starved it past 30 s
         out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                              f"--timeout={wait_ms}", *extra, url], capture_output=True, text=True, timeout=180)
+                              "--enable-logging=stderr", f"--timeout={wait_ms}", *extra, url],
+                             capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stderr[-2000:]
+        assert "data-error=" not in out.stdout, out.stdout[:3000]  # the page could not draw a state
         if "--dump-dom" not in extra or "<body data-version=" in out.stdout:
             return out.stdout
-    raise AssertionError(f"the page never rendered a state: {out.stdout[-2000:]}")
+    with urllib.request.urlopen(url.rstrip("/") + "/state.json", timeout=30) as r:
+        state = r.read().decode()[:3000]
+    raise AssertionError(f"the page never rendered a state (state.json: {state}); the browser's log: "
+                         f"{out.stderr[-3000:]}")
 
 
 def events(url: str, n: int) -> list[dict]:

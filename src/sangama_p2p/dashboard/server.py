@@ -8,6 +8,7 @@ Routes: ``GET /`` (and ``/dashboard``) the page, ``GET /events`` the swarm's sta
 
 from __future__ import annotations
 
+import json
 import logging
 from importlib import resources
 from typing import Any
@@ -41,7 +42,10 @@ def build_app(watch: SwarmWatch) -> Any:
     registry = swarm_registry(watch)
 
     async def page(request: Any) -> Any:
-        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+        # the latest state inside the page, so it is drawn as it loads (before, a browser that took the page's load
+        # as done, as headless Chromium's --dump-dom may, showed "waiting for the first survey" beside a live swarm)
+        state = json.dumps(watch.state()).replace("<", "\\u003c") if watch.version else "null"
+        return HTMLResponse(html.replace("/*STATE*/null", state, 1), headers={"Cache-Control": "no-cache"})
 
     async def events(request: Any) -> Any:
         return StreamingResponse(watch.updates(), media_type="text/event-stream",
