@@ -116,6 +116,14 @@ class SessionTable:
     def open(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None = None) -> StageSession:
         """Validate ``msg`` from ``peer`` and allocate the session; raises :class:`StageError` with a code.
         ``constraint``: the grammar of ``msg.grammar``, compiled by the caller (it may take a thread's while)."""
+        self.admit(msg, peer)
+        if (msg.grammar is not None) != (constraint is not None):
+            raise StageError("a grammar needs its compiled constraint", ErrorCode.INTERNAL)
+        return self._allocate(msg, peer, reply, constraint)
+
+    def admit(self, msg: OpenSession, peer: str) -> None:
+        """Every check :meth:`open` makes before it allocates (a grammar is compiled only for a session that passes
+        them: a peer over its quota costs the stage no compile)."""
         cfg, model = self.config, self.model
         if msg.client_id != peer:
             raise StageError(f"client_id {msg.client_id} is not the sending peer {peer}", ErrorCode.NOT_OWNER)
@@ -136,8 +144,6 @@ class SessionTable:
         if model.is_first and msg.prev_hop is not None:
             raise StageError("the first stage takes token ids from its client only (prev_hop must be empty)",
                              ErrorCode.BAD_FRAME)
-        if (msg.grammar is not None) != (constraint is not None):
-            raise StageError("a grammar needs its compiled constraint", ErrorCode.INTERNAL)
         if msg.grammar is not None and not model.is_last:
             raise StageError("only the last stage holds output to a grammar (grammar must be empty)",
                              ErrorCode.BAD_FRAME)
@@ -152,6 +158,9 @@ class SessionTable:
         if self.per_peer.get(peer, 0) >= cfg.sessions_per_peer:
             raise StageError(f"per-peer quota: {peer} already holds {cfg.sessions_per_peer} sessions here",
                              ErrorCode.CAPACITY)
+
+    def _allocate(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None) -> StageSession:
+        cfg, model = self.config, self.model
         ring = ring_size(msg.max_guesses)
         need = model.session_bytes(msg.max_length, ring)
         left = cfg.memory_budget - self.used_bytes
