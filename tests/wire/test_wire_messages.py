@@ -72,6 +72,13 @@ def test_round_trip(msg: object) -> None:
     assert struct.unpack(">I", encode_message_frame(msg)[:4])[0] == len(payload)  # type: ignore[arg-type]
 
 
+def test_the_grammar_bound_is_the_one_the_api_and_the_model_check() -> None:
+    from sangama_p2p.model.constraint import MAX_GRAMMAR_BYTES as MODEL_BOUND
+    from sangama_p2p.wire.limits import MAX_GRAMMAR_BYTES
+
+    assert MODEL_BOUND == MAX_GRAMMAR_BYTES
+
+
 def test_a_constrained_open_session_round_trips() -> None:
     msg = OpenSession(SID, "m", 20, 40, None, None, "c", 64, 0.0, 1.0, 0, 0, False, None, '{"grammars": []}', 17)
     assert decode(encode(msg)) == msg

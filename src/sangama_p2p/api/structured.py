@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ApiError, ModelError
-from ..model.constraint import json_grammar
-from ..wire.limits import MAX_GRAMMAR_BYTES
+from ..model.constraint import MAX_GRAMMAR_BYTES, json_grammar
 
 __all__ = ["parse_response_format"]
 

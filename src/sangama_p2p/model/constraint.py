@@ -23,7 +23,9 @@ import torch
 
 from ..errors import ModelError, SessionStateError
 
-__all__ = ["GrammarTokenizer", "TokenConstraint", "json_grammar", "load_grammar_tokenizer"]
+__all__ = ["GrammarTokenizer", "MAX_GRAMMAR_BYTES", "TokenConstraint", "json_grammar", "load_grammar_tokenizer"]
+
+MAX_GRAMMAR_BYTES = 64 * 1024  # what OpenSession.grammar may carry (the wire's bound, wire/limits.py; a test pins both)
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 

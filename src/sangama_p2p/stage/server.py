@@ -41,9 +41,8 @@ from typing import Any
 import trio
 
 from .._version import __version__
-from ..errors import (ErrorCode, InvalidMessageError, LaneError, ModelError, OutboxFull, SangamaError, StageError,
+from ..errors import (ErrorCode, InvalidMessageError, LaneError, OutboxFull, SangamaError, StageError,
                       StreamClosed, WireError)
-from ..model.constraint import GrammarTokenizer, TokenConstraint, load_grammar_tokenizer
 from ..model.device import resolve_device
 from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
@@ -68,6 +67,7 @@ from ..wire.framing import ByteBudget
 from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .announce import StageAnnouncer
 from .config import StageConfig
+from .grammars import Grammars
 from .links import SMALL_ITEM, Item, NextHops, Outbox, OutboxBudget, tensor_bytes
 from .neighbours import LinkMeter
 from .scheduler import Job, Outcome, Scheduler, measure_step
@@ -91,11 +91,7 @@ class StageServer:
         self.model = model
         self.config = config
         self.identity = identity
-        # where the grammar engine's view of the vocabulary comes from (the checkpoint's tokenizer, loaded at the first
-        # constrained session: ~1.3 s for SmolLM2, which a stage serving no grammar never spends); None: no grammars
-        self.checkpoint_path: Any = None
-        self._grammar_tokenizer: GrammarTokenizer | None = None
-        self._grammar_lock = trio.Lock()
+        self.grammars = Grammars()  # the last stage's: StageServer.load gives it the checkpoint's path
         self.peer_id: str = node.peer_id.to_base58()
         self.table = SessionTable(model, config)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
@@ -128,8 +124,7 @@ class StageServer:
         log.info("checkpoint fingerprint %s (%d layers), %d parts hashed in %.2f s", identity.fingerprint,
                  identity.num_layers, len(identity.layer_hashes), time.perf_counter() - t0)
         server = cls(node, model, config, identity)
-        if model.is_last:
-            server.checkpoint_path = checkpoint.path
+        server.grammars.checkpoint_path = checkpoint.path if model.is_last else None  # grammars: the last stage's
         return server
 
     # ---- lifetime ------------------------------------------------------------------------------------------
@@ -440,28 +435,8 @@ class StageServer:
             self._to_owner(session, msg)
 
     async def _open_constrained(self, outbox: Outbox, msg: OpenSession, peer: str) -> None:
-        """Open a session held to a grammar: the vocabulary's grammar form (once per stage) and the grammar compiled
-        in a thread, so neither stalls the other sessions' steps."""
-        assert msg.grammar is not None
-        try:
-            self.table.admit(msg, peer)  # quotas, range, capacity: before any compile
-            async with self._grammar_lock:  # one compile at a time: a flood of grammars costs one thread
-                if self._grammar_tokenizer is None:
-                    if self.checkpoint_path is None:
-                        raise StageError("this stage knows no tokenizer: it cannot hold output to a grammar",
-                                         ErrorCode.BAD_FRAME)
-                    self._grammar_tokenizer = await trio.to_thread.run_sync(load_grammar_tokenizer,
-                                                                            self.checkpoint_path)
-                constraint = await trio.to_thread.run_sync(TokenConstraint, self._grammar_tokenizer, msg.grammar,
-                                                           msg.grammar_start)
-            self.table.open(msg, peer, outbox, constraint)
-        except StageError as exc:
-            outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)[:1000]))
-            return
-        except ModelError as exc:  # a grammar the engine refuses, a tokenizer it cannot read
-            outbox.put(ErrorMessage(msg.session_id, None, ErrorCode.BAD_FRAME, str(exc)[:1000]))
-            return
-        outbox.put(SessionOpened(msg.session_id, self.free_sessions))
+        error = await self.grammars.open(self.table, msg, peer, outbox)  # checks, compile, open (stage/grammars.py)
+        outbox.put(error or SessionOpened(msg.session_id, self.free_sessions))
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         if self._nursery is not None:
