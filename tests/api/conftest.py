@@ -128,3 +128,20 @@ def local(model_dir):
 
     return LocalChain.load(open_checkpoint(model_dir), [LayerRange(0, 3), LayerRange(3, 5), LayerRange(5, 8)],
                            batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) linked as ``made.gguf``: its model id is the one ApiThread's client asks for."""
+    link = tmp_path_factory.mktemp("smol") / "made.gguf"
+    link.symlink_to(smollm2_gguf)
+    return link
+
+
+def smol_api_over(smol: Path, split: list[str], key_file: Path, tmp_path_factory) -> Any:
+    """Stage processes over ``split`` of ``smol`` (a ``LocalFleet``) and the API in front of them, yielded."""
+    from sangama_p2p.cli.local_fleet import LocalFleet
+
+    with LocalFleet(smol, split, tmp_path_factory.mktemp("smol-fleet")) as fleet:
+        with ApiThread(smol, fleet.bootstrap_addr, key_file) as server:
+            yield server

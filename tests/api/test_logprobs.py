@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
-from .conftest import KEY, ApiThread  # noqa: E402
+from .conftest import KEY, smol_api_over  # noqa: E402
 
 MODEL = "made"
 SPLIT = ["0:15", "15:30"]
@@ -22,19 +22,8 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf, tmp_path_factory):
-    link = tmp_path_factory.mktemp("smol") / "made.gguf"
-    link.symlink_to(smollm2_gguf)
-    return link
-
-
-@pytest.fixture(scope="module")
 def smol_api(smol, key_file, tmp_path_factory):
-    from sangama_p2p.cli.local_fleet import LocalFleet
-
-    with LocalFleet(smol, SPLIT, tmp_path_factory.mktemp("smol-fleet")) as fleet:
-        with ApiThread(smol, fleet.bootstrap_addr, key_file) as server:
-            yield server
+    yield from smol_api_over(smol, SPLIT, key_file, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from .conftest import KEY, ApiThread  # noqa: E402
+from .conftest import KEY, smol_api_over  # noqa: E402
 
 MODEL = "made"
 SPLIT = ["0:10", "10:20", "20:30"]
@@ -33,19 +33,8 @@ PEOPLE = ["Ann, 31, from Paris", "Bob, 45, from London", "Chiara, 27, from Rome"
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf, tmp_path_factory):
-    link = tmp_path_factory.mktemp("smol") / "made.gguf"
-    link.symlink_to(smollm2_gguf)
-    return link
-
-
-@pytest.fixture(scope="module")
 def smol_api(smol, key_file, tmp_path_factory):
-    from sangama_p2p.cli.local_fleet import LocalFleet
-
-    with LocalFleet(smol, SPLIT, tmp_path_factory.mktemp("smol-fleet")) as fleet:
-        with ApiThread(smol, fleet.bootstrap_addr, key_file) as server:
-            yield server
+    yield from smol_api_over(smol, SPLIT, key_file, tmp_path_factory)
 
 
 def _client(api):

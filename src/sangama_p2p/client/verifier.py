@@ -129,15 +129,14 @@ class TripVerifier:
         offers = self.client.offers or await self.client.survey(max_age=self.client.config.survey_max_age)
         # only peers of the chain's own checkpoint that routing would chain: another checkpoint answers otherwise
         # without lying (its peers are in another fingerprint group, and left out)
-        offers = [o for o in offers if o.fingerprint == session.fingerprint and o.peer_id not in self.client.left_out]
+        offers = self._chainable(offers, session)
         banned = self.owner.bans.banned()
         alt = await self._second_chain(session, offers, banned)
         if alt is None and not self.resurveyed:
             # the last survey may have missed peers (a DHT lookup that times out on a busy machine misses records:
             # tests/net/test_net_swarm.py): once per generation, a fresh one before the trip goes unverified
             self.resurveyed = True
-            fresh = await self.client.survey(max_age=0.0)
-            offers = [o for o in fresh if o.fingerprint == session.fingerprint and o.peer_id not in self.client.left_out]
+            offers = self._chainable(await self.client.survey(max_age=0.0), session)
             alt = await self._second_chain(session, offers, banned)
         if alt is None:
             log.info("trip %d: no second chain of other peers (%d offers): not verified", self.trip, len(offers))
@@ -217,6 +216,11 @@ class TripVerifier:
         if verdict.liar_in_main:
             del out[self.verified:]
             raise ChainBroken(f"{verdict.liar} lied: {verdict.reason}", misbehaving=frozenset({verdict.liar}))
+
+    def _chainable(self, offers: Sequence[RouteCandidate], session: ChainSession) -> list[RouteCandidate]:
+        """The offers routing would chain with ``session``: its checkpoint's (another answers otherwise without
+        lying) and not left out."""
+        return [o for o in offers if o.fingerprint == session.fingerprint and o.peer_id not in self.client.left_out]
 
     async def _second_chain(self, session: ChainSession, offers: Sequence[RouteCandidate],
                             banned: frozenset[str]) -> ChainSession | None:
