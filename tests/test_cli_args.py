@@ -18,6 +18,7 @@ from sangama_p2p.cli import main as cli_main
 from sangama_p2p.cli.main import main
 
 BOOT = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWKvVTzQZ5gKwzBq5rQxBdYDu1d3GLwX2ZJgzyvg4cbyzY"  # nothing listens there
+PIN = "5a" * 16 + ":8"  # a --fingerprint FP:LAYERS
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -66,7 +67,8 @@ def test_a_prompt_given_twice_is_refused(tmp_path: Path, capsys: pytest.CaptureF
 def test_text_with_a_model_id_asks_for_the_tokenizer_before_joining(argv: list[str], what: str,
                                                                       capsys: pytest.CaptureFixture) -> None:
     t0 = time.monotonic()
-    assert main([*argv, "--bootstrap", BOOT]) == 2  # nothing listens at BOOT: we never got as far as dialling
+    # pinned (a bare id is refused in a public swarm otherwise: test_a_bare_model_id_is_refused_in_a_public_swarm)
+    assert main([*argv, "--bootstrap", BOOT, "--fingerprint", PIN]) == 2  # nothing listens at BOOT: never dialled
     err = capsys.readouterr().err
     assert f"{what} needs the model's tokenizer" in err and "--tokenizer DIR" in err
     assert "tokenizer_path" not in err  # the flags a user can pass, not the Python API's names
@@ -215,23 +217,61 @@ def test_a_model_path_that_is_not_there_is_not_taken_for_a_model_id(command: lis
     assert f"checkpoint {tmp_path / 'typo'} does not exist" in capsys.readouterr().err
 
 
-def test_generate_with_a_checkpoint_directory_pins_its_fingerprint(tmp_path: Path) -> None:
-    """``--model DIR`` chains only peers of that very checkpoint; a tokenizer-only directory or a bare id pins none."""
+def test_generate_with_a_checkpoint_directory_pins_its_fingerprint_and_depth(tmp_path: Path) -> None:
+    """``--model DIR`` chains only peers of that very checkpoint, at its depth; a directory with only a config pins
+    the depth; ``--fingerprint FP:LAYERS`` pins both, and must agree with a local copy."""
     from sangama_p2p.cli.main import build_parser
     from sangama_p2p.cli.swarm import client_peer_config
+    from sangama_p2p.errors import RouteError
     from sangama_p2p.model.fingerprint import checkpoint_identity
     from sangama_p2p.model.make import make_model
 
     ckpt = make_model(tmp_path / "m", "llama", "tiny")
-    tok_only = tmp_path / "tok"
-    tok_only.mkdir()
-    (tok_only / "tokenizer.json").write_bytes((ckpt / "tokenizer.json").read_bytes())
-    got = {}
-    for name, model in (("dir", str(ckpt)), ("tok", str(tok_only)), ("id", "org/m")):
-        args = build_parser().parse_args(["generate", "--model", model, "--prompt-ids", "1", "--bootstrap", BOOT])
+    ident = checkpoint_identity(ckpt)
+    secret = tmp_path / "secret"
+    secret.write_text("ab" * 32)
+    conf_only = tmp_path / "conf"
+    conf_only.mkdir()
+    for f in ("tokenizer.json", "config.json"):
+        (conf_only / f).write_bytes((ckpt / f).read_bytes())
+
+    def pin(*argv: str) -> tuple[str | None, int | None]:
+        args = build_parser().parse_args(["generate", "--prompt-ids", "1", "--bootstrap", BOOT, *argv])
         config, _ = client_peer_config(args, args.model)
-        got[name] = config.client.fingerprint
-    assert got == {"dir": checkpoint_identity(ckpt).fingerprint, "tok": None, "id": None}
+        return config.client.fingerprint, config.client.num_layers
+
+    assert pin("--model", str(ckpt)) == (ident.fingerprint, ident.num_layers)
+    assert pin("--model", "org/m", "--fingerprint", PIN) == ("5a" * 16, 8)
+    assert pin("--model", str(ckpt), "--fingerprint", f"{ident.fingerprint}:{ident.num_layers}") == (
+        ident.fingerprint, ident.num_layers)
+    with pytest.raises(RouteError, match="is not the checkpoint"):
+        pin("--model", str(ckpt), "--fingerprint", PIN)
+    # in a private fleet a bare id (or a config without weights: the depth alone) is enough
+    assert pin("--model", "org/m", "--fleet-secret-file", str(secret)) == (None, None)
+    assert pin("--model", str(conf_only), "--fleet-secret-file", str(secret)) == (None, ident.num_layers)
+    assert pin("--model", "org/m", "--tokenizer", str(conf_only), "--fleet-secret-file", str(secret)) == (
+        None, ident.num_layers)
+
+
+@pytest.mark.parametrize("model", ["org/m", "CONF"])
+def test_a_bare_model_id_is_refused_in_a_public_swarm(model: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    # issue 26: five peers of another checkpoint under the honest id took over every client that did not pin
+    from sangama_p2p.model.make import make_model
+
+    if model == "CONF":  # a directory with a config and a tokenizer but no weights names no checkpoint either
+        ckpt = make_model(tmp_path / "m", "llama", "tiny")
+        model = str(tmp_path / "conf")
+        Path(model).mkdir()
+        for f in ("tokenizer.json", "config.json"):
+            (Path(model) / f).write_bytes((ckpt / f).read_bytes())
+    for argv in (["generate", "--prompt-ids", "1"], ["chat"], ["api"]):
+        assert main([*argv, "--model", model, "--bootstrap", BOOT]) == 2
+        err = capsys.readouterr().err
+        assert "does not name a checkpoint" in err and "--fingerprint FP:LAYERS" in err, err
+    with pytest.raises(SystemExit):  # a fingerprint without its depth: the depth is never a vote
+        main(["generate", "--prompt-ids", "1", "--model", "org/m", "--fingerprint", "5a" * 16, "--bootstrap", BOOT])
+    assert "FINGERPRINT:LAYERS" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1"], ["chat"], ["api"]])
@@ -243,10 +283,11 @@ def test_verify_takes_a_fraction_and_reaches_the_client_config(command: list[str
 
     for bad in ("1.5", "-0.1", "x"):
         with pytest.raises(SystemExit) as exc:
-            main([*command, "--model", "org/m", "--verify", bad, "--bootstrap", BOOT])
+            main([*command, "--model", "org/m", "--verify", bad, "--bootstrap", BOOT, "--fingerprint", PIN])
         assert exc.value.code == 2 and "argument --verify" in capsys.readouterr().err
     for given, want in ((["--verify", "0.25"], 0.25), ([], None)):  # None: the swarm decides (public 0.05)
-        args = build_parser().parse_args([*command, "--model", "org/m", *given, "--bootstrap", BOOT])
+        args = build_parser().parse_args([*command, "--model", "org/m", *given, "--bootstrap", BOOT,
+                                          "--fingerprint", PIN])
         config, _ = client_peer_config(args, args.model)
         assert config.client.verify == want and config.client.bans_file == default_bans_path()
 

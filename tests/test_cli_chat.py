@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sangama_p2p.model.chat import load_chat_template, render_chat
+from sangama_p2p.model.fingerprint import checkpoint_identity
 from sangama_p2p.model.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -87,7 +88,9 @@ def test_a_long_conversation_drops_its_oldest_turns_and_plain_lines_are_said_onc
     bare.mkdir()
     shutil.copy(model / "tokenizer.json", bare / "tokenizer.json")
     lines = [f"question {i}: " + "tell me more about the model " * 4 for i in range(6)]
-    out = chat(fleet, "--model", model.name, "--tokenizer", str(bare), "--context", "120", lines=lines)
+    ident = checkpoint_identity(model)  # a bare id is pinned by hand (a public swarm refuses it otherwise)
+    out = chat(fleet, "--model", model.name, "--tokenizer", str(bare), "--context", "120",
+               "--fingerprint", f"{ident.fingerprint}:{ident.num_layers}", lines=lines)
     assert out.returncode == 0, out.stderr[-3000:]
     answers = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(answers) == 6 and all("error" not in a for a in answers), out.stdout

@@ -133,3 +133,34 @@ def test_a_peer_announcing_layers_7_to_a_million_is_ignored_and_the_depth_stays(
     assert set(left) == {liar}
     reason = left[liar].reason
     assert ("announce 8" in reason) if lie_about_depth else ("beyond its checkpoint's 8 layers" in reason)
+
+
+def test_four_depth_liars_under_our_fingerprint_never_exclude_the_honest_peers_of_a_pinned_client(ckpt):
+    """Issue 26: four records under the honest fingerprint claiming 1,000,000 layers outvoted every honest peer, even
+    for a client pinned to its own checkpoint: the depth was a vote. A pinned client takes its checkpoint's depth."""
+    want = local_chain(ckpt, [(0, 4), (4, 8)]).generate(PROMPT, N).tokens
+    mine = checkpoint_identity(ckpt)
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [(0, 4), (4, 8)]) as f:
+                liars = []
+                for _ in range(4):  # real stages of our checkpoint whose records and info answers lie about depth
+                    liar = await f.add_stage(4, 8)
+                    honest_info = liar.info()
+                    liar.info = lambda h=honest_info: replace(h, end=1_000_000)
+                    current = liar.announcer.current
+                    liar.announcer.current = lambda c=current: replace(c(), end=1_000_000, num_layers=1_000_000)
+                    await liar.announcer.publish()
+                    liars.append(liar.peer_id)
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, fingerprint=mine.fingerprint)) as client:
+                    with pytest.raises(RouteError):  # the attack: pinned by fingerprint alone, outvoted
+                        await client.generate(PROMPT, N)
+                pinned = ClientConfig(MODEL, fingerprint=mine.fingerprint, num_layers=mine.num_layers)
+                async with ChainClient(f.clients[0], pinned) as client:
+                    res = await client.generate(PROMPT, N)
+                    return res, dict(client.left_out), liars
+
+    res, left, liars = trio.run(main)
+    assert res.tokens == want and len(res.route) == 2 and not set(res.route) & set(liars)
+    assert set(left) == set(liars) and all("the client's checkpoint has 8" in o.reason for o in left.values())

@@ -219,6 +219,19 @@ def test_metadata_only_gives_the_tokenizer_and_template_without_weights(hub, set
     assert weights < 300_000  # a GGUF's header probe at most; no shard
 
 
+def test_a_hub_ggufs_metadata_copy_pins_the_full_files_fingerprint(hub, settings, repos):
+    """A client of ``hf:ORG/REPO:FILE.gguf`` chains only peers of that very file (cli/pin.py): its sparse metadata copy
+    holds the header and the fingerprint's sample windows, so it fingerprints as the whole file does."""
+    from sangama_p2p.cli.pin import local_pin
+    from sangama_p2p.model.fingerprint import checkpoint_identity
+
+    path = resolve_model("hf:org/gguf1:tiny-F32.gguf", settings=settings, progress=False, metadata_only=True)
+    full = checkpoint_identity(repos["one"])
+    pin = local_pin(path, None)
+    assert (pin.fingerprint, pin.num_layers) == (full.fingerprint, full.num_layers)
+    assert hub.served["tiny-F32.gguf"] < repos["one"].stat().st_size  # not the weights
+
+
 def test_all_layers_come_as_whole_checked_files(hub, settings, repos):
     path = resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(0, 6), settings=settings, progress=False)
     assert "snapshots" in path.parts and path.read_bytes() == repos["one"].read_bytes()

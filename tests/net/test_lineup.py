@@ -81,6 +81,18 @@ def test_a_local_checkpoint_or_a_configured_depth_decides():
     assert six.fingerprint == C and six.num_layers == 6
 
 
+def test_the_clients_depth_is_never_outvoted_by_records_claiming_another():
+    # issue 26: four records under the honest fingerprint claiming 1,000,000 layers excluded every honest peer
+    liars = [O(f"x{i}", 0, 1_000_000, num_layers=1_000_000) for i in range(4)]
+    honest = [O("h1", 0, 4), O("h2", 4, 8), O("h3", 0, 8)]
+    voted = choose_lineup([*liars, *honest], local_fingerprint=A)
+    assert voted.num_layers == 1_000_000  # without a depth of its own, the client can only count
+    pinned = choose_lineup([*liars, *honest], local_fingerprint=A, num_layers=8)
+    assert pinned.num_layers == 8 and ids(pinned.members) == ["h1", "h3", "h2"]
+    assert sorted(ids(pinned.left_out)) == ["x0", "x1", "x2", "x3"]
+    assert all("the client's checkpoint has 8" in o.reason for o in pinned.left_out)
+
+
 def test_peers_of_one_fingerprint_that_hold_a_part_with_other_bytes_are_reported():
     offers = [O("p1", 0, 4, layer_hashes=(("0", "11" * 16), ("1", "12" * 16))),
               O("p2", 0, 4, layer_hashes=(("0", "11" * 16), ("1", "99" * 16))),

@@ -14,8 +14,10 @@ from sangama_p2p.wire.messages import OpenSession
 MODEL = "m"
 
 
-def _open(sid: bytes, *, client="A", model=MODEL, start=0, end=4, next_hop="B", prev_hop=None, length=32, guesses=0):
-    return OpenSession(sid, model, start, end, next_hop, prev_hop, client, length, 0.0, 1.0, 0, guesses, False)
+def _open(sid: bytes, *, client="A", model=MODEL, start=0, end=4, next_hop="B", prev_hop=None, length=32, guesses=0,
+          fingerprint=None):
+    return OpenSession(sid, model, start, end, next_hop, prev_hop, client, length, 0.0, 1.0, 0, guesses, False,
+                       fingerprint=fingerprint)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,19 @@ def test_open_validates_every_field_with_a_code(stages):
     assert _code(lambda: lt.open(_open(sid, start=4, end=8), "A", None)) == ErrorCode.BAD_FRAME  # last: no hop
     d = lt.open(_open(sid, start=4, end=8, next_hop=None, guesses=2), "A", None).decoder
     assert d is not None and d.policy.max_guesses == 2
+
+
+def test_a_session_for_another_checkpoint_is_refused(stages):
+    first, _ = stages
+    mine, other = "aa" * 16, "bb" * 16
+    t = SessionTable(first, StageConfig(MODEL, 0, 4), mine)
+    assert _code(lambda: t.open(_open(bytes(16), fingerprint=other), "A", None)) == ErrorCode.WRONG_MODEL
+    with pytest.raises(StageError, match=f"serves checkpoint {mine}, not {other}"):
+        t.open(_open(bytes(16), fingerprint=other), "A", None)
+    assert not t.sessions
+    t.open(_open(bytes(16), fingerprint=mine), "A", None)  # its own, or none given (an older client's library)
+    t.open(_open(b"\x01" * 16), "A", None)
+    assert len(t.sessions) == 2
 
 
 def test_only_the_owner_or_the_upstream_it_named_may_step_or_close(stages):

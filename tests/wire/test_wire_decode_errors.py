@@ -57,18 +57,27 @@ def test_a_version_1_open_session_is_refused_by_its_version_byte() -> None:
     v1 = [SID, "m", 4, 8, None, "client", 64, 0.0, 1.0, 0, 0, False]
     with pytest.raises(UnsupportedVersionError, match="version 1"):
         decode(payload(1, v1, version=1))
-    with pytest.raises(MalformedFrameError, match="16 fields"):
+    with pytest.raises(MalformedFrameError, match="17 fields"):
         decode(payload(1, v1))
 
 
 def test_a_version_3_open_session_is_refused_by_its_version_byte() -> None:
     """Version 3's OpenSession had no grammar (14 fields): a stage of version 3 would drop the constraint silently,
-    so the versions never talk; at version 4 the same fields are refused for their arity."""
+    so the versions never talk; at version 4 and later the same fields are refused for their arity."""
     v3 = [SID, "m", 4, 8, None, None, "client", 64, 0.0, 1.0, 0, 0, False, None]
     with pytest.raises(UnsupportedVersionError, match="version 3"):
         decode(payload(1, v3, version=3))
-    with pytest.raises(MalformedFrameError, match="16 fields"):
+    with pytest.raises(MalformedFrameError, match="17 fields"):
         decode(payload(1, v3))
+
+
+def test_a_version_4_open_session_is_refused_by_its_version_byte() -> None:
+    """Version 4's OpenSession had no fingerprint (16 fields): its stage would not check the checkpoint."""
+    v4 = [SID, "m", 4, 8, None, None, "client", 64, 0.0, 1.0, 0, 0, False, None, None, 0]
+    with pytest.raises(UnsupportedVersionError, match="version 4"):
+        decode(payload(1, v4, version=4))
+    with pytest.raises(MalformedFrameError, match="17 fields"):
+        decode(payload(1, v4))
 
 
 def test_a_version_2_step_result_is_refused_by_its_version_byte() -> None:

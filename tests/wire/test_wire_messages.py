@@ -84,6 +84,15 @@ def test_a_constrained_open_session_round_trips() -> None:
     assert decode(encode(msg)) == msg
 
 
+def test_an_open_session_carries_the_checkpoint_fingerprint_it_was_chosen_for() -> None:
+    fp = "0123456789abcdef" * 2
+    msg = OpenSession(SID, "m", 0, 4, None, None, "c", 64, 0.0, 1.0, 0, 0, False, None, None, 0, fp)
+    assert decode(encode(msg)) == msg and msg.fingerprint == fp
+    for bad in ("0123", fp.upper(), fp[:-1] + "g", 7):
+        with pytest.raises(InvalidMessageError, match="fingerprint"):
+            OpenSession(SID, "m", 0, 4, None, None, "c", 64, 0.0, 1.0, 0, 0, False, None, None, 0, bad)
+
+
 def test_every_message_type_is_sampled() -> None:
     assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES)
 
@@ -102,13 +111,13 @@ def test_type_tags_are_pinned() -> None:
         "InfoResponse": 17,
         "LaneOffer": 18,
     }
-    assert WIRE_VERSION == 4
-    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/4", "/sangama/info/4", "/sangama/lane/5")
+    assert WIRE_VERSION == 5
+    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/5", "/sangama/info/5", "/sangama/lane/6")
 
 
 def test_payload_layout_is_pinned() -> None:
     header = msgpack.packb((SID,), use_bin_type=True)
-    assert encode(CloseSession(SID)) == bytes([4, 5]) + struct.pack(">I", len(header)) + header
+    assert encode(CloseSession(SID)) == bytes([5, 5]) + struct.pack(">I", len(header)) + header
     step = encode(Step(SID, 1, 2, (), Tensor("fp16", (2,), b"\x01\x02\x03\x04"), (), ()))
     assert step.endswith(b"\x01\x02\x03\x04")
     (hlen,) = struct.unpack(">I", step[2:6])
@@ -117,9 +126,9 @@ def test_payload_layout_is_pinned() -> None:
 
 def test_info_response_bytes_are_pinned() -> None:
     # Field names never travel: renaming ``throughput_tps`` to ``throughput`` changed no byte (bytes from before it;
-    # only the version byte moved, 2 -> 3 -> 4).
+    # only the version byte moved, 2 -> 3 -> 4 -> 5).
     msg = InfoResponse("12D3KooWA", "m", 0, 20, 41.5, 3, 2, "0.1.0")
-    assert encode(msg).hex() == "04110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
+    assert encode(msg).hex() == "05110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
     assert [f.name for f in dataclasses.fields(InfoResponse)] == [
         "peer", "model_id", "start", "end", "throughput", "free_sessions", "queue", "version"]
 

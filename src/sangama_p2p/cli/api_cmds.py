@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import guesses, non_negative_int, positive_int
+from .pin import add_fingerprint_arg
 from .process import quiet_libp2p, until_signal
 from .swarm import add_host_args, add_verify_arg, client_model
 
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=None, help="peer config TOML ([host], [client], [api])")
     add_host_args(p, listen=False)
     add_verify_arg(p)
+    add_fingerprint_arg(p)
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; elsewhere without "
                    "--api-key-file, a warning)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000; 0 = any free port)")

@@ -25,6 +25,7 @@ from ..model.chat import ChatPrompt, ChatTemplate, trim_to_fit
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder, Tokenizer
 from .argtypes import guesses, non_negative_int, positive_int
+from .pin import add_fingerprint_arg
 from .process import quiet_libp2p, sangama_errors
 from .swarm import add_host_args, add_verify_arg, client_model, default_guesses
 from .tables import print_where_time_goes
@@ -55,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"{DEFAULT_CONTEXT}); older turns are dropped to fit")
     add_host_args(p, listen=False)
     add_verify_arg(p)
+    add_fingerprint_arg(p)
     p.add_argument("--max-new-tokens", type=non_negative_int, default=128,
                    help="new tokens per answer at most (default %(default)s)")
     p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",

@@ -21,6 +21,7 @@ from ..model.emit import TokenPrinter
 from ..model.spec import LayerRange, ModelSpec, parse_stages
 from .argtypes import guesses, non_negative_int, positive_int
 from .hub_cmds import from_hub
+from .pin import add_fingerprint_arg
 from .process import add_progress_arg, progress, quiet_libp2p, sangama_errors, show_progress
 from .swarm import add_verify_arg, client_peer_config, need_tokenizer
 from .tables import peer_label, print_where_time_goes
@@ -53,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="network mode: bootstrap address (repeatable; default: bootstrap/public.txt)")
     p.add_argument("--fleet-secret-file", type=Path, default=None, help="network mode: the private fleet's secret")
     add_verify_arg(p)
+    add_fingerprint_arg(p)
     p.add_argument("--timings", action="store_true",
                    help="network mode: print where the time goes per trip (each stage's queue/compute/send, network) "
                    "and each hop's latency, measured or estimated")

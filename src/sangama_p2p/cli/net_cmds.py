@@ -237,7 +237,8 @@ def lineup_lines(lineup) -> list[str]:
     else:
         spans = [(r.peer_id, r.start, r.end) for r in lineup.members]
         lines = [f"  chained: fingerprint {lineup.fingerprint[:12]}, {lineup.num_layers} layers, "
-                 f"{len(lineup.members)} peers, layers covered {_coverage(spans)}"]
+                 f"{len(lineup.members)} peers, layers covered {_coverage(spans)}",
+                 f"  pin (for --fingerprint): {lineup.fingerprint}:{lineup.num_layers}"]
     for out in lineup.left_out:
         lines.append(f"  left out {peer_label(out.peer_id)} {out.start}:{out.end}: {out.reason}")
     for c in lineup.conflicts:

@@ -179,6 +179,8 @@ def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str
             for addr in peer.addrs:
                 say(f"  listening {addr}")
             say(f"  reachable {reach}")
+            if server.identity is not None:  # what clients pin with --fingerprint (cli/pin.py)
+                say(f"  pin {server.identity.fingerprint}:{server.identity.num_layers}")
             if metrics is not None:
                 say(f"  metrics {metrics}/metrics")
             if peer.rebalancer is not None:  # an auto range may move later (stage/rebalance.py)

@@ -106,10 +106,11 @@ def host_config(args: argparse.Namespace, *, serving: bool) -> HostConfig:
 def client_peer_config(args: argparse.Namespace, model: str, *, pin: bool = True) -> tuple[PeerConfig, str]:
     """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory or a ``.gguf`` file (its
     name is the id, its tokenizer encodes the prompt, and with ``pin`` only peers of that very checkpoint are
-    chained)."""
+    chained, at its depth: :mod:`.pin`). In a public swarm an unpinned model id is refused."""
     from ..client.config import ClientConfig
     from ..config import PeerConfig, default_model_id
     from ..net.bans import default_bans_path
+    from .pin import Pin, local_pin, merge_pins, require_pin
 
     tokenizer = getattr(args, "tokenizer", None)
     model_id = model
@@ -118,27 +119,19 @@ def client_peer_config(args: argparse.Namespace, model: str, *, pin: bool = True
             raise CheckpointError(f"checkpoint {model} does not exist (--model takes a checkpoint directory, a "
                                   ".gguf file or a model id such as the directory's name)")
     model = str(Path(model).expanduser())
-    fingerprint = None
-    if Path(model).is_dir():
-        model_id = default_model_id(model)
+    if Path(model).is_dir() or Path(model).suffix == ".gguf" and Path(model).is_file():
+        model_id = default_model_id(model)  # the file holds its tokenizer (a GGUF) or is the tokenizer's directory
         tokenizer = tokenizer or Path(model)
-        weights = ("model.safetensors", "model.safetensors.index.json")
-        if (Path(model) / "config.json").is_file() and any((Path(model) / w).is_file() for w in weights):
-            # a checkpoint, not just its tokenizer: chain only peers serving this very checkpoint
-            from ..model.fingerprint import checkpoint_identity
-
-            fingerprint = checkpoint_identity(model).fingerprint
-    elif Path(model).suffix == ".gguf" and Path(model).is_file():  # the file holds its tokenizer and its weights
-        from ..model.fingerprint import checkpoint_identity
-
-        model_id = default_model_id(model)
-        tokenizer = tokenizer or Path(model)
-        fingerprint = checkpoint_identity(model).fingerprint  # 0.14 s for SmolLM2-135M: the header and samples
-    if not pin:
-        fingerprint = None
-    client = ClientConfig(model_id=model_id, fingerprint=fingerprint, verify=getattr(args, "verify", None),
-                          bans_file=default_bans_path())
-    config = PeerConfig(host=host_config(args, serving=False), client=client, tokenizer_path=tokenizer)
+    mine = local_pin(Path(model), Path(tokenizer).expanduser() if tokenizer else None)
+    if not pin:  # a Hub repo fetched for its metadata only: its depth, but no tensor data to fingerprint
+        mine = Pin(None, mine.num_layers, mine.source)
+    # a pin from the tokenizer's source alone gives way to --fingerprint (a tokenizer borrowed from a base model)
+    chosen = merge_pins(mine, getattr(args, "fingerprint", None), strict=mine.source == model)
+    host = host_config(args, serving=False)
+    require_pin(chosen, model_id, private=host.fleet_secret is not None)
+    client = ClientConfig(model_id=model_id, fingerprint=chosen.fingerprint, num_layers=chosen.num_layers,
+                          verify=getattr(args, "verify", None), bans_file=default_bans_path())
+    config = PeerConfig(host=host, client=client, tokenizer_path=tokenizer)
     return config, model_id
 
 
@@ -178,8 +171,8 @@ def client_model(args: argparse.Namespace, command: str) -> tuple[PeerConfig, st
     hub_path, hub_id = from_hub(args.model, metadata_only=True)
     if hub_id is not None:
         args.model = str(hub_path)
-    # a Hub GGUF fetched for its metadata only has no tensor data to fingerprint
-    config, model_id = client_peer_config(args, args.model, pin=hub_id is None)
+    # a Hub GGUF comes with its fingerprint's sample windows (pinned); a safetensors repo's config gives the depth
+    config, model_id = client_peer_config(args, args.model, pin=hub_id is None or args.model.endswith(".gguf"))
     if hub_id is not None:
         model_id = hub_id
         config = config.replace(client=config.client.replace(model_id=hub_id))

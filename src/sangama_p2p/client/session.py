@@ -117,7 +117,7 @@ class ChainSession:
             msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, prev, p.client_id,
                               p.max_length, float(p.temperature), float(p.top_p), p.seed, p.max_guesses,
                               p.adaptive_guesses, p.top_logprobs, p.grammar if nxt is None else None,
-                              p.grammar_start if nxt is None else 0)
+                              p.grammar_start if nxt is None else 0, self.fingerprint or None)
             await self._send_to(link, msg)
         waiting = set(self.peers)
         with trio.move_on_after(self.open_timeout):

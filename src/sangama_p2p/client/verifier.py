@@ -105,6 +105,7 @@ class TripVerifier:
         self.verified = 0  # out[:verified] was produced by trips that were verified (or precede one that was)
         self.skip: set[str] = set()  # peers whose verifying chain failed in this generation
         self.resurveyed = False  # whether this generation already surveyed afresh for want of a second chain
+        self.fingerprint: str | None = None  # the generation's checkpoint
 
     async def check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
                     tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
@@ -125,6 +126,7 @@ class TripVerifier:
     async def _check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
                      tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
         context = [*prompt, *out][:start]
+        self.fingerprint = session.fingerprint  # the second chains' stages check it at open, as the first's do
         # the last survey (the generation's own chain came from it): no DHT round on the generation's path
         offers = self.client.offers or await self.client.survey(max_age=self.client.config.survey_max_age)
         # only peers of the chain's own checkpoint that routing would chain: another checkpoint answers otherwise
@@ -266,8 +268,10 @@ class TripVerifier:
 
     def _session(self, route: Sequence[RouteCandidate]) -> ChainSession:
         cfg = self.client.config
-        return ChainSession(self.client._pool(), route, self.params, open_timeout=cfg.open_timeout,
-                            step_timeout=cfg.step_timeout)
+        s = ChainSession(self.client._pool(), route, self.params, open_timeout=cfg.open_timeout,
+                         step_timeout=cfg.step_timeout)
+        s.fingerprint = self.fingerprint
+        return s
 
     async def _steps(self, s: ChainSession, start: int, tokens: Sequence[int], n_guesses: int, *,
                      fresh: bool = False) -> tuple[int, ...]:

@@ -101,7 +101,12 @@ class _Job:
             return self.whole(small)["config.json"].parent
         stage = Path(dest) if dest is not None else (
             _repo_dir(self.settings, self.hs) / "sangama" / self.commit / "metadata")
-        self._gguf_probe(stage, self.hs.filename)
+        # every part's header and the fingerprint's sample windows (a few KiB a tensor, no weights): the client's
+        # sparse copy gives the checkpoint's fingerprint, so it chains only peers of this very file (cli/pin.py)
+        for p in self._gguf_parts():
+            part, _meta, tensors, data_start = self._gguf_probe(stage, p)
+            spans = [(0, data_start)] + [s for _, at, nbytes in tensors for s in sample_spans(at, nbytes)]
+            part.ensure(merge_spans(spans, _GAP), self.fetch)
         return stage / self.hs.filename
 
     # ---- safetensors -----------------------------------------------------------------------------------------
@@ -153,12 +158,8 @@ class _Job:
 
     # ---- GGUF ------------------------------------------------------------------------------------------------
     def gguf(self, layers: tuple[int, int] | None, dest: str | Path | None) -> Path:
-        name = self.hs.filename or ""
-        m = _SPLIT.match(name)
-        parts = [name] if m is None else [f"{m.group('stem')}-{i:05d}-of-{m.group('count')}.gguf"
-                                          for i in range(1, int(m.group("count")) + 1)]
-        for p in parts:
-            self.sibling(p)
+        m = _SPLIT.match(self.hs.filename or "")
+        parts = self._gguf_parts()
         if layers is None:
             return self.whole(parts)[parts[0]]
         stage = self.stage_dir(tuple(layers), dest)  # type: ignore[arg-type]
@@ -194,6 +195,16 @@ class _Job:
             part.ensure(merge_spans(spans, _GAP), self.fetch)
         _complete(stage, self.hs, self.commit, (start, end))
         return stage / parts[0]
+
+    def _gguf_parts(self) -> list[str]:
+        """The file's name, or every part of a split (``X-00001-of-00003.gguf``), each checked to be in the repo."""
+        name = self.hs.filename or ""
+        m = _SPLIT.match(name)
+        parts = [name] if m is None else [f"{m.group('stem')}-{i:05d}-of-{m.group('count')}.gguf"
+                                          for i in range(1, int(m.group("count")) + 1)]
+        for p in parts:
+            self.sibling(p)
+        return parts
 
     def _gguf_probe(self, stage: Path, name: str) -> tuple[PartialFile, dict, list, int]:
         part = PartialFile(stage, name, self.sibling(name).size)  # type: ignore[arg-type]

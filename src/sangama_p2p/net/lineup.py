@@ -5,10 +5,12 @@ Every serving record carries the fingerprint of the peer's checkpoint and the mo
 client (and ``sangama-peer status``) sorts the offers of a model id into one *lineup*:
 
 1. A peer announcing layers beyond its own checkpoint's depth (``end > num_layers``) is left out.
-2. Offers are grouped by fingerprint. A group's depth is the depth most of its peers announce (ties: the smaller);
-   a peer announcing another depth under the same fingerprint is left out (one of them lies).
-3. With a configured depth (``ClientConfig.num_layers``), groups of another depth are left out; with a local
-   checkpoint's fingerprint (``generate --model DIR``, or the client's own stage), every other group is.
+2. Offers are grouped by fingerprint. A group's depth is the client's own (``ClientConfig.num_layers``: from its
+   checkpoint, or the depth of an explicit ``--fingerprint FP:LAYERS``) when it has one: never a vote, so records
+   claiming another depth cannot exclude honest peers. Without one it is the depth most of the group's peers
+   announce (ties: the smaller). A peer announcing another depth than its group's is left out (one of them lies).
+3. With a local checkpoint's fingerprint (``generate --model DIR``, or the client's own stage), every other group is
+   left out.
 4. Of the groups left, the winner is the one whose ranges chain from layer 0 to its depth; then the one with
    most peers; then the highest announced throughput in total; then the smallest fingerprint (deterministic).
    Every peer of another group is left out, with the reason.
@@ -108,19 +110,21 @@ def choose_lineup(offers: Sequence[T], *, local_fingerprint: str | None = None,
             groups.setdefault(o.fingerprint, []).append(o)
     depths: dict[str, int] = {}
     for fp, members in groups.items():
-        counts = Counter(o.num_layers for o in members)
-        depth = min(counts, key=lambda d: (-counts[d], d))
+        if num_layers is not None:  # the client's own checkpoint says: never a vote of the records
+            depth, why = num_layers, f"the client's checkpoint has {num_layers}"
+        else:
+            counts = Counter(o.num_layers for o in members)
+            depth = min(counts, key=lambda d: (-counts[d], d))
+            why = f"the other peers of fingerprint {_short(fp)} announce {depth}"
         depths[fp] = depth
         for o in [o for o in members if o.num_layers != depth]:
-            left.append(_out(o, f"announces {o.num_layers} layers, but the other peers of fingerprint {_short(fp)} "
-                                f"announce {depth}"))
+            left.append(_out(o, f"announces {o.num_layers} layers, but {why}"))
         groups[fp] = [o for o in members if o.num_layers == depth]
+    groups = {fp: members for fp, members in groups.items() if members}
     eligible = dict(groups)
     for fp in list(eligible):
         why = None
-        if num_layers is not None and depths[fp] != num_layers:
-            why = f"its checkpoint has {depths[fp]} layers, the client was configured for {num_layers}"
-        elif local_fingerprint is not None and fp != local_fingerprint:
+        if local_fingerprint is not None and fp != local_fingerprint:
             why = f"fingerprint {_short(fp)} differs from the local checkpoint's {_short(local_fingerprint)}"
         if why is not None:
             left += [_out(o, why) for o in eligible.pop(fp)]

@@ -93,7 +93,7 @@ class StageServer:
         self.identity = identity
         self.grammars = Grammars()  # the last stage's: StageServer.load gives it the checkpoint's path
         self.peer_id: str = node.peer_id.to_base58()
-        self.table = SessionTable(model, config)
+        self.table = SessionTable(model, config, identity.fingerprint if identity is not None else None)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
                                    max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
                                    inline_max_s=config.inline_step_s)

@@ -95,9 +95,10 @@ class StageSession:
 class SessionTable:
     """Open sessions of one stage, with ownership checks and memory accounting."""
 
-    def __init__(self, model: StageModel, config: StageConfig) -> None:
+    def __init__(self, model: StageModel, config: StageConfig, fingerprint: str | None = None) -> None:
         self.model = model
         self.config = config
+        self.fingerprint = fingerprint  # this stage's checkpoint (None: not known, sessions' fingerprints unchecked)
         self.sessions: dict[bytes, StageSession] = {}
         self.used_bytes = 0
         self.per_peer: dict[str, int] = {}  # owner -> sessions open
@@ -133,6 +134,9 @@ class SessionTable:
             raise StageError("a session with this id is already open", code)
         if msg.model_id != cfg.model_id:
             raise StageError(f"this stage serves {cfg.model_id!r}, not {msg.model_id!r}", ErrorCode.WRONG_MODEL)
+        if msg.fingerprint is not None and self.fingerprint is not None and msg.fingerprint != self.fingerprint:
+            raise StageError(f"this stage serves checkpoint {self.fingerprint}, not {msg.fingerprint} (its record "
+                             "lies or is stale)", ErrorCode.WRONG_MODEL)
         if (msg.start, msg.end) != (model.start, model.end):
             raise StageError(
                 f"this stage serves layers {model.start}:{model.end}, not {msg.start}:{msg.end}", ErrorCode.WRONG_MODEL

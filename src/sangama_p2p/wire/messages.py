@@ -1,4 +1,4 @@
-"""The typed messages of ``/sangama/stage/4`` and ``/sangama/info/4`` (and the ``LaneOffer`` of ``/sangama/lane/5``).
+"""The typed messages of ``/sangama/stage/5`` and ``/sangama/info/5`` (and the ``LaneOffer`` of ``/sangama/lane/6``).
 
 Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
 Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
@@ -10,6 +10,7 @@ Every frame of a session (``Step``, ``StepResult``, ``CloseSession``, ``ErrorMes
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Final, TypeAlias
 
@@ -35,6 +36,8 @@ from sangama_p2p.wire.limits import (
     check_uint,
 )
 from sangama_p2p.wire.tensor import Tensor
+
+_HEX32: Final = re.compile(r"[0-9a-f]{32}")
 
 __all__ = [
     "CloseSession",
@@ -101,6 +104,9 @@ class OpenSession:
     # (the prompt's length) on; None: no constraint. A constrained session drafts no guesses.
     grammar: str | None = None
     grammar_start: int = 0
+    # the checkpoint fingerprint the client chose this chain for (32 lowercase hex digits): a stage of another
+    # checkpoint refuses with WRONG_MODEL (a record that lies or went stale); None: not checked
+    fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -125,6 +131,9 @@ class OpenSession:
         check_opt_uint("top_logprobs", self.top_logprobs, MAX_TOP_LOGPROBS + 1)
         check_opt_text("grammar", self.grammar, MAX_GRAMMAR_BYTES)
         check_uint("grammar_start", self.grammar_start)
+        check_opt_text("fingerprint", self.fingerprint, 32)
+        if self.fingerprint is not None and not _HEX32.fullmatch(self.fingerprint):
+            raise InvalidMessageError(f"fingerprint must be 32 lowercase hex digits, got {self.fingerprint!r}")
         if self.grammar is not None and self.max_guesses:
             raise InvalidMessageError("a session held to a grammar drafts no guesses (max_guesses must be 0)")
 
