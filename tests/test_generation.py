@@ -110,6 +110,49 @@ def test_result_as_dict_local_and_network_keys():
         "guesses_proposed", "guesses_accepted", "accepted_per_step", "acceptance_by_position", "stages"]
     net = GenerationResult([1], [2], route=["p"], time_summary=lambda trips: {"trips": len(trips)})
     assert list(net.as_dict()) == [
-        "prompt_ids", "tokens", "route", "links", "hops", "failovers", "replayed_trips", "replay_exact", "prefill_ms", "decode_ms", "decode_tokens_per_s", "steps",
+        "prompt_ids", "tokens", "route", "links", "hops", "failovers", "replayed_trips", "replay_exact", "retracted", "prefill_ms", "decode_ms", "decode_tokens_per_s", "steps",
         "guesses_proposed", "guesses_accepted", "where_the_time_goes"]
     assert net.as_dict()["where_the_time_goes"] == {"trips": 0}
+
+
+def test_a_rewind_drops_the_trips_after_its_tokens_replays_the_rest_and_goes_on_from_there():
+    """A verifier caught the chain lying after the first ``keep`` tokens (issue 26): the later trips and their tokens
+    go, the kept trips are replayed in their shapes, and the request continues from the kept position, so the result
+    never holds a gap or a lie (before, the tokens were cut back while the loop went on from the lied position)."""
+    from sangama_p2p.generation import Rewind
+
+    g = _gen([1, 2, 3], 10)
+    kept = g.next_trip()
+    g.finish(kept, Answer((7,), (8,)))  # position 3: 7, guess 8 (verified up to here)
+    t = g.next_trip()
+    assert g.finish(t, Answer((8, 66), ())) == [8, 66]  # a lie: 66
+    lost = g.next_trip()
+    assert (lost.start, lost.tokens) == (5, (66,))
+    assert g.finish(lost, Rewind(1)) == [] and g.result.tokens == [7] and g.result.retracted == 2
+    again = g.next_trip()  # the kept trip, replayed as it was sent
+    assert again.replay and (again.start, again.tokens, again.n_guesses) == (0, (1, 2, 3), 0)
+    assert g.finish(again, Answer((7,), (8,))) == [] and g.result.replay_diverged is None
+    t = g.next_trip()  # on from the kept position with the kept guesses: what the lied trip carried, asked again
+    assert not t.replay and (t.start, t.tokens, t.n_guesses) == (3, (7, 8), 1)
+    assert g.finish(t, Answer((8, 5), ())) == [8, 5]
+    assert g.result.tokens == [7, 8, 5] and not g.done
+    assert "taken back" in g.result.failover_note() or not g.result.failovers
+
+
+def test_a_rewind_to_nothing_sends_the_prompt_again():
+    from sangama_p2p.generation import Rewind
+
+    g = _gen(range(10), 5, max_step_tokens=4)
+    for _ in range(2):
+        g.finish(g.next_trip(), Answer((0,)))  # two prefill chunks
+    t = g.next_trip()
+    g.finish(t, Answer((42,), ()))  # the first token: a lie
+    g.finish(g.next_trip(), Rewind(0))
+    assert g.result.tokens == [] and g.result.retracted == 1
+    replays = [g.next_trip() for _ in range(2)]
+    assert all(r.replay and r.chunk for r in replays)
+    for r in replays:
+        g.finish(r, Answer((0,)))
+    t = g.next_trip()
+    assert not t.replay and (t.start, t.tokens) == (8, (8, 9))
+    assert g.finish(t, Answer((5,), ())) == [5] and g.result.tokens == [5]

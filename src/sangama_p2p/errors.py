@@ -33,6 +33,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- OutboxFull            a stream's queue of outgoing frames at its bound while its writes do not drain
     |   +-- ChainBroken           a chain that cannot finish a trip (a stream ended, a next hop failed, a stall)
     +-- RouteError            no chain of peers covers the model
+    +-- TokensRetracted       a verifier took back tokens that a stream had already yielded (a peer lied)
     +-- StageError            a stage refused or failed a request (carries a code)
     |   +-- StageRefused          a stage answered with an ErrorMessage (carries the code and the peer)
     |       +-- NonFiniteHidden       a stage refused NaN/Inf hidden states (names the stage that computed them)
@@ -77,6 +78,7 @@ __all__ = [
     "SessionStateError",
     "StageError",
     "StageRefused",
+    "TokensRetracted",
     "StreamClosed",
     "TooManyGuessesError",
     "TruncatedFrameError",
@@ -250,17 +252,29 @@ class OutboxFull(NetworkError):
 
 class ChainBroken(NetworkError):
     """The chain cannot finish this trip; ``misbehaving`` are peers that answered against the protocol (excluded
-    without a probe; every other peer of the chain is probed before it is excluded)."""
+    without a probe; every other peer of the chain is probed before it is excluded). ``keep``: only the first
+    ``keep`` new tokens stand (a verifier found the chain wrong after them: the generation rewinds to them)."""
 
     def __init__(self, message: str, misbehaving: frozenset[str] = frozenset(),
-                 stalled: frozenset[str] = frozenset()) -> None:
+                 stalled: frozenset[str] = frozenset(), keep: int | None = None) -> None:
         super().__init__(message)
         self.misbehaving = misbehaving
         self.stalled = stalled  # the route of a trip that stalled past its trip clock (one of them swallowed it)
+        self.keep = keep
 
 
 class RouteError(SangamaError):
     """No chain of live peers covers the requested model's layers."""
+
+
+class TokensRetracted(SangamaError):
+    """A verifier caught the chain lying after some tokens had already been streamed: those tokens are wrong. The
+    stream stops here (nothing it yielded is taken back silently); ``kept`` tokens of it stand, ``retracted`` after
+    them do not. A non-streaming generation instead goes on around the liar and returns only right tokens."""
+
+    def __init__(self, message: str, kept: int, retracted: int) -> None:
+        super().__init__(message)
+        self.kept, self.retracted = kept, retracted
 
 
 class StageError(SangamaError):

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from .positions import next_start
 
-__all__ = ["Answer", "Generation", "GenerationLoop", "GenerationResult", "Transport", "Trip"]
+__all__ = ["Answer", "Generation", "GenerationLoop", "GenerationResult", "Rewind", "Transport", "Trip"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,21 @@ class Answer:
         return len(self.tokens) - 1
 
 
-class Transport(Protocol):
-    """Runs trips: one answer per trip, in order; ``None`` where the chain was replaced (the request replays). The
-    network's ``run`` is a coroutine function with the same signature."""
+@dataclass(frozen=True)
+class Rewind:
+    """A transport's answer instead of :class:`Answer`: the chain was replaced *and* only the first ``keep`` new
+    tokens stand (a verifier caught the old chain lying after them). The request goes back to them - the trips that
+    produced them are replayed in their shapes, the later ones dropped - and goes on from there on the new chain."""
 
-    def run(self, trips: Sequence[Trip]) -> list[Answer | None]: ...
+    keep: int
+
+
+class Transport(Protocol):
+    """Runs trips: one answer per trip, in order; ``None`` where the chain was replaced (the request replays), a
+    :class:`Rewind` where it was replaced after a lie. The network's ``run`` is a coroutine function with the same
+    signature."""
+
+    def run(self, trips: Sequence[Trip]) -> list[Answer | Rewind | None]: ...
 
 
 @dataclass
@@ -95,6 +105,7 @@ class GenerationResult:
     failovers: int = 0  # network: re-routes this generation needed
     replayed_trips: int = 0  # network: trips re-sent to replacement chains (each failover replays every trip so far)
     replay_diverged: int | None = None  # the first replayed trip whose answer differed from the original's, if any
+    retracted: int = 0  # network: new tokens already returned that a verifier found wrong and took back (Rewind)
     time_summary: Callable[[list[Any]], dict] | None = field(default=None, repr=False, compare=False)
 
     def failover_note(self) -> str:
@@ -102,6 +113,9 @@ class GenerationResult:
         if not self.failovers:
             return ""
         head = f"the chain failed {self.failovers} time{'s' if self.failovers != 1 else ''} during this generation: "
+        if self.retracted:
+            head += (f"a peer was caught answering wrong tokens, and {self.retracted} tokens already returned were "
+                     "taken back and generated again without it; ")
         if self.replay_diverged is None:
             return (head + f"re-routed and replayed {self.replayed_trips} trips in their original shapes, every "
                     "answer as before: the tokens are those of an uninterrupted run")
@@ -124,7 +138,8 @@ class GenerationResult:
         d.update({"text": self.text} if local else {"route": self.route, "links": self.links, "hops": self.hops,
                                                     "failovers": self.failovers,
                                                     "replayed_trips": self.replayed_trips,
-                                                    "replay_exact": self.replay_diverged is None})
+                                                    "replay_exact": self.replay_diverged is None,
+                                                    "retracted": self.retracted})
         d.update({
             "prefill_ms": round(self.prefill_s * 1e3, 3),
             "decode_ms": round(self.decode_s * 1e3, 3),
@@ -182,7 +197,7 @@ class Generation:
         tokens = self.pending[:limit] if chunk else self.pending
         return Trip(self.index, self.sent - 1, self.start, tuple(tokens), self.n_guesses, chunk)
 
-    def finish(self, trip: Trip, answer: Answer | None, now: float | None = None) -> list[int]:
+    def finish(self, trip: Trip, answer: Answer | Rewind | None, now: float | None = None) -> list[int]:
         """Apply ``trip``'s answer; returns the tokens it emitted.
 
         ``None``: the transport replaced the chain. The next trips then replay every answered trip in its original
@@ -191,9 +206,13 @@ class Generation:
         everything so far would round differently from the steps it replaces, and a greedy near-tie would then go
         the other way. Each replayed answer is checked against the original; the first that differs is recorded in
         ``result.replay_diverged`` (the new chain computes differently: another device, dtype or kernel). Then the
-        trip that failed is sent again."""
+        trip that failed is sent again. A :class:`Rewind` first drops the trips after its ``keep`` tokens."""
         if answer is None:
             self._replay = deque(self.history)  # (a failover during a replay starts it again)
+            return []
+        if isinstance(answer, Rewind):
+            self._rewind(answer.keep)
+            self._replay = deque(self.history)
             return []
         if trip.replay:
             return self._replayed(answer)
@@ -228,6 +247,32 @@ class Generation:
         self.n_guesses = len(answer.guesses)
         return new
 
+    def _rewind(self, keep: int) -> None:
+        """Back to the state after the trips that produced the first ``keep`` new tokens (at a trip's end): the later
+        trips and their tokens are dropped (counted in ``result.retracted``)."""
+        res, kept, n = self.result, [], 0
+        for trip, answer in self.history:
+            got = 0 if trip.chunk else len(answer.tokens)
+            if n + got > keep:
+                break
+            kept.append((trip, answer))
+            n += got
+        res.retracted += len(res.tokens) - n
+        del res.tokens[n:], res.logprobs[n:]
+        self.history, self.answered = kept, len(kept)
+        res.steps = max(self.answered - 1, 0)
+        if not kept:
+            self.start, self.pending, self.n_guesses = 0, list(res.prompt_ids), 0
+        elif kept[-1][0].chunk:
+            last = kept[-1][0]
+            self.start = last.start + len(last.tokens)
+            self.pending, self.n_guesses = list(res.prompt_ids[self.start:]), 0
+        else:
+            last, answer = kept[-1]
+            self.start = next_start(last.start, len(last.tokens), last.n_guesses, answer.accepted)
+            self.pending, self.n_guesses = [answer.tokens[-1], *answer.guesses], len(answer.guesses)
+        self.done = bool(res.tokens) and (len(res.tokens) >= self.max_new or res.tokens[-1] in self.stop)
+
     def _replayed(self, answer: Answer) -> list[int]:
         original, want = self._replay.popleft()
         self.result.replayed_trips += 1
@@ -261,7 +306,8 @@ class GenerationLoop:
         self._trips = [g.next_trip() for g in self.generations if not g.done]
         return self._trips
 
-    def finish(self, answers: Sequence[Answer | None], now: float | None = None) -> list[tuple[int, list[int]]]:
+    def finish(self, answers: Sequence[Answer | Rewind | None],
+               now: float | None = None) -> list[tuple[int, list[int]]]:
         """Hand back the answers to the last :meth:`trips`, in order; returns (index, new tokens) of every request
         that emitted some."""
         if len(answers) != len(self._trips):

@@ -8,6 +8,8 @@ banned with a reason, and the generation replays from the last verified position
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import trio
 
@@ -207,3 +209,45 @@ def test_honest_chains_verify_equal_with_guesses_and_seeded_sampling_and_chunked
     assert res.tokens == want
     assert not v.events and not v.banned()
     assert v.verified == v.trips == res.steps + 1 - (len(PROMPT) - 1) // 4  # every kept trip (prefill chunks are not)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_lie_caught_after_unverified_tokens_rewinds_or_stops_the_stream_never_a_silent_retraction(ckpt,
+                                                                                                 streaming):
+    """Issue 26: with ``--verify`` below 1 a liar's tokens of unverified trips are returned before a later trip is
+    caught; the verifier then cut ``out`` back while the loop went on from the lied position (a result with a gap)
+    and a stream had already shown them. Now a generation rewinds to the last verified token and goes on around the
+    liar (the result is an honest run's), and a stream stops with TokensRetracted instead of taking tokens back."""
+    from sangama_p2p.client.verifier import TripVerifier, Verification
+    from sangama_p2p.errors import TokensRetracted
+
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+    bad = _liar_token(want)
+
+    async def main():
+        with trio.fail_after(120):
+            async with fleet(ckpt, [*split, (0, 4), (4, 8), (4, 8)], batch_invariant=True) as f:
+                liar = next(s for _, s, _ in f.stages if (s.model.start, s.model.end) == (4, 8))
+                lie_constant(liar, bad)
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=0.5)) as client:
+                    # the coin: trip 1 (the prefill) unverified, trip 2 verified
+                    v: Verification = client.verification
+                    v.start = lambda params: TripVerifier(v, params, random.Random(15))  # type: ignore[method-assign]
+                    if not streaming:
+                        return await client.generate(PROMPT, N), liar.peer_id, client, None
+                    got: list[int] = []
+                    try:
+                        async for tok in client.stream(PROMPT, N):
+                            got.append(tok)
+                    except TokensRetracted as exc:
+                        return got, liar.peer_id, client, exc
+                    return got, liar.peer_id, client, None
+
+    res, liar, client, err = trio.run(main)
+    assert list(client.verification.banned()) == [liar]
+    if streaming:
+        assert err is not None and res == [bad] and (err.kept, err.retracted) == (0, 1), (res, err)
+    else:
+        assert res.tokens == want and res.retracted == 1 and liar not in res.route and err is None
+        assert "taken back" in res.failover_note()

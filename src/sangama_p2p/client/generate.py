@@ -38,7 +38,7 @@ from typing import Any
 
 import trio
 
-from ..errors import ModelError, NetworkError, RouteError, SangamaError
+from ..errors import ModelError, NetworkError, RouteError, SangamaError, TokensRetracted
 from ..generation import Generation, GenerationLoop, GenerationResult
 from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
 from ..net.discovery import find_serving_peers
@@ -317,7 +317,7 @@ class ChainClient:
         """
         result = _network_result(prompt_ids)
         async for new in self._run(result, max_new_tokens, temperature, top_p, seed, guesses, stop_tokens,
-                                   top_logprobs, grammar):
+                                   top_logprobs, grammar, streaming=on_tokens is not None):
             if on_tokens is not None:
                 on_tokens(new)
         return result
@@ -342,7 +342,7 @@ class ChainClient:
             raise TypeError(f"unknown arguments {sorted(unknown)}")
         opts.update(kwargs)
         async for new in self._run(result, max_new_tokens, **opts,  # type: ignore[arg-type]
-                                   top_logprobs=top_logprobs):
+                                   top_logprobs=top_logprobs, streaming=True):
             scores = (result.logprobs[len(result.tokens) - len(new):] if top_logprobs is not None
                       else [None] * len(new))
             for tok, score in zip(new, scores):
@@ -350,9 +350,12 @@ class ChainClient:
 
     async def _run(self, result: GenerationResult, max_new: int, temperature: float, top_p: float, seed: int,
                    guesses: int | str, stop_tokens: Sequence[int],
-                   top_logprobs: int | None = None, grammar: str | None = None) -> AsyncIterator[list[int]]:
+                   top_logprobs: int | None = None, grammar: str | None = None,
+                   streaming: bool = False) -> AsyncIterator[list[int]]:
         """The generation loop (``generation.GenerationLoop``) over this client's network transport, yielding each
-        trip's new tokens."""
+        trip's new tokens. ``streaming``: the caller shows what it is yielded, so a verifier's catch that takes back
+        tokens already yielded raises :class:`~sangama_p2p.errors.TokensRetracted` (else the generation goes on
+        around the liar, and its result holds only right tokens)."""
         if not result.prompt_ids:
             raise ModelError("the prompt is empty")
         if max_new <= 0:
@@ -364,9 +367,18 @@ class ChainClient:
                                               top_logprobs, grammar)
         loop = GenerationLoop([Generation(result, max_new, stop_tokens, max_step_tokens=self.config.max_step_tokens)])
         try:
+            yielded = 0
             while trips := loop.trips():
                 for _, new in loop.finish(await transport.run(trips)):
+                    yielded += len(new)
                     yield new
+                if streaming and yielded > len(result.tokens):  # a Rewind took back tokens the caller has shown
+                    kept = len(result.tokens)
+                    raise TokensRetracted(
+                        f"a peer of the chain was caught answering wrong tokens: of the {yielded} tokens streamed, "
+                        f"the last {yielded - kept} are not confirmed (the first {kept} were verified); the stream "
+                        "stops here rather than take them back (the peer is banned or avoided: see the log)",
+                        kept, yielded - kept)
         finally:
             await transport.close()
 

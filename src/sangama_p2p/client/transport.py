@@ -19,7 +19,7 @@ from typing import Protocol
 import trio
 
 from ..errors import ErrorCode, RouteError
-from ..generation import Answer, GenerationResult, Trip
+from ..generation import Answer, GenerationResult, Rewind, Trip
 from ..positions import session_length
 from .config import ClientConfig
 from .routing import RouteCandidate, hop_latencies
@@ -93,8 +93,9 @@ class ChainTransport:
                         exc.peer) from exc
                 raise
 
-    async def run(self, trips: Sequence[Trip]) -> list[Answer | None]:
-        """Carry the request's trip (one request per transport); ``[None]`` after a failover."""
+    async def run(self, trips: Sequence[Trip]) -> list[Answer | Rewind | None]:
+        """Carry the request's trip (one request per transport); ``[None]`` after a failover, ``[Rewind]`` after one
+        that a verifier's catch caused."""
         (trip,) = trips
         try:
             res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
@@ -104,7 +105,7 @@ class ChainTransport:
         except ChainBroken as exc:
             bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
             await self._fail_over(trip, exc, bad, exc.stalled)
-            return [None]
+            return [None if exc.keep is None else Rewind(exc.keep)]  # a verifier's catch: back to its tokens
         except NonFiniteHidden as exc:
             await self._fail_over(trip, exc, set(), self._non_finite(exc))
             return [None]

@@ -14,8 +14,9 @@ session is kept for the whole generation and catches up on the context lazily: a
 token since that chain's last verified trip, so the second chain computes each position once, in a few larger
 steps. On a mismatch it finds the liar (:func:`~sangama_p2p.client.verify.find_liar`, fresh sessions on mixed
 chains), bans it (reason and expiry in the ban list, shown by ``status``), and, when the liar sits in the
-generation's own chain, cuts ``out`` back to the last verified token and raises ``ChainBroken`` naming the liar
-as misbehaving: the loop's failover then re-routes without it and replays from there. A peer that differed at this
+generation's own chain, raises ``ChainBroken`` naming the liar as misbehaving, with ``keep``: the tokens up to the
+last verified trip. The transport re-routes without it and answers :class:`~sangama_p2p.generation.Rewind`: the
+generation drops the later trips and their tokens (``result.retracted``), replays the ones it keeps and goes on. A peer that differed at this
 position only (a near-tie flipped by another dtype or device, or a rare lie) is not banned; when it sits in the
 generation's chain the generation still goes back and continues around it (``ChainBroken`` naming it stalled).
 """
@@ -111,8 +112,8 @@ class TripVerifier:
                     tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
         """Called after a trip on ``session`` (input ``sent`` at ``start`` with ``n_guesses`` guesses) answered
         ``tokens``, before they join ``out``. Returns normally when the trip was not drawn, could not be checked, or
-        was found right (or the liar sat in the second chain); raises ``ChainBroken`` (misbehaving: the liar) after
-        cutting ``out`` back to the last verified token when a peer of ``session`` lied."""
+        was found right (or the liar sat in the second chain); raises ``ChainBroken`` (misbehaving: the liar; ``keep``:
+        the tokens of ``out`` up to the last verified trip) when a peer of ``session`` lied."""
         self.trip += 1
         self.owner.trips += 1
         if not should_verify(self.rng, self.owner.fraction):
@@ -202,9 +203,8 @@ class TripVerifier:
             self.skip |= verdict.disputed - set(session.peers)
             if verdict.suspect is not None and verdict.liar_in_main:
                 # not proven a liar, but its answer here was not the others': go back, continue without it
-                del out[self.verified:]
                 raise ChainBroken(f"{verdict.suspect} disagreed with the other chains at trip {self.trip}",
-                                  stalled=frozenset({verdict.suspect}))
+                                  stalled=frozenset({verdict.suspect}), keep=self.verified)
             if verdict.honest == tuple(tokens):  # both chains agreed on the second run
                 self.verified = len(out) + len(tokens)
             return
@@ -216,8 +216,8 @@ class TripVerifier:
         if not verdict.liar_in_main and verdict.honest == tuple(tokens):
             self.verified = len(out) + len(tokens)  # the generation's own chain answered the honest way
         if verdict.liar_in_main:
-            del out[self.verified:]
-            raise ChainBroken(f"{verdict.liar} lied: {verdict.reason}", misbehaving=frozenset({verdict.liar}))
+            raise ChainBroken(f"{verdict.liar} lied: {verdict.reason}", misbehaving=frozenset({verdict.liar}),
+                              keep=self.verified)
 
     def _chainable(self, offers: Sequence[RouteCandidate], session: ChainSession) -> list[RouteCandidate]:
         """The offers routing would chain with ``session``: its checkpoint's (another answers otherwise without
