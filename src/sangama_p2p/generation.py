@@ -220,13 +220,12 @@ class Generation:
         self.answered += 1
         res = self.result
         res.steps = self.answered - 1
+        self._continue_after(trip, answer)
         if trip.chunk:
-            self.start, self.pending = trip.start + len(trip.tokens), self.pending[len(trip.tokens):]
             return []
         k, accepted = trip.n_guesses, answer.accepted
         if k:
             self._count_guesses(k, accepted)
-        self.start = next_start(trip.start, len(trip.tokens), k, accepted)
         out, new = res.tokens, []
         for j, tok in enumerate(answer.tokens):
             if len(out) >= self.max_new:
@@ -243,9 +242,16 @@ class Generation:
             res.prefill_s = now - self._t0
         res.decode_s = now - self._t_first
         self.done = len(out) >= self.max_new or out[-1] in self.stop
-        self.pending = [answer.tokens[-1], *answer.guesses]
-        self.n_guesses = len(answer.guesses)
         return new
+
+    def _continue_after(self, trip: Trip, answer: Answer) -> None:
+        """Where the next trip starts and what it carries, once ``trip`` was answered with ``answer``."""
+        if trip.chunk:  # the rest of the prompt
+            self.start = trip.start + len(trip.tokens)
+            self.pending, self.n_guesses = list(self.result.prompt_ids[self.start:]), 0
+        else:  # the new token and the next guesses
+            self.start = next_start(trip.start, len(trip.tokens), trip.n_guesses, answer.accepted)
+            self.pending, self.n_guesses = [answer.tokens[-1], *answer.guesses], len(answer.guesses)
 
     def _rewind(self, keep: int) -> None:
         """Back to the state after the trips that produced the first ``keep`` new tokens (at a trip's end): the later
@@ -261,16 +267,10 @@ class Generation:
         del res.tokens[n:], res.logprobs[n:]
         self.history, self.answered = kept, len(kept)
         res.steps = max(self.answered - 1, 0)
-        if not kept:
-            self.start, self.pending, self.n_guesses = 0, list(res.prompt_ids), 0
-        elif kept[-1][0].chunk:
-            last = kept[-1][0]
-            self.start = last.start + len(last.tokens)
-            self.pending, self.n_guesses = list(res.prompt_ids[self.start:]), 0
+        if kept:
+            self._continue_after(*kept[-1])
         else:
-            last, answer = kept[-1]
-            self.start = next_start(last.start, len(last.tokens), last.n_guesses, answer.accepted)
-            self.pending, self.n_guesses = [answer.tokens[-1], *answer.guesses], len(answer.guesses)
+            self.start, self.pending, self.n_guesses = 0, list(res.prompt_ids), 0
         self.done = bool(res.tokens) and (len(res.tokens) >= self.max_new or res.tokens[-1] in self.stop)
 
     def _replayed(self, answer: Answer) -> list[int]:

@@ -99,12 +99,11 @@ def _depth(directory: Path) -> int | None:
 
 
 def _gguf_depth(path: Path) -> int | None:
+    from ..model.gguf.config import decoder_depth
     from ..model.gguf.reader import read_metadata
 
     try:
-        meta = read_metadata(path).metadata
-        arch = meta.get("general.architecture")
-        return int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0))
+        return decoder_depth(read_metadata(path).metadata)
     except (SangamaError, KeyError, TypeError, ValueError):
         return None
 

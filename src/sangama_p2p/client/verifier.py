@@ -16,9 +16,10 @@ steps. On a mismatch it finds the liar (:func:`~sangama_p2p.client.verify.find_l
 chains), bans it (reason and expiry in the ban list, shown by ``status``), and, when the liar sits in the
 generation's own chain, raises ``ChainBroken`` naming the liar as misbehaving, with ``keep``: the tokens up to the
 last verified trip. The transport re-routes without it and answers :class:`~sangama_p2p.generation.Rewind`: the
-generation drops the later trips and their tokens (``result.retracted``), replays the ones it keeps and goes on. A peer that differed at this
-position only (a near-tie flipped by another dtype or device, or a rare lie) is not banned; when it sits in the
-generation's chain the generation still goes back and continues around it (``ChainBroken`` naming it stalled).
+generation drops the later trips and their tokens (``result.retracted``), replays the ones it keeps and goes on.
+A peer that differed at this position only (a near-tie flipped by another dtype or device, or a rare lie) is not
+banned; when it sits in the generation's chain the generation still goes back and continues around it
+(``ChainBroken`` naming it stalled).
 """
 
 from __future__ import annotations

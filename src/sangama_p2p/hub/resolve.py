@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import CheckpointError, DownloadError, LayerRangeError, translate
+from ..model.gguf.config import decoder_depth
 from ..model.spec import ModelSpec
 from .fetch import HubSettings, Progress, Sibling, download_file, repo_files
 from .names import check_commit, check_name, under
@@ -168,7 +169,7 @@ class _Job:
         meta = heads[parts[0]][1]
         arch = meta.get("general.architecture")
         try:
-            num_layers = int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0))
+            num_layers = decoder_depth(meta)
         except (KeyError, TypeError, ValueError) as exc:
             raise DownloadError(f"{self.hs}: the GGUF metadata has no {arch}.block_count") from exc
         start, end = _check_layers(layers, num_layers)

@@ -6,6 +6,7 @@ Going through the HF config keeps one normalisation path (``ModelSpec.from_hf_co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from ..spec import FULL, LINEAR, ModelSpec
 from .reader import GGUFFile
 from .transforms import GGUF_ARCHES
 
-__all__ = ["hf_config_from_gguf", "spec_from_gguf"]
+__all__ = ["decoder_depth", "hf_config_from_gguf", "spec_from_gguf"]
 
 
 def _f32(value: Any) -> float:
@@ -31,6 +32,13 @@ def _ids(f: GGUFFile, cfg: dict[str, Any]) -> None:
             cfg[hf] = int(v)
 
 
+def decoder_depth(metadata: Mapping[str, Any]) -> int:
+    """The model's decoder layers from a GGUF's metadata alone: ``block_count`` less the MTP (nextn) blocks that
+    llama.cpp counts among them. KeyError/TypeError/ValueError where the metadata does not say."""
+    arch = metadata["general.architecture"]
+    return int(metadata[f"{arch}.block_count"]) - int(metadata.get(f"{arch}.nextn_predict_layers", 0))
+
+
 def hf_config_from_gguf(f: GGUFFile) -> dict[str, Any]:
     """Build the HF ``config.json`` dict the GGUF was converted from (as far as the metadata tells)."""
     arch = f.architecture
@@ -44,9 +52,9 @@ def hf_config_from_gguf(f: GGUFFile) -> dict[str, Any]:
         heads = int(f.require(a + "attention.head_count"))
         kv = int(f.get(a + "attention.head_count_kv", heads))
         head_dim = int(f.get(a + "attention.key_length", hidden // heads))
-        blocks = int(f.require(a + "block_count"))
+        f.require(a + "block_count")
         nextn = int(f.get(a + "nextn_predict_layers", 0))
-        n_layers = blocks - nextn
+        n_layers = decoder_depth(f.metadata)
         emb = f.tensors.get("token_embd.weight")
         if emb is None:
             raise CheckpointError(f"{f.path} lacks token_embd.weight")
