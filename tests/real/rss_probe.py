@@ -16,6 +16,11 @@ from sangama_p2p.model.stage import StageModel, StepInput
 
 
 def resident(path: str) -> int:
+    return sum(resident_parts(path))
+
+
+def resident_parts(path: str) -> tuple[int, int]:
+    """(anonymous memory, resident pages of the GGUF file's mappings) in bytes."""
     anon = file_rss = 0
     in_map = False
     for line in open("/proc/self/smaps"):
@@ -27,7 +32,7 @@ def resident(path: str) -> int:
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
             anon = int(line.split()[1]) * 1024
-    return anon + file_rss
+    return anon, file_rss
 
 
 def status_mib(key: str) -> int:
@@ -46,12 +51,12 @@ def main() -> None:
     spec, src, _ = open_gguf(path, tokenizer=False)
     t_open = time.perf_counter() - t0
     gc.collect()
-    before = resident(path)
+    before = resident_parts(path)
     rss_before = status_mib("VmRSS")
     t0 = time.perf_counter()
     stage = StageModel.load(spec, src, 0, spec.num_layers, fused=fused)
     t_load = time.perf_counter() - t0
-    loaded = resident(path)
+    loaded = resident_parts(path)
     peak_load = status_mib("VmHWM") - rss_before  # the most the resident set grew at any time during the load
     state = stage.new_session(16)
     x = stage.forward([StepInput(state, 0, tokens=torch.tensor([1, 2, 3, 4]))])
@@ -62,7 +67,8 @@ def main() -> None:
     gc.collect()
     stepped = resident(path)
     in_file = sum(src.nbytes_in_file(n) for n in stage.loaded_names)
-    print(json.dumps({"in_file": in_file, "after_load": loaded - before, "after_steps": stepped - before,
+    print(json.dumps({"in_file": in_file, "after_load": sum(loaded) - sum(before), "after_steps": stepped - sum(before),
+                      "anon_load": loaded[0] - before[0], "file_load": loaded[1] - before[1],
                       "peak_load": peak_load,
                       "open_s": round(t_open, 3), "load_s": round(t_load, 3)}))
 

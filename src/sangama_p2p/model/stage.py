@@ -122,7 +122,9 @@ class StageModel:
         if stage.is_first or (stage.is_last and (spec.tie_word_embeddings or want_mtp)):
             embed = read("model.embed_tokens.weight")
             stage.embed = place(embed)  # looked up by rows (take_rows), not multiplied
-        release = getattr(source, "release_pages", None) if packer is not None else None
+        # Drop the mapped pages a layer's load read (a repacking's or a concatenation's sources: the weights built
+        # from them hold copies of their own; a weight used straight from the map faults its pages back at first use).
+        release = getattr(source, "release_pages", None)
         for i in range(start, end):
             prefix = f"model.layers.{i}."
             stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
