@@ -76,7 +76,20 @@ def test_network_stats_name_each_peer_and_say_a_failover(capsys: pytest.CaptureF
     assert "route …" + IDS[0][-8:] + " -> …" + IDS[1][-8:] + " -> …" + IDS[2][-8:] in err
     assert "the chain failed 1 time during this generation: re-routed and replayed" in err
     _network_stats(GenerationResult(prompt_ids=[1], tokens=[5], route=IDS[:1]))
-    assert "failed" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "failed" not in err and "verify" not in err
+
+
+def test_network_stats_say_how_many_trips_verification_could_not_check(capsys: pytest.CaptureFixture) -> None:
+    """Issue 26: "cannot verify" is always said; a run whose checks all passed says how many it checked."""
+    from sangama_p2p.cli.generate_cmds import _network_stats
+    from sangama_p2p.client.generate import GenerationResult
+
+    _network_stats(GenerationResult(prompt_ids=[1], tokens=[5], route=IDS[:1], verified_trips=3, unverified_trips=2))
+    assert "verify: 3 trips checked on a second chain, 2 could not be" in capsys.readouterr().err
+    _network_stats(GenerationResult(prompt_ids=[1], tokens=[5], route=IDS[:1], verified_trips=4, unverified_trips=0))
+    err = capsys.readouterr().err
+    assert "verify: 4 trips checked on a second chain]" in err and "could not" not in err
 
 
 def test_demo_tables_say_what_each_column_means() -> None:

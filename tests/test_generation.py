@@ -110,7 +110,7 @@ def test_result_as_dict_local_and_network_keys():
         "guesses_proposed", "guesses_accepted", "accepted_per_step", "acceptance_by_position", "stages"]
     net = GenerationResult([1], [2], route=["p"], time_summary=lambda trips: {"trips": len(trips)})
     assert list(net.as_dict()) == [
-        "prompt_ids", "tokens", "route", "links", "hops", "failovers", "replayed_trips", "replay_exact", "retracted", "prefill_ms", "decode_ms", "decode_tokens_per_s", "steps",
+        "prompt_ids", "tokens", "route", "links", "hops", "failovers", "replayed_trips", "replay_exact", "retracted", "verified_trips", "unverified_trips", "prefill_ms", "decode_ms", "decode_tokens_per_s", "steps",
         "guesses_proposed", "guesses_accepted", "where_the_time_goes"]
     assert net.as_dict()["where_the_time_goes"] == {"trips": 0}
 

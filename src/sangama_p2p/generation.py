@@ -106,6 +106,8 @@ class GenerationResult:
     replayed_trips: int = 0  # network: trips re-sent to replacement chains (each failover replays every trip so far)
     replay_diverged: int | None = None  # the first replayed trip whose answer differed from the original's, if any
     retracted: int = 0  # network: new tokens already returned that a verifier found wrong and took back (Rewind)
+    verified_trips: int | None = None  # network, verifying: trips re-run on a second chain that agreed (else None)
+    unverified_trips: int | None = None  # network, verifying: trips drawn for a check that could not be checked
     time_summary: Callable[[list[Any]], dict] | None = field(default=None, repr=False, compare=False)
 
     def failover_note(self) -> str:
@@ -139,7 +141,9 @@ class GenerationResult:
                                                     "failovers": self.failovers,
                                                     "replayed_trips": self.replayed_trips,
                                                     "replay_exact": self.replay_diverged is None,
-                                                    "retracted": self.retracted})
+                                                    "retracted": self.retracted,
+                                                    "verified_trips": self.verified_trips,
+                                                    "unverified_trips": self.unverified_trips})
         d.update({
             "prefill_ms": round(self.prefill_s * 1e3, 3),
             "decode_ms": round(self.decode_s * 1e3, 3),

@@ -169,6 +169,46 @@ def test_a_peer_that_did_not_answer_is_not_probed_again_until_it_publishes_a_new
     assert probes_total == 2  # none in the second generation, one after the "newer" record
 
 
+def test_a_peer_whose_probe_was_late_is_skipped_for_a_while_and_asked_again_by_a_verifier_lacking_a_chain(ckpt):
+    """On a loaded machine a live peer's probe can time out. It used to count as dead until its next record: the
+    loaded suite once verified 0 of 12 trips, both surveys having skipped the spare chain. Now a late peer is skipped
+    by plain surveys for a while (SLOW_RETRY_S) and asked again by a caller that found no second chain."""
+    from sangama_p2p.client import generate as gen
+
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, 6).tokens
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [*split, *split], batch_invariant=True) as f:
+                spares = {node.peer_id.to_base58() for node, _, _ in f.stages[2:]}
+                config = ClientConfig(MODEL, survey_max_age=0.0, probe_timeout=0.5, lanes=False, verify=1.0)
+                async with ChainClient(f.clients[0], config) as client:
+                    get, late, asked = client.pool.get, set(spares), []
+
+                    async def slow_get(peer, addrs=()):
+                        asked.append(peer)
+                        if peer in late:  # the spares' first probe answers after the timeout
+                            late.discard(peer)
+                            await trio.sleep(1.0)
+                        return await get(peer, addrs)
+
+                    client.pool.get = slow_get
+                    first = {o.peer_id for o in await client.survey()}
+                    assert spares <= set(client.slow) and not spares & first and not spares & set(client.silent)
+                    asked.clear()
+                    await client.survey()  # a plain survey skips them
+                    assert not spares & set(asked)
+                    client.pool.get = get
+                    res = await client.generate(PROMPT, 6)
+                    return res, client.verification, set(client.slow)
+
+    res, v, still_slow = trio.run(main)
+    assert res.tokens == want
+    assert v.verified == v.trips > 0 and v.unverifiable == 0  # the verifier's fresh survey asked the spares again
+    assert not still_slow
+
+
 def test_a_generation_on_a_cached_survey_with_no_route_surveys_again_and_finds_a_new_peer(ckpt):
     """After a stage died, the survey that found no spare is re-used by the next generation (``survey_max_age``):
     a peer that joined since for the dead range is not in it. No route there means one fresh survey, not an error."""

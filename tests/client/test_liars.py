@@ -27,9 +27,14 @@ def _liar_token(want: list[int]) -> int:
 
 
 async def _run(ckpt, ranges, liar_range, lie, **client_options):
-    """A fleet over ``ranges``; the (first) stage of ``liar_range`` lies; one generation through it."""
+    """A fleet over ``ranges``; the (first) stage of ``liar_range`` lies; one generation through it. The honest
+    peers of that range announce 1 step/s, so routing takes the liar whatever RTTs a loaded machine measures (the
+    liar's boast alone lost to 10 ms of RTT noise once: "the liar was never chained")."""
     async with fleet(ckpt, ranges, batch_invariant=True) as f:
-        liar = next(s for _, s, _ in f.stages if (s.model.start, s.model.end) == liar_range)
+        same = [s for _, s, _ in f.stages if (s.model.start, s.model.end) == liar_range]
+        liar = same[0]
+        for honest in same[1:]:
+            honest.__class__ = type("Modest", (type(honest),), {"throughput": property(lambda self: 1.0)})
         lies = lie(liar)
         async with ChainClient(f.clients[0], ClientConfig(MODEL, **client_options)) as client:
             res = await client.generate(PROMPT, N)
@@ -209,6 +214,45 @@ def test_honest_chains_verify_equal_with_guesses_and_seeded_sampling_and_chunked
     assert res.tokens == want
     assert not v.events and not v.banned()
     assert v.verified == v.trips == res.steps + 1 - (len(PROMPT) - 1) // 4  # every kept trip (prefill chunks are not)
+    assert (res.verified_trips, res.unverified_trips) == (v.verified, 0)
+
+
+def test_a_verifying_chain_late_once_is_given_more_time_and_every_trip_is_still_verified(ckpt):
+    """The loaded suite once verified 0 of 12 trips: the second chain's first (catch-up) trip missed its deadline,
+    its peers were skipped for the generation, and every later trip went unverified. Now a late chain is opened
+    again with LATE_GRACE x the time, once per generation; only a second miss skips it."""
+    split = [(0, 4), (4, 8)]
+    want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
+
+    async def main():
+        with trio.fail_after(120):
+            async with fleet(ckpt, [*split, *split], batch_invariant=True) as f:
+                spare = f.stages[2][1]
+                for _, s, _ in f.stages[2:]:  # the spares announce 1 step/s: the generation's chain is the first two
+                    s.__class__ = type("Modest", (type(s),), {"throughput": property(lambda self: 1.0)})
+                real, held = spare._on_step, []
+
+                def late_once(*args, **kwargs):  # the spare's first step answers 2.5 s late
+                    if held:
+                        return real(*args, **kwargs)
+                    held.append(1)
+
+                    async def later():
+                        await trio.sleep(2.5)
+                        real(*args, **kwargs)
+                    f._nursery.start_soon(later)
+
+                spare._on_step = late_once
+                config = ClientConfig(MODEL, verify=1.0, stall_factor=0.0, stall_floor_s=0.25)  # deadline 1 s
+                async with ChainClient(f.clients[0], config) as client:
+                    res = await client.generate(PROMPT, N)
+                    return res, client.verification, held, {s.peer_id for _, s, _ in f.stages[:2]}
+
+    res, v, held, first = trio.run(main)
+    assert held and set(res.route) == first
+    assert res.tokens == want
+    assert v.verified == v.trips > 0 and v.unverifiable == 0 and not v.events
+    assert (res.verified_trips, res.unverified_trips) == (v.verified, 0)  # said with the result (and by the CLI)
 
 
 @pytest.mark.parametrize("streaming", [False, True])

@@ -298,6 +298,12 @@ def _network_stats(r: Any) -> None:
         print(f"[links {', '.join(f'{peer_label(p)}: {link}' for p, link in zip(r.route, r.links))}]", file=sys.stderr)
     if r.failovers:
         print(f"[{r.failover_note()}]", file=sys.stderr)
+    if r.unverified_trips:  # --verify: never a silent "verified"
+        print(f"[verify: {r.verified_trips} trips checked on a second chain, {r.unverified_trips} could not be "
+              "(no second chain of other peers for the same ranges, or it failed): their tokens are unchecked]",
+              file=sys.stderr)
+    elif r.verified_trips is not None:
+        print(f"[verify: {r.verified_trips} trips checked on a second chain]", file=sys.stderr)
 
 
 def _generate_streamed(args: argparse.Namespace, config: Any, ids: list[int] | None, text: str | None) -> int:

@@ -55,6 +55,9 @@ __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult",
 
 log = logging.getLogger(__name__)
 
+SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it),
+SLOW_RETRY_MAX_S = 480.0  # doubling after each time-out in a row, up to this
+
 
 class ChainClient:
     """Drives generations through the swarm; an ``async with`` object owning its links' tasks (see module doc)."""
@@ -73,6 +76,7 @@ class ChainClient:
         self.surveyed_at = -math.inf  # trio clock time of the last survey
         self._versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
         self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
+        self.slow: dict[str, tuple[float, float]] = {}  # peers whose probes timed out -> (skipped until, backoff)
         self._survey_lock = trio.Lock()
         self.left_out: dict[str, Any] = {}  # peer id -> net.lineup.LeftOut, from the last routing decision
         self._reported: set[tuple[str, str]] = set()  # (peer, reason) already logged
@@ -113,19 +117,23 @@ class ChainClient:
         return self.pool
 
     # ---- discovery and routing -----------------------------------------------------------------------------
-    async def survey(self, exclude: frozenset[str] = frozenset(), *, max_age: float = 0.0) -> list[RouteCandidate]:
+    async def survey(self, exclude: frozenset[str] = frozenset(), *, max_age: float = 0.0,
+                     retry_slow: bool = False) -> list[RouteCandidate]:
         """The peers serving ``model_id`` as :class:`~sangama_p2p.client.routing.RouteCandidate` (DHT records refreshed
         with each peer's own ``/sangama/info/2`` figures, and the RTT measured over the stage stream).
 
-        A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight.
+        A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight. A peer
+        that refused or failed its probe is skipped until it publishes a newer record; one whose probe only timed
+        out (alive but busy, as on a loaded machine) is skipped for :data:`SLOW_RETRY_S`, or not at all with
+        ``retry_slow`` (a caller that found no route, or no second chain, without it).
         """
         started = trio.current_time()
         async with self._survey_lock:
             if self.surveyed_at > -math.inf and self.surveyed_at >= started - max_age:
                 return [o for o in self.offers if o.peer_id not in exclude]
-            return await self._survey(exclude)
+            return await self._survey(exclude, retry_slow)
 
-    async def _survey(self, exclude: frozenset[str]) -> list[RouteCandidate]:
+    async def _survey(self, exclude: frozenset[str], retry_slow: bool) -> list[RouteCandidate]:
         pool = self._pool()
         records = await find_serving_peers(self.node, self.config.model_id,
                                            include_self=self.local_stage is not None)
@@ -148,14 +156,15 @@ class ChainClient:
                                         info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
                                         rec.num_layers, rec.layer_hashes, rec.links))
                 self.silent.pop(rec.peer_id, None)
+                self.slow.pop(rec.peer_id, None)
                 return
-            self._mark_silent(rec.peer_id)  # no answer within probe_timeout
+            self._mark_slow(rec.peer_id)  # alive maybe (a busy machine), only late: asked again later
 
         async with trio.open_nursery() as nursery:
             for rec in records:
                 # excluded peers are probed too: the survey is shared by later generations, the exclusion is this
                 # one's (a peer that refused a too-long session was missing from every route for survey_max_age)
-                if not self._still_silent(rec):
+                if not self._still_silent(rec) and (retry_slow or not self._still_slow(rec.peer_id)):
                     nursery.start_soon(probe, rec)
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
         self.surveyed_at = trio.current_time()
@@ -178,6 +187,19 @@ class ChainClient:
     def _still_silent(self, rec: Any) -> bool:
         seen = self.silent.get(rec.peer_id)
         return seen is not None and (rec.seq, rec.expires_at) <= seen
+
+    def _mark_slow(self, peer: str) -> None:
+        """``peer``'s probe timed out: surveys skip it for :data:`SLOW_RETRY_S`, twice as long after each further
+        time-out in a row (a machine that died without a word costs a probe's wait ever more rarely until its
+        record expires)."""
+        _, backoff = self.slow.get(peer, (0.0, SLOW_RETRY_S / 2))
+        backoff = min(2 * backoff, SLOW_RETRY_MAX_S)
+        self.slow[peer] = (trio.current_time() + backoff, backoff)
+        log.info("peer %s did not answer its probe within %.1f s: skipped for %.0f s", peer, self._probe_s, backoff)
+
+    def _still_slow(self, peer: str) -> bool:
+        late = self.slow.get(peer)
+        return late is not None and trio.current_time() < late[0]
 
     def _lineup(self, offers: Sequence[RouteCandidate], pin: str | None) -> Any:
         """The peers of one checkpoint fingerprint (``pin``, else the configured one, else the best group) and the
@@ -218,10 +240,10 @@ class ChainClient:
         route without them exists (the peers of a chain that stalled: one of them swallowed the trip)."""
         tries = 0
         refused: StageRefused | None = None
-        fresh_misses = 0
+        fresh_misses, retry_slow = 0, False
         while True:
             asked = trio.current_time()
-            offers = await self.survey(frozenset(exclude), max_age=max_age)
+            offers = await self.survey(frozenset(exclude), max_age=max_age, retry_slow=retry_slow)
             try:
                 route, fingerprint = self._route(offers, exclude | self._avoidable(offers, exclude, pin, avoid), pin)
             except RouteError as exc:
@@ -231,7 +253,8 @@ class ChainClient:
                     max_age = 0.0
                     continue
                 if fresh_misses == 0:  # a fresh one can miss records too (DHT queries that timed out on a busy
-                    fresh_misses, max_age = 1, 0.0  # machine: tests/stage/test_lane_flood.py once): once more
+                    fresh_misses, max_age = 1, 0.0  # machine: tests/stage/test_lane_flood.py once): once more,
+                    retry_slow = True  # the peers whose probes were late asked again
                     continue
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,

@@ -168,6 +168,9 @@ class ChainTransport:
             self.result.links = self.session.link_kinds()
             self.result.hops = [{"from": a, "to": b, "ms": round(1e3 * t, 3), "measured": m}
                                 for a, b, t, m in hop_latencies(self.session.route, self.client.offers)]
+        if self.verifier is not None:  # what verification checked, said with the result
+            self.result.verified_trips = self.verifier.trips_verified
+            self.result.unverified_trips = self.verifier.trips_unverified
         try:
             if self.verifier is not None:
                 await self.verifier.aclose()

@@ -45,7 +45,14 @@ __all__ = ["RECHECKS", "TripVerifier", "Verification", "VerifyEvent"]
 RECHECKS = 5
 """Earlier positions at which a suspect's chain is compared with an honest one before it is convicted."""
 
+LATE_GRACE = 4
+"""A generation's verifying chains get this many times the deadline after one was late."""
+
 log = logging.getLogger(__name__)
+
+
+class _Late(RouteError):
+    """A verifying trip that did not answer within its deadline."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +111,11 @@ class TripVerifier:
         self.alt_step = 0
         self.trip = 0
         self.trips_verified = 0
+        self.trips_unverified = 0  # drawn for verification and not checked (no second chain, or it failed)
         self.verified = 0  # out[:verified] was produced by trips that were verified (or precede one that was)
         self.skip: set[str] = set()  # peers whose verifying chain failed in this generation
         self.resurveyed = False  # whether this generation already surveyed afresh for want of a second chain
+        self.late = False  # whether a verifying chain missed its deadline once (then given LATE_GRACE x the time)
         self.fingerprint: str | None = None  # the generation's checkpoint
 
     async def check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
@@ -138,22 +147,41 @@ class TripVerifier:
         alt = await self._second_chain(session, offers, banned)
         if alt is None and not self.resurveyed:
             # the last survey may have missed peers (a DHT lookup that times out on a busy machine misses records:
-            # tests/net/test_net_swarm.py): once per generation, a fresh one before the trip goes unverified
+            # tests/net/test_net_swarm.py; a probe that was late, and is skipped for a while): once per generation,
+            # a fresh one asking late peers again, before the trip goes unverified
             self.resurveyed = True
-            offers = self._chainable(await self.client.survey(max_age=0.0), session)
+            offers = self._chainable(await self.client.survey(max_age=0.0, retry_slow=True), session)
             alt = await self._second_chain(session, offers, banned)
         if alt is None:
             log.info("trip %d: no second chain of other peers (%d offers): not verified", self.trip, len(offers))
-            self.owner.unverifiable += 1
+            self._unverified()
             return
-        pos = min(self.alt_pos, start)
-        limit = self._deadline(session)
-        try:
-            answer = await self._bounded(limit, self._steps(alt, pos, [*context[pos:], *sent], n_guesses))
-        except SangamaError as exc:
-            log.info("verifying chain %s failed: %s", alt.peers, exc)
-            self.skip |= set(alt.peers)  # not again in this generation (e.g. a black hole costs `limit` once)
-            await self._drop_alt()
+        while True:
+            pos = min(self.alt_pos, start)
+            limit = min(self.client.config.step_timeout, self._deadline(session) * (LATE_GRACE if self.late else 1))
+            try:
+                answer = await self._bounded(limit, self._steps(alt, pos, [*context[pos:], *sent], n_guesses))
+                break
+            except _Late as exc:
+                await self._drop_alt()
+                if not self.late:
+                    # a loaded machine's honest chain can miss the deadline once (on the suite under two busy
+                    # loops it did, and every later trip went unverified): once per generation it is opened again
+                    # and given LATE_GRACE x the time, from then on
+                    log.info("verifying chain %s was late (%s): once more, with %dx the time", alt.peers, exc,
+                             LATE_GRACE)
+                    self.late = True
+                    alt = await self._second_chain(session, offers, banned)
+                    if alt is not None:
+                        continue
+                else:
+                    log.info("verifying chain %s was late again: %s", alt.peers, exc)
+                    self.skip |= set(alt.peers)
+            except SangamaError as exc:
+                log.info("verifying chain %s failed: %s", alt.peers, exc)
+                self.skip |= set(alt.peers)  # not again in this generation (e.g. a black hole costs `limit` once)
+                await self._drop_alt()
+            self._unverified()  # drawn, and not verified: said, as a trip with no second chain is
             return
         if answer == tuple(tokens):
             self.alt_pos = start + len(sent) - n_guesses + len(tokens) - 1
@@ -265,7 +293,7 @@ class TripVerifier:
     async def _bounded(limit: float, work: Awaitable[tuple[int, ...]]) -> tuple[int, ...]:
         with trio.move_on_after(limit):
             return await work
-        raise RouteError(f"a verifying trip took over {limit:.2f} s")
+        raise _Late(f"a verifying trip took over {limit:.2f} s")
 
     def _session(self, route: Sequence[RouteCandidate]) -> ChainSession:
         cfg = self.client.config
@@ -289,6 +317,10 @@ class TripVerifier:
         if not fresh:
             self.alt_step = step + 1
         return tuple(res.tokens)
+
+    def _unverified(self) -> None:
+        self.trips_unverified += 1
+        self.owner.unverifiable += 1
 
     async def _drop_alt(self) -> None:
         alt, self.alt = self.alt, None
