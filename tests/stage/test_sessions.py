@@ -132,6 +132,47 @@ def test_trip_clock_times_only_steady_decode_trips():
     assert c.lap(19, 1, 0, 0, now=13.6) == pytest.approx(0.3)
 
 
+def test_the_keys_of_one_address_share_its_quota_and_its_network_twice_that(stages):
+    """Issue 26: four fresh keys from one host held a stage's every session; keys are free, addresses are not."""
+    from sangama_p2p.net.addrs import source_keys
+
+    first, _ = stages
+    t = SessionTable(first, StageConfig(MODEL, 0, 4, max_sessions=16))
+    assert (t.config.sessions_per_address, t.config.sessions_per_network) == (4, 8)
+    here = source_keys("198.18.0.7")
+    assert here == ("address 198.18.0.7", "network 198.18.0.0/24")
+    n = 0
+
+    def open_as(peer, source):
+        nonlocal n
+        n += 1
+        return t.open(_open(n.to_bytes(16, "big"), client=peer), peer, None, source=source)
+
+    held = [open_as(f"sybil{i}", here) for i in range(4)]  # one session per key: under every per-peer quota
+    with pytest.raises(StageError, match="per-address quota: 198.18.0.7 already holds 4") as info:
+        open_as("sybil4", here)  # a fifth key from the same address
+    assert info.value.code == ErrorCode.CAPACITY
+    neighbours = [open_as(f"n{i}", source_keys(f"198.18.0.{20 + i}")) for i in range(4)]  # the same /24: 8 in all
+    with pytest.raises(StageError, match="per-network quota: 198.18.0.0/24"):
+        open_as("n9", source_keys("198.18.0.99"))
+    open_as("far", source_keys("198.19.5.5"))  # another network is not affected
+    open_as("local", source_keys("127.0.0.1"))  # loopback: the stage's own machine, counted by peer id only
+    t.close(held[0].session_id, "sybil0")  # a freed session frees its place at the address and the network
+    open_as("sybil4", here)
+    assert t.per_source["address 198.18.0.7"] == 4 and t.per_source["network 198.18.0.0/24"] == 8
+    for s in neighbours:
+        t.close(s.session_id, s.owner)
+    assert t.per_source["network 198.18.0.0/24"] == 4
+
+
+def test_source_keys_of_addresses():
+    from sangama_p2p.net.addrs import source_keys
+
+    assert source_keys("2001:db8:1:2:3:4:5:6") == ("address 2001:db8:1:2:3:4:5:6", "network 2001:db8:1:2::/64")
+    assert source_keys("::ffff:198.18.0.7") == source_keys("198.18.0.7")  # a v4-mapped address is its v4
+    assert source_keys("127.0.0.1") == source_keys("::1") == source_keys(None) == source_keys("not an ip") == ()
+
+
 def test_each_peer_is_held_to_its_quota_and_idle_sessions_expire(stages):
     first, _ = stages
     t = SessionTable(first, StageConfig(MODEL, 0, 4, max_sessions=8, session_idle_s=10.0))

@@ -10,7 +10,8 @@ from typing import Any
 import multiaddr
 from libp2p.abc import INetConn
 
-__all__ = ["is_relayed", "is_site_local", "is_wildcard", "order_addrs", "remote_addr", "strip_p2p"]
+__all__ = ["is_relayed", "is_site_local", "is_wildcard", "order_addrs", "remote_addr", "source_keys", "stream_source",
+           "strip_p2p"]
 
 # Site-local ranges: dialled after public ones. Documentation and benchmark ranges (198.18/15, 203.0.113/24, ...)
 # count as public on purpose: network-namespace tests use them as "the internet".
@@ -75,3 +76,31 @@ def strip_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
 
 def is_wildcard(addr: multiaddr.Multiaddr) -> bool:
     return "/ip4/0.0.0.0/" in str(addr) or "/ip6/::/" in str(addr)
+
+
+def source_keys(ip: str | None) -> tuple[str, ...]:
+    """What a stage counts a client's sessions under beside its peer id (keys are free, addresses are not): its
+    address and its network, the /24 of an IPv4 address or the /64 of an IPv6 one. None for a loopback source (the
+    stage's own machine) or an unknown one (a relayed connection does not show its client's address)."""
+    if not ip:
+        return ()
+    try:
+        addr: Any = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return ()
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    if addr.is_loopback or addr.is_unspecified:
+        return ()
+    net = ipaddress.ip_network(f"{addr}/{24 if addr.version == 4 else 64}", strict=False)
+    return (f"address {addr}", f"network {net}")
+
+
+def stream_source(stream: Any) -> tuple[str, ...]:
+    """:func:`source_keys` of the far end of a libp2p stream or a lane (``get_remote_address``: (ip, port))."""
+    getter = getattr(stream, "get_remote_address", None)
+    try:
+        remote = getter() if getter is not None else None
+    except Exception:  # a stream whose connection is already gone: no address to count
+        return ()
+    return source_keys(remote[0]) if remote else ()

@@ -27,6 +27,7 @@ from ..errors import StreamClosed, translate
 from ..wire.codec import decode, encode_message_frame
 from ..wire.framing import DEFAULT_MAX_FRAME, ByteBudget, FrameReader
 from ..wire.messages import Message
+from .addrs import stream_source
 
 __all__ = ["FRAME_BYTES", "FramedStream", "MemoryStream", "PeerConn", "memory_stream_pair"]
 
@@ -49,6 +50,7 @@ class FramedStream:
         self.stream = stream
         self.max_frame = max_frame
         self.peer: str = stream.muxed_conn.peer_id.to_base58()
+        self.source = stream_source(stream)  # the far end's address and network (net.addrs.source_keys)
         self._reader = FrameReader(self.read, max_frame, budget=budget, peer=self.peer)
         self._lock = trio.Lock()
         self.closed = False

@@ -30,7 +30,9 @@ class StageConfig:
     ``inline_step_s``: decode-like steps run on the event loop's thread instead of the compute thread while they
     take at most this long (smoothed), which saves two thread hand-offs a step (0: always the compute thread).
     Bounds against one peer taking the stage: ``max_sessions_per_peer`` sessions open per peer id (0: a quarter of
-    ``max_sessions``, at least 1); a session with no step for ``session_idle_s`` seconds is freed (its owner's next
+    ``max_sessions``, at least 1), ``max_sessions_per_address`` per client IP address whatever its peer ids (0: the
+    per-peer quota) and ``max_sessions_per_network`` per /24 (IPv4) or /64 (IPv6) (0: twice that; neither counts
+    loopback or relayed clients, whose address the stage does not see); a session with no step for ``session_idle_s`` seconds is freed (its owner's next
     frame for it is answered ``EXPIRED``); ``max_lanes_per_peer`` open lanes per peer; ``input_budget`` bytes held
     for partial frames of every stream and lane together, counted as they arrive (a chunk over what is left closes
     its stream), ``input_per_peer`` of them by one peer's streams and lanes (0: a quarter of ``input_budget``, at
@@ -71,6 +73,8 @@ class StageConfig:
     lane_timeout: float = 2.0
     inline_step_s: float = 0.01
     max_sessions_per_peer: int = 0  # 0: max(1, max_sessions // 4)
+    max_sessions_per_address: int = 0  # 0: as max_sessions_per_peer (any peer ids from one IP address together)
+    max_sessions_per_network: int = 0  # 0: 2 x the per-address quota (one /24 of IPv4, one /64 of IPv6)
     session_idle_s: float = 300.0
     max_lanes_per_peer: int = 8
     input_budget: int = 256 << 20
@@ -104,8 +108,9 @@ class StageConfig:
                              "at most 16 links)")
         if self.input_per_peer < 0:
             raise StageError(f"input_per_peer must be >= 0, got {self.input_per_peer}")
-        if self.max_sessions_per_peer < 0:
-            raise StageError(f"max_sessions_per_peer must be >= 0, got {self.max_sessions_per_peer}")
+        for name in ("max_sessions_per_peer", "max_sessions_per_address", "max_sessions_per_network"):
+            if getattr(self, name) < 0:
+                raise StageError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("session_idle_s", "max_lanes_per_peer", "input_budget", "partial_frame_s",
                      "partial_frame_rate", "outbox_bytes", "outbox_budget"):
             if not getattr(self, name) > 0:
@@ -119,6 +124,15 @@ class StageConfig:
     def sessions_per_peer(self) -> int:
         """The per-peer session quota in effect."""
         return self.max_sessions_per_peer or max(1, self.max_sessions // 4)
+
+    @property
+    def sessions_per_address(self) -> int:
+        """The per-address session quota in effect (loopback and relayed clients are counted by peer id only)."""
+        return self.max_sessions_per_address or self.sessions_per_peer
+
+    @property
+    def sessions_per_network(self) -> int:
+        return self.max_sessions_per_network or 2 * self.sessions_per_address
 
     @property
     def input_share(self) -> int:

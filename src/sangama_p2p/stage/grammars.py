@@ -34,13 +34,14 @@ class Grammars:
                 self._tokenizer = await trio.to_thread.run_sync(load_grammar_tokenizer, self.checkpoint_path)
             return await trio.to_thread.run_sync(TokenConstraint, self._tokenizer, grammar, start)
 
-    async def open(self, table: Any, msg: OpenSession, peer: str, reply: Any) -> ErrorMessage | None:
-        """Open ``msg``'s session in ``table`` (a ``SessionTable``) once it passed the table's checks (quotas,
-        range, capacity: before any compile) and its grammar compiled; the refusal to send, or None."""
+    async def open(self, table: Any, msg: OpenSession, fs: Any, reply: Any) -> ErrorMessage | None:
+        """Open ``msg``'s session from ``fs`` (its FramedStream: peer and source) in ``table`` (a ``SessionTable``)
+        once it passed the table's checks (quotas, range, capacity: before any compile) and its grammar compiled;
+        the refusal to send, or None."""
         assert msg.grammar is not None
         try:
-            table.admit(msg, peer)
-            table.open(msg, peer, reply, await self.compile(msg.grammar, msg.grammar_start))
+            table.admit(msg, fs.peer, fs.source)
+            table.open(msg, fs.peer, reply, await self.compile(msg.grammar, msg.grammar_start), fs.source)
         except StageError as exc:
             return ErrorMessage(msg.session_id, None, exc.code, str(exc)[:1000])
         except ModelError as exc:  # a grammar the engine refuses, a tokenizer it cannot read

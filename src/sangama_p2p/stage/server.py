@@ -333,10 +333,10 @@ class StageServer:
         if isinstance(msg, Step):
             self._on_step(peer, outbox, msg, recv_ns, alone=not fs.has_frames)
         elif isinstance(msg, OpenSession) and msg.grammar is not None:
-            self._spawn(self._open_constrained, outbox, msg, peer)  # the client steps it only once it is open
+            self._spawn(self._open_constrained, outbox, msg, fs)  # the client steps it only once it is open
         elif isinstance(msg, OpenSession):
             try:
-                self.table.open(msg, peer, outbox)
+                self.table.open(msg, peer, outbox, source=fs.source)  # counted per address too (Sybils)
             except StageError as exc:
                 outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)))
                 return
@@ -434,8 +434,8 @@ class StageServer:
         if session is not None:
             self._to_owner(session, msg)
 
-    async def _open_constrained(self, outbox: Outbox, msg: OpenSession, peer: str) -> None:
-        error = await self.grammars.open(self.table, msg, peer, outbox)  # checks, compile, open (stage/grammars.py)
+    async def _open_constrained(self, outbox: Outbox, msg: OpenSession, fs: FramedStream) -> None:
+        error = await self.grammars.open(self.table, msg, fs, outbox)  # checks, compile, open (stage/grammars.py)
         outbox.put(error or SessionOpened(msg.session_id, self.free_sessions))
 
     def _spawn(self, fn: Any, *args: Any) -> None:

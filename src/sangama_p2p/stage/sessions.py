@@ -87,6 +87,7 @@ class StageSession:
     max_guesses: int
     nbytes: int
     upstream: str | None = None  # the peer the owner named to feed this session (OpenSession.prev_hop)
+    source: tuple[str, ...] = ()  # the owner's address and network (net.addrs.source_keys), counted like its id
     closed: bool = False
     last_active: float = field(default_factory=time.monotonic)  # opened or last stepped (monotonic s)
     trips: TripClock = field(default_factory=TripClock)  # the last stage's trip times, for ``auto`` guesses
@@ -102,6 +103,7 @@ class SessionTable:
         self.sessions: dict[bytes, StageSession] = {}
         self.used_bytes = 0
         self.per_peer: dict[str, int] = {}  # owner -> sessions open
+        self.per_source: dict[str, int] = {}  # "address A" / "network N" -> sessions open from there
         self.expired: OrderedDict[bytes, str] = OrderedDict()  # expired session id -> its owner
 
     @property
@@ -114,15 +116,21 @@ class SessionTable:
     def _max_len(self) -> int:
         return min(self.config.max_session_length, self.model.spec.max_position_embeddings)
 
-    def open(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None = None) -> StageSession:
-        """Validate ``msg`` from ``peer`` and allocate the session; raises :class:`StageError` with a code.
-        ``constraint``: the grammar of ``msg.grammar``, compiled by the caller (it may take a thread's while)."""
-        self.admit(msg, peer)
+    def open(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None = None,
+             source: tuple[str, ...] = ()) -> StageSession:
+        """Validate ``msg`` from ``peer`` (at ``source``: its address and network, net.addrs.source_keys) and
+        allocate the session; raises :class:`StageError` with a code. ``constraint``: the grammar of
+        ``msg.grammar``, compiled by the caller (it may take a thread's while)."""
+        self.admit(msg, peer, source)
         if (msg.grammar is not None) != (constraint is not None):
             raise StageError("a grammar needs its compiled constraint", ErrorCode.INTERNAL)
-        return self._allocate(msg, peer, reply, constraint)
+        session = self._allocate(msg, peer, reply, constraint)
+        session.source = source
+        for key in source:
+            self.per_source[key] = self.per_source.get(key, 0) + 1
+        return session
 
-    def admit(self, msg: OpenSession, peer: str) -> None:
+    def admit(self, msg: OpenSession, peer: str, source: tuple[str, ...] = ()) -> None:
         """Every check :meth:`open` makes before it allocates (a grammar is compiled only for a session that passes
         them: a peer over its quota costs the stage no compile)."""
         cfg, model = self.config, self.model
@@ -162,6 +170,10 @@ class SessionTable:
         if self.per_peer.get(peer, 0) >= cfg.sessions_per_peer:
             raise StageError(f"per-peer quota: {peer} already holds {cfg.sessions_per_peer} sessions here",
                              ErrorCode.CAPACITY)
+        for key, quota in zip(source, (cfg.sessions_per_address, cfg.sessions_per_network)):
+            if self.per_source.get(key, 0) >= quota:  # keys are free: one host minting them gets no more
+                raise StageError(f"per-{key.split()[0]} quota: {key.split()[1]} already holds {quota} sessions here "
+                                 "(whatever peer ids opened them)", ErrorCode.CAPACITY)
 
     def _allocate(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None) -> StageSession:
         cfg, model = self.config, self.model
@@ -239,8 +251,9 @@ class SessionTable:
         if self.sessions.pop(session.session_id, None) is not None:
             session.closed = True
             self.used_bytes -= session.nbytes
-            left = self.per_peer.get(session.owner, 0) - 1
-            if left > 0:
-                self.per_peer[session.owner] = left
-            else:
-                self.per_peer.pop(session.owner, None)
+            for counts, key in ((self.per_peer, session.owner), *((self.per_source, k) for k in session.source)):
+                left = counts.get(key, 0) - 1
+                if left > 0:
+                    counts[key] = left
+                else:
+                    counts.pop(key, None)

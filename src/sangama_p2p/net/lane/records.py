@@ -49,6 +49,14 @@ class LaneStream:
         self._failed: LaneError | WireError | None = None  # an unauthentic record, or a partial one overdue
         self.remote = remote_label(sock)
 
+    def get_remote_address(self) -> tuple[str, int] | None:
+        """The far end's (ip, port), as a libp2p stream gives it."""
+        try:
+            host, port = self.sock.socket.getpeername()[:2]
+        except OSError:
+            return None
+        return host, port
+
     # ---- records -------------------------------------------------------------------------------------------
     def seal(self, data: bytes | bytearray | memoryview) -> bytes:
         nonce = record_nonce(self._send_dir, self._send_n)
