@@ -33,6 +33,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- OutboxFull            a stream's queue of outgoing frames at its bound while its writes do not drain
     |   +-- ChainBroken           a chain that cannot finish a trip (a stream ended, a next hop failed, a stall)
     +-- RouteError            no chain of peers covers the model
+    |   +-- VerifyingTripLate     a second chain did not answer a verifying trip in time
     +-- TokensRetracted       a verifier took back tokens that a stream had already yielded (a peer lied)
     +-- StageError            a stage refused or failed a request (carries a code)
     |   +-- StageRefused          a stage answered with an ErrorMessage (carries the code and the peer)
@@ -84,6 +85,7 @@ __all__ = [
     "TruncatedFrameError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
+    "VerifyingTripLate",
     "WireError",
     "describe",
     "group_leaves",
@@ -265,6 +267,11 @@ class ChainBroken(NetworkError):
 
 class RouteError(SangamaError):
     """No chain of live peers covers the requested model's layers."""
+
+
+class VerifyingTripLate(RouteError):
+    """A second chain did not answer a verifying trip within its deadline (the verifier gives a generation's late
+    chain one more try with more time, then counts the trip as not verified)."""
 
 
 class TokensRetracted(SangamaError):

@@ -37,6 +37,11 @@ async def _run(ckpt, ranges, liar_range, lie, **client_options):
             honest.__class__ = type("Modest", (type(honest),), {"throughput": property(lambda self: 1.0)})
         lies = lie(liar)
         async with ChainClient(f.clients[0], ClientConfig(MODEL, **client_options)) as client:
+            # the subject is verification, not discovery: the generation starts on a survey that saw every peer (under
+            # two busy loops a survey once missed the liar and the test tested nothing)
+            with trio.fail_after(60):
+                while len(await client.survey(max_age=0.0, retry_slow=True)) < len(ranges):
+                    await trio.sleep(0.5)
             res = await client.generate(PROMPT, N)
             return res, liar.peer_id, lies, client
 

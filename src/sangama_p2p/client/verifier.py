@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from ..errors import RouteError, SangamaError
+from ..errors import RouteError, SangamaError, VerifyingTripLate
 from ..net.bans import BanList
 from .routing import RouteCandidate
 from .session import ChainBroken, ChainSession, SessionParams
@@ -51,8 +51,6 @@ LATE_GRACE = 4
 log = logging.getLogger(__name__)
 
 
-class _Late(RouteError):
-    """A verifying trip that did not answer within its deadline."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +160,7 @@ class TripVerifier:
             try:
                 answer = await self._bounded(limit, self._steps(alt, pos, [*context[pos:], *sent], n_guesses))
                 break
-            except _Late as exc:
+            except VerifyingTripLate as exc:
                 await self._drop_alt()
                 if not self.late:
                     # a loaded machine's honest chain can miss the deadline once (on the suite under two busy
@@ -293,7 +291,7 @@ class TripVerifier:
     async def _bounded(limit: float, work: Awaitable[tuple[int, ...]]) -> tuple[int, ...]:
         with trio.move_on_after(limit):
             return await work
-        raise _Late(f"a verifying trip took over {limit:.2f} s")
+        raise VerifyingTripLate(f"a verifying trip took over {limit:.2f} s")
 
     def _session(self, route: Sequence[RouteCandidate]) -> ChainSession:
         cfg = self.client.config
