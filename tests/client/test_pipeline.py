@@ -59,7 +59,7 @@ def test_auto_guesses_on_the_network_price_guesses_with_measured_trips(ckpt):
                 last = f.stages[-1][1]
                 opened = []
                 table_open = last.table.open
-                last.table.open = lambda *a: opened.append(table_open(*a)) or opened[-1]
+                last.table.open = lambda *a, **k: opened.append(table_open(*a, **k)) or opened[-1]
                 async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
                     t0 = trio.current_time()
                     res = await client.generate(PROMPT, 40, guesses="auto")
