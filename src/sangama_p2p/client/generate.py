@@ -55,8 +55,8 @@ __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult",
 
 log = logging.getLogger(__name__)
 
-SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it),
-SLOW_RETRY_MAX_S = 480.0  # doubling after each time-out in a row, up to this
+SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it)
+SLOW_RETRY_MAX_S = 480.0  # twice as long after each further time-out in a row, up to this
 
 
 class ChainClient:
@@ -192,8 +192,8 @@ class ChainClient:
         """``peer``'s probe timed out: surveys skip it for :data:`SLOW_RETRY_S`, twice as long after each further
         time-out in a row (a machine that died without a word costs a probe's wait ever more rarely until its
         record expires)."""
-        _, backoff = self.slow.get(peer, (0.0, SLOW_RETRY_S / 2))
-        backoff = min(2 * backoff, SLOW_RETRY_MAX_S)
+        before = self.slow.get(peer)
+        backoff = SLOW_RETRY_S if before is None else min(2 * before[1], SLOW_RETRY_MAX_S)
         self.slow[peer] = (trio.current_time() + backoff, backoff)
         log.info("peer %s did not answer its probe within %.1f s: skipped for %.0f s", peer, self._probe_s, backoff)
 

@@ -51,8 +51,6 @@ LATE_GRACE = 4
 log = logging.getLogger(__name__)
 
 
-
-
 @dataclass(frozen=True)
 class VerifyEvent:
     """A mismatch and what came of it: the trip (counted per generation, the prefill is 1), the trips verified

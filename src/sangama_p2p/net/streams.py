@@ -19,6 +19,7 @@ any other ``WireError`` fails the stream), see docs/protocol.md.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 import trio
@@ -50,13 +51,18 @@ class FramedStream:
         self.stream = stream
         self.max_frame = max_frame
         self.peer: str = stream.muxed_conn.peer_id.to_base58()
-        self.source = stream_source(stream)  # the far end's address and network (net.addrs.source_keys)
         self._reader = FrameReader(self.read, max_frame, budget=budget, peer=self.peer)
         self._lock = trio.Lock()
         self.closed = False
         # streams that can write without waiting (lanes): ``try_write(frame) -> unwritten rest``, ``write_raw(rest)``
         self._try_write = getattr(stream, "try_write", None)
         self._tail: memoryview | bytes = b""  # the unwritten rest of a frame written without waiting
+
+    @cached_property
+    def source(self) -> tuple[str, ...]:
+        """The far end's address and network (:func:`~sangama_p2p.net.addrs.source_keys`), read once, when a stage
+        counts a session it opens."""
+        return stream_source(self.stream)
 
     async def read(self, n: int) -> bytes:
         """``read`` for FrameReader: ``b""`` at end of stream; a reset or a closed connection also ends it. While a

@@ -124,11 +124,7 @@ class SessionTable:
         self.admit(msg, peer, source)
         if (msg.grammar is not None) != (constraint is not None):
             raise StageError("a grammar needs its compiled constraint", ErrorCode.INTERNAL)
-        session = self._allocate(msg, peer, reply, constraint)
-        session.source = source
-        for key in source:
-            self.per_source[key] = self.per_source.get(key, 0) + 1
-        return session
+        return self._allocate(msg, peer, reply, constraint, source)
 
     def admit(self, msg: OpenSession, peer: str, source: tuple[str, ...] = ()) -> None:
         """Every check :meth:`open` makes before it allocates (a grammar is compiled only for a session that passes
@@ -175,7 +171,8 @@ class SessionTable:
                 raise StageError(f"per-{key.split()[0]} quota: {key.split()[1]} already holds {quota} sessions here "
                                  "(whatever peer ids opened them)", ErrorCode.CAPACITY)
 
-    def _allocate(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None) -> StageSession:
+    def _allocate(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None,
+                  source: tuple[str, ...]) -> StageSession:
         cfg, model = self.config, self.model
         ring = ring_size(msg.max_guesses)
         need = model.session_bytes(msg.max_length, ring)
@@ -190,10 +187,10 @@ class SessionTable:
             decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses),
                               top_logprobs=msg.top_logprobs, constraint=constraint)
         session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need,
-                               upstream=msg.prev_hop)
+                               upstream=msg.prev_hop, source=source)
         self.sessions[msg.session_id] = session
         self.used_bytes += need
-        self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
+        self._count(session, +1)
         self.expired.pop(msg.session_id, None)
         return session
 
@@ -251,9 +248,13 @@ class SessionTable:
         if self.sessions.pop(session.session_id, None) is not None:
             session.closed = True
             self.used_bytes -= session.nbytes
-            for counts, key in ((self.per_peer, session.owner), *((self.per_source, k) for k in session.source)):
-                left = counts.get(key, 0) - 1
-                if left > 0:
-                    counts[key] = left
-                else:
-                    counts.pop(key, None)
+            self._count(session, -1)
+
+    def _count(self, session: StageSession, delta: int) -> None:
+        """Count ``session`` in (+1) or out (-1) of its owner's, address's and network's quotas."""
+        for counts, key in ((self.per_peer, session.owner), *((self.per_source, k) for k in session.source)):
+            left = counts.get(key, 0) + delta
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
