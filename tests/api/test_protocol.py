@@ -183,3 +183,41 @@ def test_the_api_never_imports_the_stage_side():
             elif isinstance(node, ast.Import):
                 names.update(a.name for a in node.names)
     assert names and not [n for n in names if "stage" in n.split(".")], sorted(names)
+
+
+# ---- tools ----------------------------------------------------------------------------------------------------------
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tools_are_parsed_and_checked() -> None:
+    from sangama_p2p.api.tools import parse_tools
+
+    assert parse_tools({}) is None
+    assert parse_tools({"tools": [TOOL]}).choice == "auto"
+    named = parse_tools({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                         "parallel_tool_calls": False})
+    assert (named.choice, named.forced, named.parallel) == ("get_time", True, False)
+    for body, match in [({"tools": [TOOL, TOOL]}, "twice"), ({"tools": [{"type": "code"}]}, "tools\\[0\\]"),
+                        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice must"),
+                        ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "boolean"),
+                        ({"tool_choice": "auto"}, "needs tools"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "schema")]:
+        with pytest.raises(ApiError, match=match):
+            parse_tools(body)
+
+
+def test_a_streamed_reply_holds_a_call_and_only_a_call() -> None:
+    from sangama_p2p.api.tools import CallScanner, parse_tools
+    from sangama_p2p.model.tool_calls import ToolCall, ToolFormat
+
+    def run(pieces: list[str], choice: str = "auto") -> tuple[str, str, list]:
+        scan = CallScanner(parse_tools({"tools": [TOOL], "tool_choice": choice}), ToolFormat("hermes", False))
+        sent = "".join(scan.push(p) for p in pieces)
+        rest, calls = scan.finish()
+        return sent, rest, calls
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert run(["Let me ", "check. <to", "ol_c", call[7:]]) == ("Let me check. ", "", [ToolCall("get_time", "{}")])
+    assert run(["a <tool", "box> b <", "t"]) == ("a <toolbox> b ", "<t", [])  # held back only while it could start one
+    assert run(["x ", call[:20]]) == ("x ", call[:20], [])  # a call cut short is content after all
+    assert run([call], "none") == (call, "", [])

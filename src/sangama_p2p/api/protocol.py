@@ -21,6 +21,7 @@ from ..errors import StageError, translate
 from ..guesses import parse_guesses
 from .logprobs import parse_logprobs
 from .structured import parse_response_format
+from .tools import ToolRequest, check_tool_messages, parse_tools
 
 __all__ = ["ApiRequest", "StopScanner", "chat_chunk", "chat_response", "completion_chunk", "completion_response",
            "decode_body", "error_body", "error_for", "fit_context", "parse_request", "prompt_chars", "usage"]
@@ -50,6 +51,7 @@ class ApiRequest:
     max_tokens_field: str | None = None  # the field that set max_tokens (None: the server's default)
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and its n best alternatives'
     grammar: str | None = None  # response_format's grammar (api/structured.py), held to at the last stage
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls (api/tools.py)
 
 
 def decode_body(raw: bytes) -> Any:
@@ -125,7 +127,13 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
         raise ApiError(f"n={n} is not supported: this server returns one choice (n=1)", param="n")
     top_logprobs = parse_logprobs(body, chat=chat)
     grammar, _ = parse_response_format(body)
-    for name in ("echo", "tools", "functions", "logit_bias", "best_of"):
+    tools = parse_tools(body) if chat else None
+    if not chat and body.get("tools") not in (None, []):
+        raise ApiError("tools are for /v1/chat/completions", param="tools")
+    if tools is not None and grammar is not None and tools.choice != "none":
+        raise ApiError("response_format and tools cannot be combined: both hold the reply to a grammar",
+                       param="response_format")
+    for name in ("echo", "functions", "function_call", "logit_bias", "best_of"):
         value = body.get(name)
         if value not in (None, False, 0, 1, {}, []) or (name == "best_of" and value not in (None, 1)):
             raise ApiError(f"{name} is not supported by this server", param=name)
@@ -147,6 +155,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
             elif content is not None and not isinstance(content, str):
                 raise ApiError("message content must be a string or a list of text parts", param="messages")
             messages += (dict(m),)
+        check_tool_messages(messages)
     else:
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
@@ -196,7 +205,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, default_gue
     return ApiRequest(chat, model, prompt, messages, max_tokens or default_max_tokens,
                       _number(body, "temperature", 1.0, 0.0, 2.0), top_p, int(seed or 0), stops, stream,
                       bool(options and options.get("include_usage")), guesses, ignore_eos,
-                      field if max_tokens is not None else None, top_logprobs, grammar)
+                      field if max_tokens is not None else None, top_logprobs, grammar, tools)
 
 
 def prompt_chars(req: ApiRequest) -> int:
@@ -287,10 +296,14 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict[str, Any]
     return {"id": rid, "object": obj, "created": created or int(time.time()), "model": model}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, int],
-                  token_ids: Sequence[int], logprobs: Any = None) -> dict[str, Any]:
+def chat_response(rid: str, model: str, text: str | None, finish: str, use: dict[str, int],
+                  token_ids: Sequence[int], logprobs: Any = None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {**_head(rid, "chat.completion", model, None),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
                          "logprobs": logprobs, "token_ids": list(token_ids)}],
             "usage": use}
 

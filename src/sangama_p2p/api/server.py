@@ -19,8 +19,8 @@ or simply ``url = await peer.serve_api("/models/smol")``.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
-import json
 import logging
 import math
 import time
@@ -32,15 +32,17 @@ from typing import Any
 
 import trio
 
-from ..errors import ApiError, SangamaError, group_leaves
+from ..errors import ApiError
 from ..model.chat import render_chat
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder
+from ..model.tool_calls import ToolFormat, parse_tool_calls, prepare_messages, tool_format
 from .config import ApiConfig
 from .guard import ClientSlots, Gate, check_content_type, check_port, client_key, is_loopback, read_body
-from .logprobs import chat_logprobs, completion_logprobs
-from .protocol import (ApiRequest, StopScanner, chat_chunk, chat_response, completion_chunk, completion_response,
-                       decode_body, error_body, error_for, fit_context, new_id, parse_request, prompt_chars, usage)
+from .protocol import (ApiRequest, StopScanner, chat_response, completion_response, decode_body, error_body,
+                       error_for, fit_context, new_id, parse_request, prompt_chars, usage)
+from .stream import Run, events, logprobs_of, sangama_error
+from .tools import CallScanner, tool_calls_json
 
 __all__ = ["ApiConfig", "ApiServer", "ServedModel", "served_model"]
 
@@ -68,17 +70,6 @@ def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
     m = open_chat_model(p)
     return ServedModel(model_id or (p.stem if p.suffix == ".gguf" else p.resolve().name), m.tokenizer, m.template,
                        m.eos_ids, context=m.context)
-
-
-def _sangama_error(exc: BaseException) -> SangamaError | None:
-    """The typed error ``exc`` is (trio may wrap it in groups), or None."""
-    if isinstance(exc, SangamaError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        leaves = group_leaves(exc)
-        if leaves and all(isinstance(e, SangamaError) for e in leaves):
-            return leaves[0]  # type: ignore[return-value]
-    return None
 
 
 async def _while_connected(request: Any, work: Callable[[], Awaitable[None]]) -> bool:
@@ -113,16 +104,8 @@ class _Released:
             await self.response.body_iterator.aclose()
 
 
-@dataclass
-class _Run:
-    """What one request produced so far."""
-
-    prompt_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    finish: str | None = None
-    scores: list[Any] = field(default_factory=list)  # wire.TokenLogprobs per token, when asked for
-    sent: int = 0  # tokens whose log-probabilities a chunk carried
-    chars: int = 0  # characters of completion text those chunks carried
+def _tool_format(model: ServedModel) -> ToolFormat:
+    return tool_format(model.template.source)
 
 
 class ApiServer:
@@ -254,22 +237,32 @@ class ApiServer:
         return await self._complete(request, chat=True)
 
     # ---- one request --------------------------------------------------------------------------------------------
-    def _prompt(self, model: ServedModel, req: ApiRequest) -> tuple[list[int], tuple[int, ...]]:
+    def _prompt(self, model: ServedModel, req: ApiRequest) -> tuple[list[int], tuple[int, ...], ApiRequest]:
+        """The prompt's ids, its stop ids and ``req`` with the grammar of a forced tool call (blocking: a thread)."""
         if req.chat:
-            prompt = render_chat(model.template, model.tokenizer, list(req.messages))
-            return list(prompt.ids), tuple(prompt.stop_ids)
+            messages: Any = list(req.messages)
+            tools = None
+            fmt = _tool_format(model)
+            if req.tools is not None:
+                messages, tools = req.tools.prepare(messages, fmt)
+            elif any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+                messages, _ = prepare_messages(messages, None, fmt)  # a conversation's earlier calls and results
+            prompt = render_chat(model.template, model.tokenizer, messages, tools=tools)
+            if req.tools is not None and req.tools.forced:
+                req = dataclasses.replace(req, grammar=req.tools.grammar(fmt, prompt.text))
+            return list(prompt.ids), tuple(prompt.stop_ids), req
         if isinstance(req.prompt, str):
-            return model.tokenizer.encode(req.prompt), model.eos_ids
+            return model.tokenizer.encode(req.prompt), model.eos_ids, req
         ids = list(req.prompt or ())
         vocab = model.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-        return ids, model.eos_ids
+        return ids, model.eos_ids, req
 
     async def _complete(self, request: Any, *, chat: bool) -> Any:
         from starlette.responses import JSONResponse, Response, StreamingResponse
 
-        run: _Run | None = None
+        run: Run | None = None
         release: Callable[[], None] | None = None
         try:
             self._auth(request, post=True)
@@ -283,11 +276,11 @@ class ApiServer:
                 raise ApiError(f"the prompt is {prompt_chars(req)} characters, over this server's limit of {limit} "
                                "(--max-prompt-chars)", param="messages" if chat else "prompt",
                                code="context_length_exceeded")
-            ids, stop_ids = await trio.to_thread.run_sync(self._prompt, model, req)  # the loop serves on meanwhile
+            ids, stop_ids, req = await trio.to_thread.run_sync(self._prompt, model, req)  # the loop serves meanwhile
             req = fit_context(req, len(ids), model.context)
             if req.ignore_eos:
                 stop_ids = ()
-            run = _Run(len(ids))
+            run = Run(len(ids))
             pieces = self._pieces(model, req, ids, stop_ids, run)
             text: list[str] = []
             first: list[Any] = []
@@ -303,7 +296,8 @@ class ApiServer:
             if not await _while_connected(request, work):
                 return Response(status_code=499)  # nobody reads it: the client has gone, its sessions closed
             if req.stream:
-                stream = StreamingResponse(self._events(model, req, pieces, first[0], run),
+                calls = CallScanner(req.tools, _tool_format(model)) if req.tools is not None else None
+                stream = StreamingResponse(events(model.tokenizer, req, pieces, first[0], run, calls),
                                            media_type="text/event-stream",
                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
                 release, done = None, release
@@ -311,7 +305,7 @@ class ApiServer:
         except ApiError as err:
             return self._error(err)
         except BaseException as exc:
-            typed = _sangama_error(exc)
+            typed = sangama_error(exc)
             if typed is None:
                 raise
             log.info("request failed: %s", typed)
@@ -319,13 +313,19 @@ class ApiServer:
         finally:
             if release is not None:
                 release()
-        build = chat_response if chat else completion_response
-        return JSONResponse(build(new_id(chat), req.model, "".join(text), run.finish or "length",
-                                  usage(run.prompt_tokens, len(run.tokens)), run.tokens,
-                                  _logprobs(model, req, run, run.tokens)))
+        use, lp = usage(run.prompt_tokens, len(run.tokens)), logprobs_of(model.tokenizer, req, run, run.tokens)
+        if not chat:
+            return JSONResponse(completion_response(new_id(chat), req.model, "".join(text), run.finish or "length",
+                                                    use, run.tokens, lp))
+        content: str | None = "".join(text)
+        calls: list[Any] = []
+        if req.tools is not None and req.tools.choice != "none":
+            content, calls = parse_tool_calls(content or "", _tool_format(model), req.tools.tools)
+        return JSONResponse(chat_response(new_id(chat), req.model, content, "tool_calls" if calls else
+                                          run.finish or "length", use, run.tokens, lp, tool_calls_json(calls)))
 
     async def _pieces(self, model: ServedModel, req: ApiRequest, ids: list[int], stop_ids: tuple[int, ...],
-                      run: _Run) -> AsyncIterator[tuple[str, list[int]]]:
+                      run: Run) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, the token ids it came from) as the tokens arrive; text is cut at the request's stop strings.
 
         The generation runs in a task of the server's own (:meth:`_produce`), so that the next trip leaves as soon
@@ -384,47 +384,3 @@ class ApiServer:
                         send.send_nowait(exc)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):  # the request is gone
                         pass
-
-    async def _events(self, model: ServedModel, req: ApiRequest, pieces: AsyncIterator[tuple[str, list[int]]],
-                      first: tuple[str, list[int]] | None, run: _Run) -> AsyncIterator[str]:
-        rid, created = new_id(req.chat), int(time.time())
-
-        def chunk(text: str | None, finish: str | None, toks: Sequence[int] = (), use: Any = None) -> str:
-            lp = _logprobs(model, req, run, toks) if toks else None
-            if req.chat:
-                delta = None if text is None else ({"content": text} if finish is None else {})
-                obj = chat_chunk(rid, req.model, created, delta, finish, toks, use, lp)
-            else:
-                obj = completion_chunk(rid, req.model, created, text, finish, toks, use, lp)
-                run.chars += len(text or "")
-            return f"data: {json.dumps(obj)}\n\n"
-
-        if req.chat:
-            yield f"data: {json.dumps(chat_chunk(rid, req.model, created, {'role': 'assistant', 'content': ''}, None))}\n\n"
-        try:
-            if first is not None:
-                yield chunk(first[0], None, first[1])
-                async with aclosing(pieces):
-                    async for piece, toks in pieces:
-                        yield chunk(piece, None, toks)
-        except BaseException as exc:
-            typed = _sangama_error(exc)
-            if typed is None:
-                raise
-            log.info("stream failed after %d tokens: %s", len(run.tokens), typed)
-            yield f"data: {json.dumps(error_body(error_for(typed, started=True)))}\n\n"
-            return
-        yield chunk("", run.finish or "length")
-        if req.include_usage:
-            yield chunk(None, None, use=usage(run.prompt_tokens, len(run.tokens)))
-        yield "data: [DONE]\n\n"
-
-
-def _logprobs(model: ServedModel, req: ApiRequest, run: _Run, toks: Sequence[int]) -> Any:
-    """The ``logprobs`` of the next ``toks`` of ``run`` (None when the request asked for none)."""
-    if req.top_logprobs is None:
-        return None
-    scores, run.sent = run.scores[run.sent:run.sent + len(toks)], run.sent + len(toks)
-    if req.chat:
-        return chat_logprobs(model.tokenizer, toks, scores)
-    return completion_logprobs(model.tokenizer, toks, scores, run.chars)

@@ -183,12 +183,13 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 # ---- rendering (pure) -------------------------------------------------------------------------------------------
 def render_text(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The conversation as text, as ``apply_chat_template(..., tokenize=False)`` gives it.
 
     ``messages``: mappings with a string ``role`` and a ``content``; keys whose value is None are dropped (as
-    transformers does). Raises :class:`ChatTemplateError` (one line) when the template does not compile or render,
-    ``raise_exception`` included.
+    transformers does). ``tools``: OpenAI-shaped tool definitions for a template that lays them out
+    (:mod:`sangama_p2p.model.tool_calls` prepares them). Raises :class:`ChatTemplateError` (one line) when the
+    template does not compile or render, ``raise_exception`` included.
     """
     chat = _plain_messages(messages)
     if template.source is None:
@@ -196,20 +197,20 @@ def render_text(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *
         return "".join(lines) + ("assistant:" if add_generation_prompt else "")
     compiled = _compile(template.source, template.origin)
     try:
-        return compiled.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                               **dict(template.special_tokens))
+        return compiled.render(messages=chat, tools=[_plain(t) for t in tools] if tools else None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **dict(template.special_tokens))
     except Exception as exc:  # a template is foreign code: whatever it raises is the template's failure
         raise ChatTemplateError(f"the chat template of {template.origin} failed: {_one_line(exc)}") from exc
 
 
 def render_chat(template: ChatTemplate, tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True) -> ChatPrompt:
+                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> ChatPrompt:
     """Messages -> the prompt's token ids, its text and the stop ids (see :func:`render_text`, :func:`stop_ids`).
 
     ``tokenizer``: a :class:`~sangama_p2p.model.tokenizer.Tokenizer` (its ``encode`` adds no special tokens and
     matches special tokens in the text). Used by ``chat``, ``generate --local --chat`` and, later, the HTTP API.
     """
-    text = render_text(template, messages, add_generation_prompt=add_generation_prompt)
+    text = render_text(template, messages, add_generation_prompt=add_generation_prompt, tools=tools)
     if not text:
         raise ChatTemplateError(f"the chat template of {template.origin} rendered nothing for {len(messages)} "
                                 "message(s)")

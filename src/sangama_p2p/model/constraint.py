@@ -23,7 +23,8 @@ import torch
 
 from ..errors import ModelError, SessionStateError
 
-__all__ = ["GrammarTokenizer", "MAX_GRAMMAR_BYTES", "TokenConstraint", "json_grammar", "load_grammar_tokenizer"]
+__all__ = ["GrammarTokenizer", "MAX_GRAMMAR_BYTES", "TokenConstraint", "json_grammar", "lark_grammar",
+           "load_grammar_tokenizer"]
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # what OpenSession.grammar may carry (the wire's bound, wire/limits.py; a test pins both)
 
@@ -54,6 +55,20 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
     error = llg.LLMatcher.validate_grammar(grammar)
     if error:
         raise ModelError(f"cannot compile the JSON schema: {error}")
+    return grammar
+
+
+def lark_grammar(source: str) -> str:
+    """The grammar of llguidance's Lark ``source`` (tool calls: :mod:`sangama_p2p.model.tool_calls`); raises
+    ``ModelError`` when it does not compile."""
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(source)
+    except Exception as exc:
+        raise ModelError(f"cannot compile the grammar: {exc}") from exc
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ModelError(f"cannot compile the grammar: {error}")
     return grammar
 
 
