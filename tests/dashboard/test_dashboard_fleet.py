@@ -160,6 +160,37 @@ def test_stage_metrics_move_under_a_generation(swarm) -> None:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+def test_the_api_serves_the_same_page_at_dashboard(swarm) -> None:
+    """``sangama-peer api --dashboard``: the page, its state and health under ``/dashboard/`` beside ``/v1``."""
+    work, ids = swarm["work"], swarm["fleet"].stage_ids
+    api = subprocess.Popen([sys.executable, "-m", "sangama_p2p.cli.main", "api", "--model", str(swarm["model"]),
+                            "--bootstrap", swarm["fleet"].bootstrap_addr, "--port", "0", "--dashboard"],
+                           stdout=subprocess.PIPE, stderr=open(work / "api.stderr", "wb"), text=True,
+                           start_new_session=True)
+    try:
+        line = api.stdout.readline()
+        assert line.startswith("api listening http://"), (work / "api.stderr").read_text()[-3000:]
+        url = line.split()[2]
+        state, _ = wait_state(url + "/dashboard", all_up(3), 60)
+        assert [p["id"] for p in state["peers"]] == ids
+        with urllib.request.urlopen(url + "/dashboard", timeout=10) as r:  # redirected to the page
+            assert r.url.endswith("/dashboard/") and "<html" in r.read().decode().lower()
+        assert json.loads(get(url + "/dashboard/health"))["status"] == "ok"
+        assert "sangama_swarm_stage_up" in samples(get(url + "/dashboard/metrics"))
+        assert json.loads(get(url + "/v1/models"))["data"][0]["object"] == "model"
+        dom = chromium(url + "/dashboard/", "--dump-dom")
+        rows = re.findall(r'<tr class="peer (\w+)" data-peer="(\w+)" data-layers="([\d:]+)"', dom)
+        assert rows == [("up", i, r) for i, r in zip(ids, SPLIT)], dom[-3000:]
+    finally:
+        api.send_signal(signal.SIGINT)
+        try:
+            api.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(api.pid, signal.SIGKILL)
+            api.wait(5)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
 def test_the_page_in_a_browser_shows_the_stages_then_one_down(swarm, tmp_path: Path) -> None:
     url, ids = swarm["url"], swarm["fleet"].stage_ids
     wait_state(url, all_up(3), 60)

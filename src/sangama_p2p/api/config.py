@@ -23,7 +23,8 @@ class ApiConfig:
     (0: 16 per position of the model's context, or 262,144); ``max_tokens_cap``, the most a request may ask for;
     ``max_requests_per_client`` running at once per client address (0: no limit). ``allowed_hosts``: ``Host``
     names accepted besides loopback's (on loopback; elsewhere, when given, the only ones); ``allowed_origins``:
-    browser origins besides the API's own (and answered CORS preflights); ``"*"`` in either: any."""
+    browser origins besides the API's own (and answered CORS preflights); ``"*"`` in either: any. ``dashboard``:
+    the swarm's live page at ``/dashboard/`` (a survey of the swarm every 5 s while the server runs)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -36,6 +37,7 @@ class ApiConfig:
     max_requests_per_client: int = 4
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    dashboard: bool = False
 
     def __post_init__(self) -> None:
         for name, lo in (("max_body_bytes", 1), ("max_prompt_chars", 0), ("max_tokens_cap", 1),

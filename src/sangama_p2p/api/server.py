@@ -24,7 +24,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +112,7 @@ class ApiServer:
     """The ASGI app and its trio server; ``clients(model_id)`` returns the model's ChainClient (``Peer.client``)."""
 
     def __init__(self, models: Sequence[ServedModel], clients: Callable[[str], Awaitable[Any]],
-                 config: ApiConfig = ApiConfig()) -> None:
+                 config: ApiConfig = ApiConfig(), mounts: Mapping[str, Any] | None = None) -> None:
         self.models = {m.model_id: m for m in models}
         self.clients = clients
         self.config = config
@@ -120,6 +120,7 @@ class ApiServer:
         self._nursery: trio.Nursery | None = None
         self._gate = Gate(config.host, config.allowed_hosts, config.allowed_origins)
         self._slots = ClientSlots(config.max_requests_per_client)
+        self._mounts = dict(mounts or {})  # path -> ASGI app (the dashboard), served without the API's key
         self.app = self._build_app()
         if self._key is None and not is_loopback(config.host):
             log.warning("the API listens on %s with no API key: anyone who can reach it can run generations on "
@@ -131,7 +132,7 @@ class ApiServer:
         from starlette.exceptions import HTTPException
         from starlette.middleware import Middleware
         from starlette.middleware.cors import CORSMiddleware
-        from starlette.routing import Route
+        from starlette.routing import Mount, Route
 
         async def not_found(request: Any, exc: Any) -> Any:
             status = getattr(exc, "status_code", 404)
@@ -144,6 +145,7 @@ class ApiServer:
             Route("/v1/models/{model:path}", self._model_info, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            *(Mount(path, app=app) for path, app in self._mounts.items()),
         ], exception_handlers={HTTPException: not_found}, middleware=[
             Middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins), allow_methods=["GET", "POST"],
                        allow_headers=["Authorization", "Content-Type"])] if self.config.allowed_origins else [])

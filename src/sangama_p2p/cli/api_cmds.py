@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "'*': any); default: the API's own only")
     p.add_argument("--guesses", type=guesses, default=None, metavar="K|auto",
                    help="MTP guesses per trip unless a request sets 'guesses' (default auto)")
+    p.add_argument("--dashboard", action="store_true", default=None,
+                   help="serve the swarm's live page at /dashboard/ (as `sangama-peer dashboard` does; no key needed)")
     p.set_defaults(handler=_api)
 
 
@@ -82,7 +84,8 @@ def _api(args: argparse.Namespace) -> int:
                              "max_prompt_chars": args.max_prompt_chars,
                              "max_requests_per_client": args.max_requests_per_client,
                              "allowed_hosts": args.allow_host and tuple(args.allow_host),
-                             "allowed_origins": args.allow_origin and tuple(args.allow_origin)}
+                             "allowed_origins": args.allow_origin and tuple(args.allow_origin),
+                             "dashboard": args.dashboard}
     api = api.replace(**{k: v for k, v in flags.items() if v is not None})
     api.api_key()  # a missing or empty key file fails here, before joining the swarm
     check_port(api.host, api.port)  # and a port in use

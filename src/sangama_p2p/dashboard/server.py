@@ -18,7 +18,7 @@ import trio
 from .live import SwarmWatch
 from .metrics import swarm_registry
 
-__all__ = ["build_app", "page_html", "serve_dashboard"]
+__all__ = ["build_app", "page_html", "serve_dashboard", "watched_app"]
 
 log = logging.getLogger(__name__)
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -64,6 +64,20 @@ def build_app(watch: SwarmWatch) -> Any:
 
     return Starlette(routes=[Route("/", page), Route("/dashboard", page), Route("/events", events),
                              Route("/state.json", state), Route("/metrics", metrics), Route("/health", health)])
+
+
+async def watched_app(node: Any, models: Any, bootstrap_addrs: Any = (), *,
+                      task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A task: watch the swarm through ``node`` (only ``models``; the peers at ``bootstrap_addrs`` shown as the
+    bootstrap) until cancelled; ``task_status.started`` gets the page's ASGI app, to mount under another server
+    (``/dashboard`` of ``sangama-peer api``). Its URLs are relative: mounted at ``/dashboard``, the page is
+    ``/dashboard/``."""
+    from ..net.bans import default_bans_path
+
+    ids = frozenset(a.rsplit("/p2p/", 1)[1].split("/", 1)[0] for a in bootstrap_addrs if "/p2p/" in a)
+    watch = SwarmWatch(node, models=tuple(models), bans_path=default_bans_path(), bootstrap_ids=ids)
+    task_status.started(build_app(watch))
+    await watch.run()
 
 
 async def serve_dashboard(watch: SwarmWatch, host: str, port: int,
