@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -229,3 +231,16 @@ def test_a_stage_killed_mid_stream(api, fleet, local):
         assert round_ == "spare" and killed is not None
         assert got == want
     assert not middle
+    # the API's /metrics (Prometheus text, through its parser) counts the re-route and the failed generation
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(api.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        text = r.read().decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.labels == {"model": MODEL}}
+    assert got["sangama_client_failovers_total"] >= 1 and got["sangama_client_failed_total"] >= 1
+    assert got["sangama_client_generations_total"] >= 2 and got["sangama_client_tokens_total"] >= len(want)
+    assert "sangama_client_liars_banned_total" in got and "sangama_client_unverified_trips_total" in got
+    with pytest.raises(urllib.error.HTTPError) as info:  # behind the key
+        urllib.request.urlopen(api.url + "/metrics", timeout=10)
+    assert info.value.code == 401

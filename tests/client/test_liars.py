@@ -82,6 +82,9 @@ def test_a_lying_last_stage_is_found_banned_and_the_tokens_are_an_honest_runs(ck
     ev = client.verification.events
     assert len(ev) == 1 and ev[0].verdict.liar == liar and ev[0].trip == 1  # caught on its first trip
     assert res.failovers == 1
+    stats = client.stats  # what the API's /metrics exports
+    assert (stats.generations, stats.failed, stats.tokens, stats.failovers, stats.liars_banned) == (1, 0, N, 1, 1)
+    assert stats.verified_trips == res.verified_trips > 0
     from sangama_p2p.net.bans import load_bans
 
     assert [b.peer_id for b in load_bans(bans_file)] == [liar]  # kept for the next run and for `status`

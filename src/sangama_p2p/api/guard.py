@@ -125,6 +125,11 @@ class ClientSlots:
         self.limit = limit
         self._held: dict[str, int] = {}
 
+    @property
+    def running(self) -> int:
+        """Requests holding a slot now."""
+        return sum(self._held.values())
+
     def acquire(self, key: str) -> Callable[[], None]:
         """Take a slot for ``key`` (429 when it holds ``limit``); returns its release (a second call does nothing)."""
         held = self._held.get(key, 0)

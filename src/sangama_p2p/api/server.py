@@ -121,6 +121,7 @@ class ApiServer:
         self._gate = Gate(config.host, config.allowed_hosts, config.allowed_origins)
         self._slots = ClientSlots(config.max_requests_per_client)
         self._mounts = dict(mounts or {})  # path -> ASGI app (the dashboard), served without the API's key
+        self._used: dict[str, Any] = {}  # model id -> the client its requests ran on (for /metrics)
         self.app = self._build_app()
         if self._key is None and not is_loopback(config.host):
             log.warning("the API listens on %s with no API key: anyone who can reach it can run generations on "
@@ -141,6 +142,7 @@ class ApiServer:
 
         return Starlette(routes=[
             Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/models/{model:path}", self._model_info, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
@@ -213,6 +215,22 @@ class ApiServer:
         from starlette.responses import JSONResponse
 
         return JSONResponse({"status": "ok", "models": len(self.models)})
+
+    async def _metrics(self, request: Any) -> Any:
+        """``GET /metrics``: Prometheus text of the clients' counters (:mod:`sangama_p2p.api.metrics`); behind the
+        key when there is one (Prometheus sends it as ``authorization: {credentials: KEY}``)."""
+        from prometheus_client import generate_latest
+        from starlette.responses import Response
+
+        from .metrics import CONTENT_TYPE, api_registry
+
+        try:
+            self._auth(request)
+        except ApiError as err:
+            return self._error(err)
+        registry = api_registry(lambda: list(self.models), lambda: {m: c.stats for m, c in self._used.items()},
+                                lambda: self._slots.running)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE)
 
     async def _models(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -335,6 +353,7 @@ class ApiServer:
         if self._nursery is None:
             raise ApiError("the server is not running (ApiServer.serve)", 503, "service_unavailable")
         client = await self.clients(model.model_id)
+        self._used[model.model_id] = client
         send, recv = trio.open_memory_channel[Any](math.inf)
         scope = trio.CancelScope()
         self._nursery.start_soon(self._produce, client, req, ids, stop_ids, send, scope)

@@ -47,6 +47,7 @@ from .config import ClientConfig
 from .links import LinkPool
 from .routing import RouteCandidate, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
+from .stats import ClientStats
 from .timing import summarize_trips
 from .transport import ChainTransport
 from .verifier import Verification
@@ -82,6 +83,7 @@ class ChainClient:
         self._reported: set[tuple[str, str]] = set()  # (peer, reason) already logged
         self.active: dict[int, ChainSession] = {}  # the chain session of each running generation
         self.verification = Verification.for_client(self)  # re-run trips, ban liars (client/verifier.py)
+        self.stats = ClientStats()  # its generations' counters (the API's /metrics)
 
     async def __aenter__(self) -> ChainClient:
         self._nursery_cm = trio.open_nursery()
@@ -386,9 +388,14 @@ class ChainClient:
         max_guesses, adaptive = parse_guesses(guesses)
         if grammar is not None:  # the grammar decides each token after the one before: nothing to guess ahead
             max_guesses, adaptive = 0, False
-        transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses, adaptive,
-                                              top_logprobs, grammar)
+        try:
+            transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses,
+                                                  adaptive, top_logprobs, grammar)
+        except Exception:
+            self.stats.add(result, failed=True)
+            raise
         loop = GenerationLoop([Generation(result, max_new, stop_tokens, max_step_tokens=self.config.max_step_tokens)])
+        failed = False
         try:
             yielded = 0
             while trips := loop.trips():
@@ -402,8 +409,14 @@ class ChainClient:
                         f"the last {yielded - kept} are not confirmed (the first {kept} were verified); the stream "
                         "stops here rather than take them back (the peer is banned or avoided: see the log)",
                         kept, yielded - kept)
+        except Exception:
+            failed = True
+            raise
         finally:
-            await transport.close()
+            try:
+                await transport.close()
+            finally:
+                self.stats.add(result, failed=failed)
 
 
 def _network_result(prompt_ids: Sequence[int]) -> GenerationResult:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..errors import ChainBroken, ErrorCode, NonFiniteHidden, SangamaError, StageError, StageRefused
+from ..errors import ChainBroken, ErrorCode, NonFiniteHidden, SangamaError, StageRefused
 from ..positions import is_decode_step, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
 from ..net.stage_stream import describe_stage_stream

@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from ..errors import RouteError, SangamaError, VerifyingTripLate
+from ..errors import SangamaError, VerifyingTripLate
 from ..net.bans import BanList
 from .routing import RouteCandidate
 from .session import ChainBroken, ChainSession, SessionParams
@@ -238,6 +238,7 @@ class TripVerifier:
         self.owner.bans.ban(verdict.liar, reason, duration=self.client.config.ban_s,
                             model_id=self.params.model_id)
         log.warning("banned %s: %s", verdict.liar, reason)
+        self.client.stats.liars_banned += 1
         if not verdict.liar_in_main and verdict.honest == tuple(tokens):
             self.verified = len(out) + len(tokens)  # the generation's own chain answered the honest way
         if verdict.liar_in_main:
