@@ -1,4 +1,4 @@
-"""``logprobs`` / ``top_logprobs`` through the official ``openai`` client, over two stage processes serving the real
+"""``logprobs`` / ``top_logprobs`` through the official ``openai`` client, over three stage processes serving the real
 SmolLM2-135M-Instruct (Q4_1 GGUF), against a float32 log-softmax of the same model's logits computed here.
 
 The file is linked as ``made.gguf`` so that its model id is the one the API fixtures' client asks for.
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from .conftest import KEY, smol_api_over  # noqa: E402
 
 MODEL = "made"
-SPLIT = ["0:15", "15:30"]
+SPLIT = ["0:10", "10:20", "20:30"]
 TOL = 1e-3
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -29,12 +29,12 @@ def smol_api(smol, key_file, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(smol):
     """``logprobs(prompt_ids, new_ids)``: float32 log-softmax rows [len(new), V] of the model's logits before each of
-    ``new_ids``, computed step by step on two stages as the fleet computes them (a prefill, then one token a step)."""
+    ``new_ids``, computed step by step on three stages as the fleet computes them (a prefill, then one token a step)."""
     from sangama_p2p.model.checkpoint import open_checkpoint
     from sangama_p2p.model.stage import StageModel, StepInput
 
     ckpt = open_checkpoint(smol)
-    models = [StageModel.load(ckpt.spec, ckpt.source, a, b) for a, b in ((0, 15), (15, 30))]
+    models = [StageModel.load(ckpt.spec, ckpt.source, a, b) for a, b in ((0, 10), (10, 20), (20, 30))]
 
     def logprobs(prompt: list[int], new: list[int]) -> torch.Tensor:
         states = [m.new_session(len(prompt) + len(new) + 1) for m in models]
