@@ -424,15 +424,14 @@ class Peer:
             if model is None:
                 raise SangamaError("serve_api needs the model's checkpoint (directory or .gguf file) or served=")
             served = await trio.to_thread.run_sync(served_model, model, model_id)
-        config = config or self.config.api or ApiConfig()
-        mounts = {}
-        if config.dashboard:  # the swarm's page at /dashboard/, surveyed by this peer
+        config, mounts = config or self.config.api or ApiConfig(), {}
+        if config.dashboard:  # the swarm's page at /dashboard/, surveyed by this peer, with its client's generations
             from .dashboard.server import watched_app
 
+            stats = (await self.client(served.model_id)).stats
             mounts["/dashboard"] = await nursery.start(watched_app, self.node, [served.model_id],
-                                                       self.config.host.bootstrap_addrs)
-        url: str = await nursery.start(ApiServer([served], self.client, config, mounts).serve)
-        return url
+                                                       self.config.host.bootstrap_addrs, lambda: list(stats.recent))
+        return str(await nursery.start(ApiServer([served], self.client, config, mounts).serve))
 
     async def stream(
         self,

@@ -177,10 +177,19 @@ def test_the_api_serves_the_same_page_at_dashboard(swarm) -> None:
             assert r.url.endswith("/dashboard/") and "<html" in r.read().decode().lower()
         assert json.loads(get(url + "/dashboard/health"))["status"] == "ok"
         assert "sangama_swarm_stage_up" in samples(get(url + "/dashboard/metrics"))
-        assert json.loads(get(url + "/v1/models"))["data"][0]["object"] == "model"
+        models = json.loads(get(url + "/v1/models"))["data"]
+        assert state["generations"] == []  # the API's own generations: none yet
+        body = json.dumps({"model": models[0]["id"], "prompt": [7, 300, 41], "max_tokens": 5, "ignore_eos": True,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+        (gen,) = json.loads(get(url + "/dashboard/state.json"))["generations"]
+        assert (gen["prompt_tokens"], gen["tokens"], gen["failed"], len(gen["route"])) == (3, 5, False, 3)
         dom = chromium(url + "/dashboard/", "--dump-dom")
         rows = re.findall(r'<tr class="peer (\w+)" data-peer="(\w+)" data-layers="([\d:]+)"', dom)
         assert rows == [("up", i, r) for i, r in zip(ids, SPLIT)], dom[-3000:]
+        assert dom.count('<tr class="generation">') == 1  # the recent generations table, drawn in the browser
     finally:
         api.send_signal(signal.SIGINT)
         try:

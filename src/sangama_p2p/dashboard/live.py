@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import trio
 
 from ..errors import SangamaError
 from ..net.status import fetch_info, survey
-from .view import Seen, build_view
+from .view import Seen, build_view, recent_generations
 
 __all__ = ["SwarmWatch"]
 
@@ -30,13 +30,15 @@ class SwarmWatch:
     """The latest state of the swarm as the page shows it, and the counters of the surveys that built it."""
 
     def __init__(self, node: Any, *, models: Sequence[str] = (), refresh_s: float = 5.0, timeout: float = 5.0,
-                 bans_path: Path | None = None, bootstrap_ids: frozenset[str] = frozenset()) -> None:
+                 bans_path: Path | None = None, bootstrap_ids: frozenset[str] = frozenset(),
+                 generations: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.node = node
         self.models = tuple(models)
         self.refresh_s = refresh_s
         self.timeout = timeout
         self.bans_path = bans_path
         self.bootstrap_ids = bootstrap_ids
+        self.generations = generations  # the recent generations of this process's client (the API's), if any
         self.view: dict[str, Any] = {"surveyed_at": None, "models": [], "peers": [], "others": [], "links": [],
                                      "bans": [], "counts": {"up": 0, "down": 0, "others": 0}}
         self.version = 0  # surveys finished (the view's version)
@@ -48,7 +50,8 @@ class SwarmWatch:
 
     def state(self) -> dict[str, Any]:
         return {**self.view, "version": self.version, "refresh_s": self.refresh_s,
-                "survey_s": round(self.survey_s, 3), "error": self.error}
+                "survey_s": round(self.survey_s, 3), "error": self.error,
+                "generations": None if self.generations is None else recent_generations(self.generations())}
 
     async def refresh(self) -> None:
         """One survey; the view changes only when it finished (a failed one keeps the last and says why)."""

@@ -66,16 +66,17 @@ def build_app(watch: SwarmWatch) -> Any:
                              Route("/state.json", state), Route("/metrics", metrics), Route("/health", health)])
 
 
-async def watched_app(node: Any, models: Any, bootstrap_addrs: Any = (), *,
+async def watched_app(node: Any, models: Any, bootstrap_addrs: Any = (), generations: Any = None, *,
                       task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     """A task: watch the swarm through ``node`` (only ``models``; the peers at ``bootstrap_addrs`` shown as the
     bootstrap) until cancelled; ``task_status.started`` gets the page's ASGI app, to mount under another server
-    (``/dashboard`` of ``sangama-peer api``). Its URLs are relative: mounted at ``/dashboard``, the page is
-    ``/dashboard/``."""
+    (``/dashboard`` of ``sangama-peer api``, whose client's recent generations ``generations()`` gives). Its URLs
+    are relative: mounted at ``/dashboard``, the page is ``/dashboard/``."""
     from ..net.bans import default_bans_path
 
     ids = frozenset(a.rsplit("/p2p/", 1)[1].split("/", 1)[0] for a in bootstrap_addrs if "/p2p/" in a)
-    watch = SwarmWatch(node, models=tuple(models), bans_path=default_bans_path(), bootstrap_ids=ids)
+    watch = SwarmWatch(node, models=tuple(models), bans_path=default_bans_path(), bootstrap_ids=ids,
+                       generations=generations)
     task_status.started(build_app(watch))
     await watch.run()
 

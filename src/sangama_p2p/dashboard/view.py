@@ -18,7 +18,7 @@ from typing import Any
 from ..net.records import ServingRecord
 from ..net.status import PeerStatus, SwarmStatus
 
-__all__ = ["Seen", "build_view", "coverage", "label", "reach_kind"]
+__all__ = ["Seen", "build_view", "coverage", "label", "reach_kind", "recent_generations"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,12 @@ def reach_kind(record_reach: str, link: str) -> str:
     if record_reach == "direct":
         return "public"
     return "punched" if link == "direct" else "relayed"
+
+
+def recent_generations(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The page's rows of a client's recent generations (``client.stats.ClientStats.recent``, newest first): the
+    route by short labels, and how many of its trips verification checked or could not."""
+    return [{**g, "route": [label(p) for p in g.get("route", ())]} for g in items]
 
 
 def coverage(spans: list[tuple[str, int, int]], depth: int) -> list[dict[str, Any]]:
