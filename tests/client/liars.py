@@ -3,13 +3,15 @@ the wire (the scheduler's ``deliver`` is wrapped), and which announce a high thr
 
 ``lie_constant(server, token)``: a last stage that answers ``token`` as its new token on every trip (its accepted
 guesses kept, so the client's own shape checks pass). ``lie_noise(server, scale)``: a stage whose hidden states get
-Gaussian noise of ``scale`` x their own standard deviation. Both really compute, and really serve the wrong
+Gaussian noise of ``scale`` x their own standard deviation. ``when=``: an adaptive liar, lying only on the steps a
+rule picks (``after_first_step``; ``beside(peer)``: colluders framing a neighbour). Both really compute, and really serve the wrong
 outputs over the real wire; nothing in the client is replaced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,15 +31,15 @@ def _attractive(server: StageServer) -> None:
     server.__class__ = Boastful
 
 
-def lie_constant(server: StageServer, token: int) -> list[int]:
-    """Make ``server`` (a last stage) answer ``token`` as every trip's new token; returns a list that counts the
-    trips it lied on."""
+def lie_constant(server: StageServer, token: int, *, when: Callable[[Any], bool] | None = None) -> list[int]:
+    """Make ``server`` (a last stage) answer ``token`` as every trip's new token (``when(job)``: only on the steps
+    it says); returns a list that counts the trips it lied on."""
     assert server.model.is_last
     _attractive(server)
     real, lies = server.scheduler.deliver, []
 
     def deliver(job: Any, out: Any) -> None:
-        if out.error is None and out.last is not None:
+        if out.error is None and out.last is not None and (when is None or when(job)):
             tokens = (*out.last.tokens[:-1], token)
             out = dataclasses.replace(out, last=dataclasses.replace(out.last, tokens=tokens))
             lies.append(job.msg.step)
@@ -47,15 +49,17 @@ def lie_constant(server: StageServer, token: int) -> list[int]:
     return lies
 
 
-def lie_noise(server: StageServer, scale: float, *, seed: int = 0) -> list[int]:
-    """Make ``server`` (a middle stage) add noise to the hidden states it forwards; returns its lie counter."""
+def lie_noise(server: StageServer, scale: float, *, seed: int = 0,
+              when: Callable[[Any], bool] | None = None) -> list[int]:
+    """Make ``server`` (a middle stage) add noise to the hidden states it forwards (``when(job)``: only on the steps
+    it says); returns its lie counter."""
     assert not server.model.is_last
     _attractive(server)
     real, lies = server.scheduler.deliver, []
     gen = torch.Generator().manual_seed(seed)
 
     def deliver(job: Any, out: Any) -> None:
-        if out.error is None and out.hidden is not None:
+        if out.error is None and out.hidden is not None and (when is None or when(job)):
             h = from_wire(out.hidden, dtype=torch.float32)
             noisy = h + scale * h.std() * torch.randn(h.shape, generator=gen)
             out = dataclasses.replace(out, hidden=to_wire(noisy, out.hidden.dtype))
@@ -64,3 +68,14 @@ def lie_noise(server: StageServer, scale: float, *, seed: int = 0) -> list[int]:
 
     server.scheduler.deliver = deliver
     return lies
+
+
+def after_first_step(job: Any) -> bool:
+    """An adaptive liar's rule: honest on a session's first step (its prefill), lying on every later one."""
+    return job.msg.step >= 1
+
+
+def beside(peer_id: str) -> Callable[[Any], bool]:
+    """A colluder's rule: lie only in sessions whose next or previous stage is ``peer_id`` (a stage learns both
+    from OpenSession), to get that peer blamed."""
+    return lambda job: peer_id in (job.session.next_hop, job.session.upstream)

@@ -69,8 +69,9 @@ def test_a_lying_last_stage_is_found_banned_and_the_tokens_are_an_honest_runs(ck
 
     async def main():
         with trio.fail_after(120):
-            # two peers for 0:4, three for 4:8 (the liar and two honest: one for the second chain, one referee)
-            return await _run(ckpt, [*split, (0, 4), (4, 8), (4, 8)], (4, 8), lambda s: lie_constant(s, bad),
+            # three peers a range (the liar and two honest at 4:8: one for the second chain, one referee; a ban needs
+            # a referee outside both chains at every other range too)
+            return await _run(ckpt, [*split, (0, 4), (4, 8), (4, 8), (0, 4)], (4, 8), lambda s: lie_constant(s, bad),
                               verify=1.0, bans_file=bans_file)
 
     res, liar, lies, client = trio.run(main)
@@ -96,7 +97,7 @@ def test_a_noisy_middle_stage_is_found_banned_and_the_tokens_are_an_honest_runs(
 
     async def main():
         with trio.fail_after(150):
-            return await _run(ckpt, [*split, (0, 3), (3, 5), (3, 5), (5, 8)], (3, 5),
+            return await _run(ckpt, [*split, (0, 3), (3, 5), (3, 5), (5, 8), (0, 3), (5, 8)], (3, 5),
                               lambda s: lie_noise(s, 3.0), verify=1.0)
 
     res, liar, lies, client = trio.run(main)
@@ -279,7 +280,7 @@ def test_a_lie_caught_after_unverified_tokens_rewinds_or_stops_the_stream_never_
 
     async def main():
         with trio.fail_after(120):
-            async with fleet(ckpt, [*split, (0, 4), (4, 8), (4, 8)], batch_invariant=True) as f:
+            async with fleet(ckpt, [*split, (0, 4), (4, 8), (4, 8), (0, 4)], batch_invariant=True) as f:
                 liar = next(s for _, s, _ in f.stages if (s.model.start, s.model.end) == (4, 8))
                 lie_constant(liar, bad)
                 async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=0.5)) as client:

@@ -59,6 +59,7 @@ class ChainTransport:
         self.exclude = exclude  # peers left out of this request's routes (dead, misbehaving, refusing)
         self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled, or that computed NaN/Inf
         self.non_finite_from: set[str] = set()  # peers whose hidden states a stage refused as NaN/Inf
+        self.sent: list[Trip] = []  # the trips the session was sent and answered, in order (a verifier replays them)
         # a fraction of trips re-run on a second chain of other peers (client/verifier.py); None: not verifying
         self.verifier: TripVerifier | None = client.verification.start(params)
         client.active[id(result)] = session
@@ -101,7 +102,8 @@ class ChainTransport:
             res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
             if self.verifier is not None and not trip.chunk and not trip.replay:  # raises ChainBroken at a liar
                 await self.verifier.check(self.session, trip.start, trip.tokens, trip.n_guesses, res.tokens,
-                                          self.result.prompt_ids, self.result.tokens)
+                                          self.result.prompt_ids, self.result.tokens, self.sent)
+            self.sent.append(trip)
         except ChainBroken as exc:
             bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
             await self._fail_over(trip, exc, bad, exc.stalled)
@@ -142,7 +144,7 @@ class ChainTransport:
         self.exclude |= bad
         if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
             self.avoid |= stalled
-        self.session = await self._reopen(session.fingerprint)
+        self.session, self.sent = await self._reopen(session.fingerprint), []
         client.active[id(result)] = self.session
 
     async def _reopen(self, fingerprint: str | None) -> ChainSession:

@@ -35,7 +35,9 @@ from typing import Any
 import trio
 
 from ..errors import SangamaError, VerifyingTripLate
+from ..generation import Trip
 from ..net.bans import BanList
+from ..positions import next_start
 from .routing import RouteCandidate
 from .session import ChainBroken, ChainSession, SessionParams
 from .verify import Verdict, alternate_route, find_liar, resolve_fraction, should_verify
@@ -43,7 +45,8 @@ from .verify import Verdict, alternate_route, find_liar, resolve_fraction, shoul
 __all__ = ["RECHECKS", "TripVerifier", "Verification", "VerifyEvent"]
 
 RECHECKS = 5
-"""Earlier positions at which a suspect's chain is compared with an honest one before it is convicted."""
+"""Earlier trips, and positions after the disputed one, at which a suspect's chain is compared with an honest one
+before it is convicted (up to this many of each)."""
 
 LATE_GRACE = 4
 """A generation's verifying chains get this many times the deadline after one was late."""
@@ -115,23 +118,26 @@ class TripVerifier:
         self.fingerprint: str | None = None  # the generation's checkpoint
 
     async def check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
-                    tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
+                    tokens: Sequence[int], prompt: Sequence[int], out: list[int],
+                    history: Sequence[Trip] = ()) -> None:
         """Called after a trip on ``session`` (input ``sent`` at ``start`` with ``n_guesses`` guesses) answered
         ``tokens``, before they join ``out``. Returns normally when the trip was not drawn, could not be checked, or
         was found right (or the liar sat in the second chain); raises ``ChainBroken`` (misbehaving: the liar; ``keep``:
-        the tokens of ``out`` up to the last verified trip) when a peer of ``session`` lied."""
+        the tokens of ``out`` up to the last verified trip) when a peer of ``session`` lied, or when no other chain
+        confirmed the answer. ``history``: the trips ``session`` was sent before this one, in order (judging replays
+        them)."""
         self.trip += 1
         self.owner.trips += 1
         if not should_verify(self.rng, self.owner.fraction):
             return
         t0 = time.perf_counter()
         try:
-            await self._check(session, start, sent, n_guesses, tokens, prompt, out)
+            await self._check(session, start, sent, n_guesses, tokens, prompt, out, history)
         finally:
             self.owner.seconds += time.perf_counter() - t0
 
     async def _check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
-                     tokens: Sequence[int], prompt: Sequence[int], out: list[int]) -> None:
+                     tokens: Sequence[int], prompt: Sequence[int], out: list[int], history: Sequence[Trip]) -> None:
         context = [*prompt, *out][:start]
         self.fingerprint = session.fingerprint  # the second chains' stages check it at open, as the first's do
         # the last survey (the generation's own chain came from it): no DHT round on the generation's path
@@ -187,39 +193,43 @@ class TripVerifier:
             return
         log.warning("trip %d: chain %s answered %s, chain %s answered %s; finding the liar", self.trip,
                     session.peers, list(tokens), alt.peers, list(answer))
-        full = [*context, *sent]
+        # every chain the judging runs replays the generation's own trips in their shapes (its prompt chunks, then
+        # each trip's tokens and guesses) before this one: a stage cannot tell a judging session from a live one by
+        # its steps (a liar honest on a session's first step lied on the live chain and was honest on a one-step
+        # re-run: nobody was blamed, and its tokens were kept), and honest peers compute exactly what they computed
+        shapes = [(t.start, tuple(t.tokens), t.n_guesses, t.chunk) for t in history]
+        shapes.append((start, tuple(sent), n_guesses, False))
+        bound = min(10 * limit, self.client.config.step_timeout) + limit * (len(shapes) + RECHECKS)
+
+        async def replay(route: Sequence[RouteCandidate], ahead: int = 0,
+                         follow: Sequence[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
+            s = self._session(route)
+            try:
+                await s.open()
+                return await self._bounded(bound, self._replay(s, shapes, ahead, follow))
+            finally:
+                await s.close()
 
         async def run(route: Sequence[RouteCandidate]) -> tuple[int, ...]:
-            s = self._session(route)
-            try:
-                await s.open()
-                # the whole context in one step (a prefill): allowed longer than a catch-up
-                return await self._bounded(min(10 * limit, self.client.config.step_timeout),
-                                           self._steps(s, 0, full, n_guesses, fresh=True))
-            finally:
-                await s.close()
+            return (await replay(route))[-1]
 
-        # earlier positions to compare a suspect at: prefixes of what the chain has seen, spread over it
-        base = [*context, *sent[:len(sent) - n_guesses]]
-        step = max(1, (len(base) - 1) // RECHECKS)
-        lengths = sorted({len(base) - 1 - i * step for i in range(RECHECKS)} - {0}, reverse=True)
-        lengths = [n for n in lengths if n > 0]
+        earlier = [j for j, shape in enumerate(shapes[:-1]) if not shape[3]][::-1]  # the latest first
+        picks = earlier[::max(1, len(earlier) // RECHECKS)][:RECHECKS]
+        ahead = max(0, min(RECHECKS, self.params.max_length - self._after(shapes[-1], answer) - 1))
 
-        async def recheck(route: Sequence[RouteCandidate], i: int) -> tuple[int, ...]:
-            prefix = base[:lengths[i]]  # IndexError past the last: find_liar stops there
-            s = self._session(route)
-            try:
-                await s.open()
-                return await self._bounded(min(10 * limit, self.client.config.step_timeout),
-                                           self._steps(s, 0, prefix, 0, fresh=True))
-            finally:
-                await s.close()
+        async def recheck(bad: Sequence[RouteCandidate], good: Sequence[RouteCandidate]
+                          ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+            # the earlier trips, then `ahead` positions after this one, each fed the honest chain's last token
+            good_at = await replay(good, ahead)
+            bad_at = await replay(bad, ahead, follow=good_at)
+            at = [*picks, *range(len(shapes), len(shapes) + ahead)]
+            return [bad_at[j] for j in at], [good_at[j] for j in at]
 
         alt_route = list(alt.route)
         await self._drop_alt()
         t0 = time.perf_counter()
         verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned, recheck=recheck,
-                                  rechecks=RECHECKS)
+                                  rechecks=2 * RECHECKS)
         self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, time.perf_counter() - t0))
         if verdict.liar is None:
             log.warning("trip %d: %s", self.trip, verdict.reason)
@@ -230,9 +240,18 @@ class TripVerifier:
                 # not proven a liar, but its answer here was not the others': go back, continue without it
                 raise ChainBroken(f"{verdict.suspect} disagreed with the other chains at trip {self.trip}",
                                   stalled=frozenset({verdict.suspect}), keep=self.verified)
-            if verdict.honest == tuple(tokens):  # both chains agreed on the second run
+            if verdict.honest == tuple(tokens):  # the chains agreed with the generation's own answer
                 self.verified = len(out) + len(tokens)
-            return
+                return
+            if verdict.honest is None:  # two answers and no peer to tell which: kept, and said as unchecked
+                log.warning("trip %d cannot be verified: %s", self.trip, verdict.reason)
+                self._unverified()
+                return
+            # the other chains agree on another answer than the generation's own, which no replay reproduced (a
+            # liar lying only on live sessions): never kept, back to the last verified trip, around its chain
+            raise ChainBroken(f"trip {self.trip}'s answer {list(tokens)} was not confirmed ({verdict.reason})",
+                              stalled=frozenset((verdict.disputed & set(session.peers)) or session.peers),
+                              keep=self.verified)
         self.owner.disputed.discard(verdict.liar)
         reason = f"wrong tokens for {self.params.model_id} (trip {self.trip}): {verdict.reason}"
         self.owner.bans.ban(verdict.liar, reason, duration=self.client.config.ban_s,
@@ -314,6 +333,28 @@ class TripVerifier:
         if not fresh:
             self.alt_step = step + 1
         return tuple(res.tokens)
+
+    @staticmethod
+    def _after(shape: tuple[int, tuple[int, ...], int, bool], answer: Sequence[int]) -> int:
+        """Where the trip after ``shape`` starts when its answer was ``answer`` (positions.next_start)."""
+        start, toks, n_guesses, _ = shape
+        return next_start(start, len(toks), n_guesses, len(answer) - 1)
+
+    async def _replay(self, s: ChainSession, shapes: Sequence[tuple[int, tuple[int, ...], int, bool]], ahead: int,
+                      follow: Sequence[tuple[int, ...]] | None) -> list[tuple[int, ...]]:
+        """Each trip of ``shapes`` as one step on ``s`` (its answers), then ``ahead`` steps of one token each: the
+        last token of the answer before it, ``follow``'s (the honest chain's) where given, else ``s``'s own."""
+        answers: list[tuple[int, ...]] = []
+        for j, (start, toks, n_guesses, _) in enumerate(shapes):
+            res, _ = await s.step(j, start, list(toks), n_guesses)
+            answers.append(tuple(res.tokens))
+        lead = answers if follow is None else follow
+        pos = self._after(shapes[-1], lead[len(shapes) - 1])
+        for k in range(ahead):
+            res, _ = await s.step(len(shapes) + k, pos, [lead[len(shapes) - 1 + k][-1]], 0)
+            answers.append(tuple(res.tokens))
+            pos += 1
+        return answers
 
     def _unverified(self) -> None:
         self.trips_unverified += 1

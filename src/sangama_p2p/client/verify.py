@@ -6,8 +6,9 @@ ranges and compares the tokens (exactly: greedy decoding is deterministic, and s
 position, :func:`sangama_p2p.model.sampling.position_seed`). Two honest chains agree; when they do not, one of the
 peers is wrong, and :func:`find_liar` finds which by mixing the chains:
 
-1. Re-run both chains the same way (fresh sessions, the whole context in one step): if they now agree, nobody is
-   blamed (the first answers differed by numerics, or a lie did not repeat).
+1. Re-run both chains the same way (fresh sessions that replay the generation's trips in their shapes, so that a
+   stage sees what it saw on the live chain): if they now agree, nobody is blamed (the first answers differed by
+   numerics, or a lie did not repeat), and the caller keeps the trip only when that agreed answer is its own.
 2. Swap one stage at a time: the chain with main's peers except alt's peer at position ``i``, for every ``i``
    (and the other way round).
 3. A peer ``p`` is *consistent* with being the one liar when every chain without ``p`` gives one answer and some
@@ -19,10 +20,15 @@ peers is wrong, and :func:`find_liar` finds which by mixing the chains:
    change the tokens every time, an honest chain always answers the same), a few rounds at most.
 6. Before a verdict, the liar's own chain is run once more with a third peer in its place, where one exists: that
    chain must give the honest answer too (two liars at once could otherwise make an honest peer look like the one).
+   And the liar must lie beside peers *outside* both disputed chains too (a referee at every other range, up to
+   :data:`OUTSIDE_TRIES` runs): colluders that lie only beside an honest neighbour make it look like the one liar
+   in every mix of the two chains, and are not believed. Without referees at the other ranges nobody is banned
+   (the suspect is routed around, and its trip is not kept).
 7. One position is not proof: honest peers computing in another dtype or on another device flip near-ties now and
    then (measured: 1 of 240 trips between fp32 and bf16 last stages of the tiny model). So the liar's chain and the
-   closest honest chain are also compared at up to five earlier positions (``recheck``); the liar is convicted at
-   the first that differs, and is only a ``suspect`` (not banned; routed around for the generation) when none does.
+   closest honest chain are also compared at other positions (``recheck``: the generation's earlier trips and a few
+   positions after this one, the same inputs for both); the liar is convicted when one differs, and is only a
+   ``suspect`` (not banned; routed around for the generation, its trip not kept) when none does.
 
 One consistent peer is the verdict (the caller bans it); none or several is undecided (no ban; the peers are
 ``disputed``). The honest answer is what the chains without the liar gave.
@@ -50,6 +56,10 @@ __all__ = ["PUBLIC_FRACTION", "Verdict", "alternate_route", "find_liar", "mixed_
 
 PUBLIC_FRACTION = 0.05
 """The fraction of trips verified by default in a public swarm (no fleet secret); a private fleet verifies none."""
+
+OUTSIDE_TRIES = 5
+"""Runs of a suspect among peers outside the disputed chains before it counts as honest there (a noisy liar does not
+change the tokens every time)."""
 
 Route = Sequence[RouteCandidate]
 Answer = tuple[int, ...]
@@ -162,17 +172,17 @@ def _show(answer: Answer | None) -> str:
 
 async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt: Route,
                     offers: Sequence[RouteCandidate], *, exclude: Collection[str] = (), rounds: int = 3,
-                    recheck: Callable[[Route, int], Awaitable[Answer]] | None = None,
-                    rechecks: int = 5) -> Verdict:
+                    recheck: Callable[[Route, Route], Awaitable[tuple[Sequence[Answer], Sequence[Answer]]]]
+                    | None = None, rechecks: int = 10) -> Verdict:
     """Find the one peer whose answers differ from the others': re-run the trip on ``main`` and ``alt``, on every
     one-stage swap between them (both ways), then, while several peers stay suspect (at most ``rounds`` times),
     on main with a referee at each suspect's position and once more on the other chain holding each suspect (a
     noisy liar does not lie visibly every time); before a verdict, on the liar's chain with a referee in its place.
     ``run(route)`` returns the trip's tokens on ``route`` (a chain that fails with a :class:`SangamaError` is no
-    observation). ``recheck(route, i)``: the answer of ``route`` at the ``i``-th other (earlier) position, up to
-    ``rechecks`` of them (``IndexError``: no such position); with it, a peer is convicted only when its chain also
-    differs from the closest honest chain at one of those, else it is only the verdict's ``suspect``. See the
-    module docstring."""
+    observation). ``recheck(bad, good)``: the answers of the liar's chain and of the closest honest chain at other
+    positions (the same inputs for both), up to ``rechecks`` of them compared; with it, a peer is convicted only
+    when its chain also differs at one of those, else it is only the verdict's ``suspect``. See the module
+    docstring."""
     obs: list[tuple[tuple[str, ...], Answer]] = []
     runs = 0
 
@@ -237,38 +247,41 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
     reason = (f"answered {', '.join(_show(x) for x in lied)} where {sum(liar not in r for r, _ in obs)} chains "
               f"without it answered {_show(honest)}")
     in_main = liar in _ids(main)
+    if len(main) > 1:  # its neighbours in the disputed chains may be the ones lying, only beside it (framing)
+        base = main if in_main else alt
+        i = _ids(base).index(liar)
+        company = [referee(offers, stage, exclude={*_ids(main), *_ids(alt), *exclude}) if j != i else stage
+                   for j, stage in enumerate(base)]
+        if any(o is None for o in company):
+            return Verdict(None, f"{liar} {reason}, but no chain of peers outside the disputed chains can confirm "
+                           "it (a ban needs a third peer at every other range): not banned", honest, runs,
+                           disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar, observations=tuple(obs))
+        outside = [o for o in company if o is not None]
+        for k in range(OUTSIDE_TRIES):  # a noisy liar does not lie visibly every time
+            ans = await observe(outside, again=k > 0)
+            if ans is not None and ans != honest:
+                reason += f", and {_show(ans)} beside peers outside the disputed chains"
+                break
+        else:
+            return Verdict(None, f"{liar} {reason}, but answered {_show(honest)} beside peers outside the disputed "
+                           "chains: its neighbours there may lie beside it alone; nobody banned", honest, runs,
+                           disputed=frozenset(_ids(main)) | frozenset(_ids(alt)), liar_in_main=in_main,
+                           suspect=liar, observations=tuple(obs))
     if recheck is not None:  # one position is not enough: honest numerics (another dtype, device) flip near-ties
         by_id = {o.peer_id: o for o in [*offers, *main, *alt]}
         bad_route = next(r for r, ans in obs if liar in r and ans != honest)
         good_route = max((r for r, ans in obs if liar not in r),
                          key=lambda r: sum(a == b for a, b in zip(r, bad_route)))  # the closest honest chain
-        tried_at, differs_at = 0, None
-
-        async def at(route: tuple[str, ...], i: int) -> Answer:
-            nonlocal runs
-            try:
-                return tuple(await recheck([by_id[p] for p in route], i))
-            except SangamaError:
-                runs += 1
-                raise
-
-        for i in range(rechecks):
-            try:
-                a = await at(bad_route, i)
-                runs += 1
-                b = await at(good_route, i)
-                runs += 1
-            except IndexError:  # no earlier position left
-                break
-            except SangamaError:
-                continue
-            tried_at += 1
-            if a != b:
-                differs_at = (i, a, b)
-                break
+        runs += 2
+        try:
+            bad_at, good_at = await recheck([by_id[p] for p in bad_route], [by_id[p] for p in good_route])
+        except SangamaError:
+            bad_at, good_at = [], []
+        pairs = list(zip(bad_at, good_at))[:rechecks]
+        differs_at = next(((a, b) for a, b in pairs if a != b), None)
         if differs_at is None:
-            return Verdict(None, f"{liar} {reason}, but agreed with them at {tried_at} other positions: a near-tie "
+            return Verdict(None, f"{liar} {reason}, but agreed with them at {len(pairs)} other positions: a near-tie "
                            "(another dtype or device?) or a rare lie; not banned", honest, runs,
                            disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar, observations=tuple(obs))
-        reason += f", and {_show(differs_at[1])} where they answered {_show(differs_at[2])} at an earlier position"
+        reason += f", and {_show(differs_at[0])} where they answered {_show(differs_at[1])} at another position"
     return Verdict(liar, reason, honest, runs, liar_in_main=in_main, observations=tuple(obs))
