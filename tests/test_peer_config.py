@@ -121,6 +121,47 @@ def test_choose_layers_adds_redundancy_where_thinnest() -> None:
     assert choose_layers(full + [(0, 20), (20, 40)], 60) == (40, 60)
 
 
+def test_choose_layers_by_speed_fills_the_bottleneck_not_the_fewest_peers() -> None:
+    """Issue 24, item 4: two slow peers on 0:4 (10 steps/s each) serve less than one fast peer on 4:8 (1000): a
+    new peer joins 0:4, where counting peers would have sent it to 4:8."""
+    covered = [(0, 4), (0, 4), (4, 8)]
+    assert choose_layers(covered, 8, span=4) == (4, 8)  # by count
+    assert choose_layers(covered, 8, span=4, speeds=[10.0, 10.0, 1000.0]) == (0, 4)  # by speed
+    assert choose_layers(covered, 8, span=4, speeds=[10.0, 10.0, 15.0]) == (4, 8)  # 15 < 20
+    # a peer that has not measured its speed yet counts as the (lower) median of the others
+    assert choose_layers(covered, 8, span=4, speeds=[0.0, 10.0, 1000.0]) == (0, 4)
+    assert choose_layers([(0, 3)], 8, speeds=[5.0]) == (3, 6)  # a gap still comes first
+
+
+def test_the_auto_span_is_what_fits_in_memory(tmp_path: Path) -> None:
+    from sangama_p2p.model import memory
+
+    assert memory.span_that_fits([10, 10, 10, 10], None) == 4
+    assert memory.span_that_fits([10, 10, 10, 10], 35) == 2  # 35 / 1.6 holds 2 layers of 10
+    assert memory.span_that_fits([10, 30, 10, 10, 10], 50) == 3  # the longest run that fits: the last three
+    assert memory.span_that_fits([10, 10], 5) == 0
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemAvailable:    1000 kB\n")
+    assert memory.available_bytes(meminfo=info) == int(0.8 * 1000 * 1024)
+    assert memory.available_bytes(meminfo=tmp_path / "none") is None
+
+
+def test_auto_span_of_a_real_checkpoint_is_a_third_or_what_fits(monkeypatch: pytest.MonkeyPatch,
+                                                                 smollm2_gguf: Path) -> None:
+    from sangama_p2p.model import memory
+    from sangama_p2p.model.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(smollm2_gguf, tokenizer=False)
+    per_layer = memory.layer_bytes(ckpt.spec, ckpt.source)
+    assert len(per_layer) == 30 and min(per_layer) > 0
+    assert memory.auto_span(ckpt) == 10  # this machine holds a third of SmolLM2 easily
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": int(4.5 * per_layer[0] * memory.OVERHEAD))
+    assert memory.auto_span(ckpt) == 4
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1000)
+    with pytest.raises(LayerRangeError, match="not one layer of this model fits"):
+        memory.auto_span(ckpt)
+
+
 @pytest.mark.parametrize("span", [0, 9, -1])
 def test_choose_layers_rejects_bad_span(span: int) -> None:
     with pytest.raises(LayerRangeError):

@@ -37,6 +37,7 @@ from .model.chat_model import open_chat_model
 from .model.checkpoint import Checkpoint, open_checkpoint
 from .model.constraint import json_grammar
 from .model.fingerprint import stage_identity
+from .model.memory import auto_span
 from .model.spec import ModelSpec, parse_auto_span, parse_layer_range
 from .model.tokenizer import Tokenizer
 from .net.discovery import find_serving_peers
@@ -74,18 +75,16 @@ def _keep_probe_hang_ups_quiet() -> None:
         swarm_log.addFilter(_ProbeHangUps())
 
 
-def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None) -> tuple[int, int]:
-    """Up to ``span`` layers where the swarm is thinnest, given the ``(start, end)`` ranges already served: the first
-    gap from its start (never past it), else a spare at an existing boundary where the fewest peers serve
-    (:func:`sangama_p2p.placement.rebalance.thinnest_range`). ``span`` defaults to a third of the model (rounded up):
-    three peers cover it. Pure, for tests; LayerRangeError on a bad depth or span.
-    """
-    if num_layers <= 0:
-        raise LayerRangeError("the model has no layers")
-    span = -(-num_layers // 3) if span is None else span
-    if not 0 < span <= num_layers:
-        raise LayerRangeError(f"span must be in 1..{num_layers}, got {span}")
-    return thinnest_range(covered, num_layers, span)
+def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None,
+                  speeds: Sequence[float] | None = None) -> tuple[int, int]:
+    """Up to ``span`` layers where the swarm is thinnest, given the ``(start, end)`` ranges already served (and the
+    steps/s their peers announce, ``speeds``): the first gap from its start (never past it), else a spare at an
+    existing boundary where the least is served (:func:`sangama_p2p.placement.rebalance.thinnest_range`). ``span``
+    defaults to a third of the model (rounded up). Pure; LayerRangeError on a bad depth or span."""
+    span = -(-num_layers // 3) if span is None and num_layers > 0 else span
+    if num_layers <= 0 or not 0 < (span or 0) <= num_layers:
+        raise LayerRangeError(f"the model has no layers or span {span} is not in 1..{num_layers}")
+    return thinnest_range(covered, num_layers, span, speeds)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,7 @@ class Peer:
         self._tokenizer: Tokenizer | None = None
         self._eos: tuple[int, ...] = ()
         self._spec_num_layers: int | None = None
+        self._auto_span: int | None = None  # the span --layers auto took (rebalancing keeps it)
 
     # lifetime ---------------------------------------------------------------------------------------------------
 
@@ -219,10 +219,9 @@ class Peer:
         server = await trio.to_thread.run_sync(StageServer.load, self.node, ckpt, config)
         await self._start_server(server)
         if str(layers).startswith("auto") and self.config.rebalance_every > 0 and server.identity is not None:
-            span = parse_auto_span(str(layers), num_layers) or -(-num_layers // 3)
             self.rebalancer = Rebalancer(self.node, mid, server.identity.fingerprint, num_layers=num_layers,
-                                         span=span, current=self._served_range, move=partial(self._move, ckpt),
-                                         every=self.config.rebalance_every)
+                                         span=self._auto_span or -(-num_layers // 3), current=self._served_range,
+                                         move=partial(self._move, ckpt), every=self.config.rebalance_every)
             nursery.start_soon(self.rebalancer.run)
             if self.traversal is not None:  # `status` shows the moves (/sangama/links/1)
                 self.traversal.report_extra = lambda: {"rebalance": self.rebalancer.report() if self.rebalancer else {}}
@@ -298,11 +297,13 @@ class Peer:
         if not text.startswith("auto"):
             r = parse_layer_range(text)
             return r.start, r.end
-        span = parse_auto_span(text, num_layers)
+        device = self.config.stage.device if self.config.stage is not None else "cpu"
+        span = self._auto_span = parse_auto_span(text, num_layers) or (
+            await trio.to_thread.run_sync(auto_span, ckpt, device) if ckpt else None)
         # only peers of our own checkpoint count: others will never be chained with us
         mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint if ckpt else None
         records = await find_serving_peers(self.node, model_id, include_self=False, fingerprint=mine)
-        return choose_layers([(r.start, r.end) for r in records], num_layers, span)
+        return choose_layers([(r.start, r.end) for r in records], num_layers, span, [r.throughput for r in records])
 
     @staticmethod
     async def _run_inside(resource: Any,

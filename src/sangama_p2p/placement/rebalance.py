@@ -6,7 +6,9 @@ start, so both choices keep to existing boundaries.
 
 * :func:`thinnest_range` (what ``join --layers auto`` takes): the first layer nobody serves and up to ``span``
   layers from it, never past the gap; with no gap, the ``span``-window at an existing boundary whose least-served
-  layer has the fewest peers, then the fewest peers per layer, then the lowest start.
+  layer has the fewest peers, then the fewest peers per layer, then the lowest start - or, given the peers'
+  announced speeds (what join passes), the least served steps per second instead of the fewest peers: the
+  bottleneck of the chains clients build.
 * :func:`first_mover`: several spares often see the same gap at once; the one with the lowest peer id among
   those that would make the same move goes first, the others hold back (a bounded number of re-checks, see
   :mod:`sangama_p2p.stage.rebalance`), so two spares do not both leave a range and open a new gap.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["choose_move", "first_mover", "layer_counts", "thinnest_range"]
+__all__ = ["choose_move", "first_mover", "layer_capacity", "layer_counts", "thinnest_range"]
 
 Range = tuple[int, int]
 
@@ -47,11 +49,29 @@ def _check(num_layers: int, span: int) -> None:
         raise ValueError(f"span must be in 1..{num_layers}, got {span}")
 
 
-def thinnest_range(covered: Sequence[Range], num_layers: int, span: int) -> Range:
-    """Up to ``span`` layers where ``covered`` is thinnest (see the module docstring); ValueError on a bad depth or
-    span."""
+def layer_capacity(covered: Sequence[Range], speeds: Sequence[float], num_layers: int) -> list[float]:
+    """The steps per second the swarm serves each layer with: the sum of the announced speeds of the ranges that
+    hold it (parallel chains add up). A speed of 0 (not measured yet) counts as the lower median of the measured,
+    or 1 when none is."""
+    known = sorted(v for v in speeds if v > 0)
+    fill = known[(len(known) - 1) // 2] if known else 1.0  # the lower median
+    cap = [0.0] * num_layers
+    for (start, end), v in zip(covered, speeds):
+        for i in range(max(start, 0), min(end, num_layers)):
+            cap[i] += v if v > 0 else fill
+    return cap
+
+
+def thinnest_range(covered: Sequence[Range], num_layers: int, span: int,
+                   speeds: Sequence[float] | None = None) -> Range:
+    """Up to ``span`` layers where ``covered`` is thinnest (see the module docstring); with ``speeds`` (each
+    range's announced steps/s), thinnest by served speed (:func:`layer_capacity`): a slow peer's range is thinner
+    than a fast one's, whatever the peer counts. ValueError on a bad depth or span."""
     _check(num_layers, span)
-    count = layer_counts(covered, num_layers)
+    if speeds is not None and len(speeds) != len(covered):
+        raise ValueError(f"{len(speeds)} speeds for {len(covered)} ranges")
+    count: list[float] = list(layer_counts(covered, num_layers)) if speeds is None else layer_capacity(
+        covered, speeds, num_layers)
     if 0 in count:
         start = count.index(0)
         end = start
@@ -60,7 +80,7 @@ def thinnest_range(covered: Sequence[Range], num_layers: int, span: int) -> Rang
         return start, end
     bounds = {0} | {b for r in covered for b in r if 0 <= b < num_layers}
 
-    def key(s: int) -> tuple[int, float, int]:
+    def key(s: int) -> tuple[float, float, int]:
         window = count[s:min(s + span, num_layers)]
         return min(window), sum(window) / len(window), s  # a mean: a window cut short by the model's end is no lighter
 
