@@ -109,3 +109,38 @@ def test_the_ban_list_creates_its_directory_private(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / ".sangama").st_mode) == 0o700
     assert [b.peer_id for b in load_bans(tmp_path / ".sangama" / "bans.json")] == ["peerA"]
+
+
+def test_a_ban_follows_the_same_checkpoint_and_range_from_the_same_address(tmp_path: Path) -> None:
+    """Issue 26: keys are free. A ban made with the address the client's link saw, the fingerprint and the range
+    also leaves out another key serving that range of that checkpoint from that address - and nobody else."""
+    path = tmp_path / "bans.json"
+    bans = BanList(path)
+    bans.ban("liar", "answered [5]", model_id="m", address="198.18.0.1", fingerprint="f" * 32, layers="0:8")
+    src = ("address 198.18.0.1", "network 198.18.0.0/24")
+    peers = [("liar2", src, "f" * 32, "0:8"),  # the liar under a new key
+             ("other-range", src, "f" * 32, "0:4"),  # the same host serving another range (a home fleet's)
+             ("other-model", src, "e" * 32, "0:8"),
+             ("neighbour", ("address 198.18.0.7", "network 198.18.0.0/24"), "f" * 32, "0:8"),  # same /24 only
+             ("loopback", (), "f" * 32, "0:8")]
+    followed = BanList(path).follow(peers)  # from the file, as the next run reads it
+    assert list(followed) == ["liar2"] and "from its address 198.18.0.1" in followed["liar2"]
+    # a ban without an address (a loopback or relayed liar) follows nobody
+    bans.ban("relayed", "answered [5]", model_id="m", fingerprint="f" * 32, layers="0:8")
+    assert list(BanList(path).follow(peers)) == ["liar2"]
+
+
+def test_routing_leaves_out_a_peer_a_ban_follows() -> None:
+    from sangama_p2p.client.routing import RouteCandidate, plan_route
+    from sangama_p2p.client.verifier import Verification
+
+    src = ("address 198.18.0.1", "network 198.18.0.0/24")
+    offers = [RouteCandidate("new-key", 0, 8, throughput=1e6, rtt=0.001, fingerprint="f" * 32, source=src),
+              RouteCandidate("honest", 0, 8, throughput=10.0, rtt=0.001, fingerprint="f" * 32,
+                             source=("address 198.18.0.2", "network 198.18.0.0/24"))]
+    v = Verification(client=None)
+    assert [o.peer_id for o in plan_route(offers, 8, banned=v.banned(offers))] == ["new-key"]
+    v.bans.ban("old-key", "wrong tokens", address="198.18.0.1", fingerprint="f" * 32, layers="0:8")
+    banned = v.banned(offers)
+    assert set(banned) == {"old-key", "new-key"}
+    assert [o.peer_id for o in plan_route(offers, 8, banned=banned)] == ["honest"]

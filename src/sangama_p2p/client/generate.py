@@ -155,8 +155,8 @@ class ChainClient:
                 if info.model_id != self.config.model_id or info.peer != rec.peer_id:
                     return
                 offers.append(RouteCandidate(rec.peer_id, info.start, info.end, info.throughput, info.queue,
-                                        info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
-                                        rec.num_layers, rec.layer_hashes, rec.links))
+                                             info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
+                                             rec.num_layers, rec.layer_hashes, rec.links, link.fs.source))
                 self.silent.pop(rec.peer_id, None)
                 self.slow.pop(rec.peer_id, None)
                 return
@@ -227,7 +227,7 @@ class ChainClient:
             raise RouteError(f"no live peer serves {self.config.model_id!r}" + (f" (left out: {left})" if left else ""))
         try:
             return plan_route(lineup.members, lineup.num_layers, exclude=exclude,
-                              banned=self.verification.banned()), lineup.fingerprint
+                              banned=self.verification.banned(offers)), lineup.fingerprint
         except RouteError as exc:
             if not left:
                 raise

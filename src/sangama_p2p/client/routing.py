@@ -48,7 +48,8 @@ class RouteCandidate:
     ``addrs``: where to dial it. ``fingerprint``/``num_layers``/``layer_hashes``: its checkpoint's identity (routing
     ignores them; the client chains only offers of one fingerprint, see :mod:`sangama_p2p.net.lineup`). ``links``:
     (peer id, round trip in s) the peer measured to stages that can follow it, from its signed record
-    (:mod:`sangama_p2p.stage.neighbours`).
+    (:mod:`sangama_p2p.stage.neighbours`). ``source``: the address the client's own link to it comes from (not what
+    its record claims; empty on loopback or through a relay), which a ban follows.
     """
 
     peer_id: str
@@ -63,6 +64,7 @@ class RouteCandidate:
     num_layers: int = 0  # the model's depth under that fingerprint (from the record)
     layer_hashes: tuple[tuple[str, str], ...] = ()
     links: tuple[tuple[str, float], ...] = ()
+    source: tuple[str, ...] = ()  # what the probe's link saw of it: "address IP" and "network ..." (net/addrs.py)
 
 
 def step_cost(offer: RouteCandidate) -> float:

@@ -86,9 +86,11 @@ class Verification:
         private = getattr(getattr(client.node, "config", None), "fleet_secret", None) is not None
         return cls(client, resolve_fraction(cfg.verify, private=private), BanList(cfg.bans_file))
 
-    def banned(self) -> dict[str, str]:
-        """peer id -> reason of every ban in force (routing leaves these peers out)."""
-        return self.bans.reasons()
+    def banned(self, offers: Sequence[RouteCandidate] = ()) -> dict[str, str]:
+        """peer id -> reason of every ban in force (routing leaves these peers out), and of each of ``offers`` a
+        ban follows: the banned checkpoint's range from the banned address under another key."""
+        return {**self.bans.reasons(),
+                **self.bans.follow([(o.peer_id, o.source, o.fingerprint, f"{o.start}:{o.end}") for o in offers])}
 
     def start(self, params: SessionParams, *, rng: random.Random | None = None) -> TripVerifier | None:
         """The verifier of one generation, or None when no trip is to be verified."""
@@ -145,7 +147,7 @@ class TripVerifier:
         # only peers of the chain's own checkpoint that routing would chain: another checkpoint answers otherwise
         # without lying (its peers are in another fingerprint group, and left out)
         offers = self._chainable(offers, session)
-        banned = self.owner.bans.banned()
+        banned = frozenset(self.owner.banned(offers))
         alt = await self._second_chain(session, offers, banned)
         if alt is None and not self.resurveyed:
             # the last survey may have missed peers (a DHT lookup that times out on a busy machine misses records:
@@ -254,8 +256,11 @@ class TripVerifier:
                               keep=self.verified)
         self.owner.disputed.discard(verdict.liar)
         reason = f"wrong tokens for {self.params.model_id} (trip {self.trip}): {verdict.reason}"
-        self.owner.bans.ban(verdict.liar, reason, duration=self.client.config.ban_s,
-                            model_id=self.params.model_id)
+        who = next((o for o in [*offers, *session.route, *alt_route] if o.peer_id == verdict.liar), None)
+        address = next((k.split(" ", 1)[1] for k in (who.source if who else ()) if k.startswith("address ")), "")
+        self.owner.bans.ban(verdict.liar, reason, duration=self.client.config.ban_s, model_id=self.params.model_id,
+                            address=address, fingerprint=who.fingerprint if who else "",
+                            layers=f"{who.start}:{who.end}" if who else "")
         log.warning("banned %s: %s", verdict.liar, reason)
         self.client.stats.liars_banned += 1
         if not verdict.liar_in_main and verdict.honest == tuple(tokens):

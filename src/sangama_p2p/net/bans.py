@@ -40,13 +40,25 @@ def default_bans_path() -> Path:
 
 @dataclass(frozen=True)
 class Ban:
-    """One banned peer: why (a plain-text reason), for which model id, from ``since`` until ``until`` (wall time)."""
+    """One banned peer: why (a plain-text reason), for which model id, from ``since`` until ``until`` (wall time).
+    ``address`` (the IP the client's own link to it came from, empty when none was seen: loopback, a relay),
+    ``fingerprint`` and ``layers`` (``"A:B"``): what the ban also follows - the same checkpoint's same range served
+    from that address under another key is the same liar (keys are free, addresses are not)."""
 
     peer_id: str
     reason: str
     since: float
     until: float
     model_id: str = ""
+    address: str = ""
+    fingerprint: str = ""
+    layers: str = ""
+
+    def follows(self, source: tuple[str, ...], fingerprint: str, layers: str) -> bool:
+        """Whether a peer seen from ``source`` (net/addrs.source_keys) serving ``layers`` of ``fingerprint`` is
+        this banned one under another key."""
+        return bool(self.address) and f"address {self.address}" in source and \
+            (self.fingerprint, self.layers) == (fingerprint, layers)
 
     def __post_init__(self) -> None:
         if not self.peer_id or not isinstance(self.peer_id, str):
@@ -71,14 +83,16 @@ class BanList:
             for b in load_bans(self.path):
                 self._bans[b.peer_id] = b
 
-    def ban(self, peer_id: str, reason: str, *, duration: float = DEFAULT_BAN_S, model_id: str = "") -> Ban:
-        """Ban ``peer_id`` for ``duration`` seconds from now (a longer existing ban is kept, with the new reason)."""
+    def ban(self, peer_id: str, reason: str, *, duration: float = DEFAULT_BAN_S, model_id: str = "",
+            address: str = "", fingerprint: str = "", layers: str = "") -> Ban:
+        """Ban ``peer_id`` for ``duration`` seconds from now (a longer existing ban is kept, with the new reason);
+        with ``address``, ``fingerprint`` and ``layers`` (see :class:`Ban`) the ban follows it to other keys."""
         if duration <= 0:
             raise NetworkError(f"a ban's duration must be positive, got {duration}")
         now = self.clock()
         old = self._bans.get(peer_id)
         until = max(now + duration, old.until if old is not None else now)
-        b = Ban(peer_id, reason[:_MAX_REASON], now, until, model_id)
+        b = Ban(peer_id, reason[:_MAX_REASON], now, until, model_id, address, fingerprint, layers)
         self._bans[peer_id] = b
         self._save()
         return b
@@ -108,6 +122,19 @@ class BanList:
         """peer id -> reason, for the bans in force."""
         return {b.peer_id: b.reason for b in self.active()}
 
+    def follow(self, peers: list[tuple[str, tuple[str, ...], str, str]]) -> dict[str, str]:
+        """Of ``peers`` (peer id, source, fingerprint, layers ``"A:B"``), those a ban in force follows (see
+        :class:`Ban`) besides the banned ids themselves -> why."""
+        bans = [b for b in self.active() if b.address]
+        out = {}
+        for peer_id, source, fingerprint, layers in peers:
+            for b in bans:
+                if peer_id != b.peer_id and b.follows(source, fingerprint, layers):
+                    out[peer_id] = (f"serves {layers} of the checkpoint banned {b.peer_id} served, from its address "
+                                    f"{b.address}: {b.reason}")
+                    break
+        return out
+
     def _save(self) -> None:
         if self.path is None:
             return
@@ -134,7 +161,8 @@ def load_bans(path: Path, *, now: float | None = None) -> list[Ban]:
             raise NetworkError(f"{path}: a ban must be an object, got {row!r}")
         try:
             b = Ban(str(row["peer_id"]), str(row["reason"]), float(row["since"]), float(row["until"]),
-                    str(row.get("model_id", "")))
+                    str(row.get("model_id", "")), str(row.get("address", "")), str(row.get("fingerprint", "")),
+                    str(row.get("layers", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise translate(exc, NetworkError, f"{path}: malformed ban {row!r}")
         if now is None or b.until > now:

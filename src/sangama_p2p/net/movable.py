@@ -126,6 +126,14 @@ class MovableStream:
     def get_protocol(self) -> TProtocol:
         return STAGE_MOVABLE_PROTOCOL
 
+    def get_remote_address(self) -> tuple[str, int] | None:
+        """The (ip, port) of the far end of the stream frames are written to now; None through a relay (whose
+        address is not the peer's). What a stage counts sessions by, and a client's ban follows (net/addrs.py)."""
+        if _relayed(self._write):
+            return None
+        getter = getattr(self._write, "get_remote_address", None)
+        return getter() if getter is not None else None
+
     async def read(self, n: int) -> bytes:
         """Bytes from the current stream; at its end, from its continuation if one was agreed, else ``b""``."""
         while True:
