@@ -12,8 +12,8 @@ What it does:
 3. runs 4 honest clients (one node each, in this process), each generating its prompt in a loop with a fresh
    ``ChainClient`` (new links and lanes) every 5 generations; the solo tokens of each prompt, generated once alone
    before anything else runs, are the tokens every later generation must give;
-4. after ``--quiet-s`` of honest traffic alone, starts benchmarks/soak_attacks.py (its own process) against stage
-   4:8 for the whole soak: fuzzed frames, idle connections on the lane port, lane handshake replays, sessions to the
+4. after ``--quiet-s`` of honest traffic alone, starts benchmarks/soak_attacks.py (a process per stage) against
+   the first stage 0:4 and the last 4:8 (``--attack``) for the whole soak: fuzzed frames, idle connections on the lane port, lane handshake replays, sessions to the
    per-peer quota left idle, partial-record floods, NaN/Inf hidden states, replies never read (see that file);
 5. samples both stages' RSS (``VmRSS`` of ``/proc/<pid>/status``) every 2 s, and checks they are the same pids;
 6. after the attack, keeps the honest clients going until the attacked stage's RSS is within 10% of its baseline
@@ -45,7 +45,7 @@ from sangama_p2p.cli.local_fleet import LocalFleet
 
 HERE = Path(__file__).resolve().parent
 SPLIT = ["0:4", "4:8"]
-ATTACKED = 1  # index in SPLIT
+ATTACK = "0:4,4:8"  # the stages attacked by default: the first (token ids in) and the last (hidden states in)
 PROMPTS = [[1, 5, 9, 2, 7, 3], [2, 7, 1, 8, 2, 8], [3, 1, 4, 1, 5, 9, 2], [6, 2, 8, 3, 1]]
 FRESH_EVERY = 5
 MiB = 1 << 20
@@ -175,30 +175,37 @@ async def soak(args: argparse.Namespace, fleet: LocalFleet, honest: Honest, mode
             await trio.sleep(args.quiet_s)
             attack_at = time.monotonic() - t0
             honest.phase = "attack"
-            out = Path(args.workdir) / "attacks.json"
-            cmd = [sys.executable, str(HERE / "soak_attacks.py"), "--bootstrap", fleet.bootstrap_addr,
-                   "--model-id", honest.model_id, "--start", SPLIT[ATTACKED].split(":")[0],
-                   "--end", SPLIT[ATTACKED].split(":")[1], "--width", str(width), "--idle-s", str(args.idle_s),
-                   "--seconds", str(args.minutes * 60), "--out", str(out), "--keys", str(Path(args.workdir))]
-            with open(Path(args.workdir) / "attacks.log", "wb") as log:
-                attacker = await trio.lowlevel.open_process(cmd, stdout=log, stderr=subprocess.STDOUT)
-                last_print = 0.0
-                while attacker.poll() is None:
-                    await trio.sleep(1)
-                    if time.monotonic() - t0 - last_print >= 60:
-                        last_print = time.monotonic() - t0
-                        print(_progress(honest, samples, last_print), flush=True)
-                    if any(p.poll() is not None for p in procs):
-                        attacker.kill()
-                        break
-                await attacker.wait()
+            outs, attackers = {}, []
+            for k in args.attacked:  # one attacker process per stage, every class at once against each
+                start, end = SPLIT[k].split(":")
+                outs[k] = Path(args.workdir) / f"attacks-{k}.json"
+                cmd = [sys.executable, str(HERE / "soak_attacks.py"), "--bootstrap", fleet.bootstrap_addr,
+                       "--model-id", honest.model_id, "--start", start, "--end", end, "--width", str(width),
+                       "--idle-s", str(args.idle_s), "--seconds", str(args.minutes * 60), "--out", str(outs[k]),
+                       "--keys", str(Path(args.workdir) / f"attacker-keys-{k}")]
+                if k + 1 < len(SPLIT):  # a stage before the last: its sessions name the next stage
+                    cmd += ["--next-hop", fleet.stage_ids[k + 1]]
+                with open(Path(args.workdir) / f"attacks-{k}.log", "wb") as log:
+                    attackers.append(await trio.lowlevel.open_process(cmd, stdout=log, stderr=subprocess.STDOUT))
+            last_print = 0.0
+            while any(a.poll() is None for a in attackers):
+                await trio.sleep(1)
+                if time.monotonic() - t0 - last_print >= 60:
+                    last_print = time.monotonic() - t0
+                    print(_progress(honest, samples, last_print, args.attacked), flush=True)
+                if any(p.poll() is not None for p in procs):
+                    for a in attackers:
+                        a.kill()
+                    break
+            for a in attackers:
+                await a.wait()
             attack_end = time.monotonic() - t0
             honest.phase = "recovery"
             back_after = None
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                rss = sample()[ATTACKED]
-                if rss is not None and rss <= 1.1 * baseline[ATTACKED]:
+                rss = sample()
+                if all(rss[k] is not None and rss[k] <= 1.1 * baseline[k] for k in args.attacked):
                     back_after = round(time.monotonic() - t0 - attack_end, 1)
                     break
                 await trio.sleep(2)
@@ -207,9 +214,15 @@ async def soak(args: argparse.Namespace, fleet: LocalFleet, honest: Honest, mode
             with trio.move_on_after(60):
                 await _wait_stopped(nursery)
             nursery.cancel_scope.cancel()
-    attacks = json.loads(out.read_text()) if out.exists() else {"classes": {}, "missing": True}
+    attacks: dict = {"classes": {}, "attack_s": None}
+    for k, out in outs.items():  # the classes of each stage's attacker, named "RANGE class"
+        got = json.loads(out.read_text()) if out.exists() else {"classes": {}, "missing": True}
+        attacks["classes"].update({f"{SPLIT[k]} {cls}": tally for cls, tally in got.get("classes", {}).items()})
+        attacks["attack_s"] = attacks["attack_s"] or got.get("attack_s")
+        attacks["missing"] = attacks.get("missing") or got.get("missing", False)
+    rcs = [a.returncode for a in attackers]
     return _result(args, honest, samples, baseline, attack_at, attack_end, back_after, attacks, pids, procs,
-                   attacker.returncode, t0)
+                   next((rc for rc in rcs if rc not in (0, None)), 0), t0)
 
 
 async def _wait_stopped(nursery: trio.Nursery) -> None:
@@ -218,11 +231,11 @@ async def _wait_stopped(nursery: trio.Nursery) -> None:
         await trio.sleep(0.2)
 
 
-def _progress(honest: Honest, samples: list, t: float) -> str:
+def _progress(honest: Honest, samples: list, t: float, attacked: list[int]) -> str:
     c = Counter(r["outcome"] for r in honest.rows)
-    rss = samples[-1][2][ATTACKED] if samples else None
-    return (f"  {t:6.0f} s  honest ok {c['ok']} wrong {c['wrong']} failed {c['failed']}  attacked stage RSS "
-            f"{(rss or 0) / MiB:.0f} MiB  load {os.getloadavg()[0]:.1f}")
+    rss = " ".join(f"{SPLIT[k]} {(samples[-1][2][k] or 0) / MiB:.0f}" for k in attacked) if samples else "-"
+    return (f"  {t:6.0f} s  honest ok {c['ok']} wrong {c['wrong']} failed {c['failed']}  attacked stages' RSS "
+            f"(MiB) {rss}  load {os.getloadavg()[0]:.1f}")
 
 
 def _rss_stats(values: list[int], baseline: float) -> dict:
@@ -246,7 +259,8 @@ def _result(args, honest: Honest, samples, baseline, attack_at, attack_end, back
         rss[name] = {**(_rss_stats(during, baseline[k]) if during else {}),
                      "final": round((final or 0) / MiB, 1),
                      "final_vs_baseline_pct": round(100 * ((final or 0) / max(baseline[k], 1) - 1), 1)}
-    rss[SPLIT[ATTACKED]]["back_within_10pct_s_after_attack"] = back_after
+    for k in args.attacked:
+        rss[SPLIT[k]]["back_within_10pct_s_after_attack"] = back_after
     alive = [p.poll() is None for p in procs]
     bad = {f"{cls}: {k}": v for cls, tally in attacks.get("classes", {}).items() for k, v in tally.items()
            if k.startswith("BAD")}
@@ -262,11 +276,11 @@ def _result(args, honest: Honest, samples, baseline, attack_at, attack_end, back
         reasons.append("a stage died: " + ", ".join(f"{n} pid {p}" for n, p, a in zip(SPLIT, pids, alive) if not a))
     reasons += [f"defence did not hold: {k} x{v}" for k, v in bad.items()]
     if attacks.get("missing") or attacker_rc not in (0, None):
-        reasons.append(f"the attacker did not finish cleanly (exit {attacker_rc}; see attacks.log)")
+        reasons.append(f"an attacker did not finish cleanly (exit {attacker_rc}; see attacks-K.log)")
     return {
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "minutes": args.minutes,
         "cores": os.cpu_count(), "load_avg": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
-        "split": SPLIT, "attacked": SPLIT[ATTACKED], "pids": dict(zip(SPLIT, pids)),
+        "split": SPLIT, "attacked": [SPLIT[k] for k in args.attacked], "pids": dict(zip(SPLIT, pids)),
         "stage_config": {"session_idle_s": args.idle_s, "outbox_bytes": args.outbox_mib * MiB,
                          "batch_invariant": True, "other bounds": "stage defaults"},
         "honest": {"clients": len(PROMPTS), "tokens_per_generation": args.tokens, "guesses": args.guesses,
@@ -294,7 +308,8 @@ def _logs(folder: Path) -> dict:
 
 def print_report(r: dict) -> None:
     h = r["honest"]
-    print(f"\nsoak: {(r['attack_s'] or 0) / 60:.1f} min of attack on stage {r['attacked']} ({r['measured_at']}, "
+    print(f"\nsoak: {(r['attack_s'] or 0) / 60:.1f} min of attack on stages {', '.join(r['attacked'])} "
+          f"({r['measured_at']}, "
           f"{r['cores']} cores, load {r['load_avg']['median']:.1f} median / {r['load_avg']['max']:.1f} max)")
     print(f"honest: {h['generations']} generations by {h['clients']} clients, {h.get('ok', 0)} ok, "
           f"{h.get('wrong', 0)} wrong tokens, {h.get('failed', 0)} failed, {h['failovers']} failovers; "
@@ -311,10 +326,10 @@ def print_report(r: dict) -> None:
     print("\n| stage | RSS baseline MiB | min | median | max (during attack) | final | final vs baseline |")
     print("|---|---|---|---|---|---|---|")
     for name, s in r["rss_mib"].items():
-        print(f"| {name}{' (attacked)' if name == r['attacked'] else ''} | {s.get('baseline')} | {s.get('min')} | "
+        print(f"| {name}{' (attacked)' if name in r['attacked'] else ''} | {s.get('baseline')} | {s.get('min')} | "
               f"{s.get('median')} | {s.get('max')} | {s['final']} | {s['final_vs_baseline_pct']:+.1f}% |")
-    back = r["rss_mib"][r["attacked"]]["back_within_10pct_s_after_attack"]
-    print(f"attacked stage RSS back within 10% of baseline: "
+    back = r["rss_mib"][r["attacked"][0]]["back_within_10pct_s_after_attack"]
+    print(f"attacked stages' RSS back within 10% of baseline: "
           f"{'%s s after the attack' % back if back is not None else 'NOT within 60 s'}")
     print(f"stage restarts (same pids, alive): {r['restarts']}; stage stderr: {r['stage_logs']}")
     print("verdict: " + ("PASS" if r["ok"] else "FAIL: " + "; ".join(r["reasons"])))
@@ -328,9 +343,12 @@ def main() -> int:
     p.add_argument("--guesses", type=int, default=2, help="guesses per honest trip (default 2)")
     p.add_argument("--idle-s", type=float, default=30.0, help="the stages' session_idle_s (default 30)")
     p.add_argument("--outbox-mib", type=int, default=8, help="the stages' outbox_bytes in MiB (default 8)")
+    p.add_argument("--attack", default=ATTACK, help=f"the stages attacked, each by its own attacker process "
+                   f"(default {ATTACK}: the first stage and the last)")
     p.add_argument("--json", type=Path, default=HERE / "results" / "soak.json")
     p.add_argument("--workdir", type=Path, default=None, help="model, keys and logs (default: a temp dir)")
     args = p.parse_args()
+    args.attacked = [SPLIT.index(r) for r in args.attack.split(",")]  # ValueError: not a stage of SPLIT
     from sangama_p2p.net.logs import quiet_libp2p
 
     quiet_libp2p()  # py-libp2p logs routine resets and DHT read failures as warnings
@@ -349,7 +367,7 @@ def main() -> int:
     join_args = ["--config", str(toml), "--batch-invariant", "--threads", "1"]
     with LocalFleet(model_dir, SPLIT, args.workdir / "fleet", join_args=join_args) as fleet:
         print(f"fleet up: stages {', '.join(SPLIT)} (pids {', '.join(map(str, fleet.pids()[1:]))}); attacking "
-              f"{SPLIT[ATTACKED]} for {args.minutes:g} min after {args.quiet_s:g} s of honest traffic", flush=True)
+              f"{args.attack} for {args.minutes:g} min after {args.quiet_s:g} s of honest traffic", flush=True)
         result = trio.run(soak, args, fleet, honest, model_dir, width)
     print_report(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
