@@ -128,6 +128,9 @@ def test_choose_layers_by_speed_fills_the_bottleneck_not_the_fewest_peers() -> N
     assert choose_layers(covered, 8, span=4) == (4, 8)  # by count
     assert choose_layers(covered, 8, span=4, speeds=[10.0, 10.0, 1000.0]) == (0, 4)  # by speed
     assert choose_layers(covered, 8, span=4, speeds=[10.0, 10.0, 15.0]) == (4, 8)  # 15 < 20
+    # speeds within 2x count as equal (announced speeds are noisy): then the peer counts, then the lowest start
+    assert choose_layers([(0, 3), (3, 6), (6, 8)], 8, speeds=[300.0, 180.0, 250.0]) == (0, 3)
+    assert choose_layers([(0, 3), (3, 6), (6, 8)], 8, speeds=[300.0, 80.0, 250.0]) == (3, 6)
     # a peer that has not measured its speed yet counts as the (lower) median of the others
     assert choose_layers(covered, 8, span=4, speeds=[0.0, 10.0, 1000.0]) == (0, 4)
     assert choose_layers([(0, 3)], 8, speeds=[5.0]) == (3, 6)  # a gap still comes first

@@ -7,8 +7,8 @@ start, so both choices keep to existing boundaries.
 * :func:`thinnest_range` (what ``join --layers auto`` takes): the first layer nobody serves and up to ``span``
   layers from it, never past the gap; with no gap, the ``span``-window at an existing boundary whose least-served
   layer has the fewest peers, then the fewest peers per layer, then the lowest start - or, given the peers'
-  announced speeds (what join passes), the least served steps per second instead of the fewest peers: the
-  bottleneck of the chains clients build.
+  announced speeds (what join passes), first the windows serving at most twice the thinnest one's steps per
+  second (the bottleneck of the chains clients build; closer speeds count as equal, being noisy), then by peers.
 * :func:`first_mover`: several spares often see the same gap at once; the one with the lowest peer id among
   those that would make the same move goes first, the others hold back (a bounded number of re-checks, see
   :mod:`sangama_p2p.stage.rebalance`), so two spares do not both leave a range and open a new gap.
@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 __all__ = ["choose_move", "first_mover", "layer_capacity", "layer_counts", "thinnest_range"]
 
 Range = tuple[int, int]
+SPEED_TIE = 2.0  # served steps/s within this factor of the thinnest window's count as equally thin
 
 
 def layer_counts(covered: Sequence[Range], num_layers: int) -> list[int]:
@@ -65,13 +66,14 @@ def layer_capacity(covered: Sequence[Range], speeds: Sequence[float], num_layers
 def thinnest_range(covered: Sequence[Range], num_layers: int, span: int,
                    speeds: Sequence[float] | None = None) -> Range:
     """Up to ``span`` layers where ``covered`` is thinnest (see the module docstring); with ``speeds`` (each
-    range's announced steps/s), thinnest by served speed (:func:`layer_capacity`): a slow peer's range is thinner
-    than a fast one's, whatever the peer counts. ValueError on a bad depth or span."""
+    range's announced steps/s), the windows whose least-served layer serves at most :data:`SPEED_TIE` x the
+    thinnest one's steps/s (:func:`layer_capacity`) come first: a slow peer's range is thinner than a fast one's,
+    whatever the peer counts, while speeds within that factor (announced speeds are noisy: 58-425 steps/s measured
+    on one loaded stage) count as equal and the peer counts decide. ValueError on a bad depth or span."""
     _check(num_layers, span)
     if speeds is not None and len(speeds) != len(covered):
         raise ValueError(f"{len(speeds)} speeds for {len(covered)} ranges")
-    count: list[float] = list(layer_counts(covered, num_layers)) if speeds is None else layer_capacity(
-        covered, speeds, num_layers)
+    count = layer_counts(covered, num_layers)
     if 0 in count:
         start = count.index(0)
         end = start
@@ -80,9 +82,17 @@ def thinnest_range(covered: Sequence[Range], num_layers: int, span: int,
         return start, end
     bounds = {0} | {b for r in covered for b in r if 0 <= b < num_layers}
 
-    def key(s: int) -> tuple[float, float, int]:
-        window = count[s:min(s + span, num_layers)]
-        return min(window), sum(window) / len(window), s  # a mean: a window cut short by the model's end is no lighter
+    def window(values: Sequence[float], s: int) -> Sequence[float]:
+        return values[s:min(s + span, num_layers)]
+
+    if speeds is not None:
+        cap = layer_capacity(covered, speeds, num_layers)
+        floor = min(min(window(cap, s)) for s in bounds)
+        bounds = {s for s in bounds if min(window(cap, s)) <= SPEED_TIE * floor}
+
+    def key(s: int) -> tuple[int, float, int]:
+        w = window(count, s)
+        return min(w), sum(w) / len(w), s  # a mean: a window cut short by the model's end is no lighter
 
     best = min(bounds, key=key)
     return best, min(best + span, num_layers)
