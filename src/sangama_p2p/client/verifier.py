@@ -245,8 +245,13 @@ class TripVerifier:
             if verdict.honest == tuple(tokens):  # the chains agreed with the generation's own answer
                 self.verified = len(out) + len(tokens)
                 return
-            if verdict.honest is None:  # two answers and no peer to tell which: kept, and said as unchecked
-                log.warning("trip %d cannot be verified: %s", self.trip, verdict.reason)
+            if verdict.honest is None:  # two answers and no peer left to tell which
+                clear = verdict.disputed | banned
+                if all(any((o.start, o.end) == (st.start, st.end) and o.peer_id not in clear for o in offers)
+                       for st in session.route):  # a chain without every disputed peer exists: go on there
+                    raise ChainBroken(f"trip {self.trip}'s answer {list(tokens)} was disputed ({verdict.reason})",
+                                      stalled=frozenset(verdict.disputed), keep=self.verified)
+                log.warning("trip %d cannot be verified: %s", self.trip, verdict.reason)  # kept, said unchecked
                 self._unverified()
                 return
             # the other chains agree on another answer than the generation's own, which no replay reproduced (a
