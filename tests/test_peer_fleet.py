@@ -172,7 +172,10 @@ def test_join_auto_adds_a_spare_and_stops_on_sigint(fleet, tmp_path: Path) -> No
     try:
         assert proc.stdout is not None
         ready = proc.stdout.readline().split()
-        assert ready[0] == "ready" and ready[2:] == [model.name, "0:3"]  # every layer served: a spare at 0
+        # every layer served: a spare over one of the served ranges - the one serving the fewest steps/s (speeds
+        # within 2x count as equal, then the lowest start: 0:3; the last stage, which also computes the logits,
+        # can announce less than half the others' speed, and then it is 6:8)
+        assert ready[0] == "ready" and ready[2] == model.name and ready[3] in ("0:3", "3:6", "6:8"), ready
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert "stopping" in proc.stdout.read()
