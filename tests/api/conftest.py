@@ -138,6 +138,13 @@ def smol(smollm2_gguf, tmp_path_factory) -> Path:
     return link
 
 
+def openai_client(api: Any, *, timeout: float = 120) -> Any:
+    """The official ``openai`` client on ``api``'s ``/v1``, with the fixtures' key and no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=api.url + "/v1", api_key=KEY, timeout=timeout, max_retries=0)
+
+
 def smol_api_over(smol: Path, split: list[str], key_file: Path, tmp_path_factory) -> Any:
     """Stage processes over ``split`` of ``smol`` (a ``LocalFleet``) and the API in front of them, yielded."""
     from sangama_p2p.cli.local_fleet import LocalFleet

@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
-from .conftest import KEY, smol_api_over  # noqa: E402
+from .conftest import openai_client, smol_api_over  # noqa: E402
 
 MODEL = "made"
 SPLIT = ["0:10", "10:20", "20:30"]
@@ -51,10 +51,6 @@ def reference(smol):
     return logprobs
 
 
-def _client(api):
-    return openai.OpenAI(base_url=api.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
-
-
 def _prompt_ids(smol, messages):
     from sangama_p2p.model.chat_model import open_chat_model
     from sangama_p2p.model.chat import render_chat
@@ -77,7 +73,7 @@ def _check_against(ref: torch.Tensor, ids: list[int], chosen: list[float], tops:
 
 
 def test_chat_logprobs_match_a_float32_softmax_streamed_and_not(smol_api, smol, reference):
-    client = _client(smol_api)
+    client = openai_client(smol_api)
     res = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
                                          logprobs=True, top_logprobs=5)
     choice = res.choices[0]
@@ -108,7 +104,7 @@ def test_chat_logprobs_match_a_float32_softmax_streamed_and_not(smol_api, smol, 
 def test_completion_logprobs_shapes_and_values(smol_api, smol, reference):
     from sangama_p2p.model.chat_model import open_chat_model
 
-    client = _client(smol_api)
+    client = openai_client(smol_api)
     prompt = "The capital of France is"
     res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
     choice = res.choices[0]
@@ -132,7 +128,7 @@ def test_completion_logprobs_shapes_and_values(smol_api, smol, reference):
 
 def test_sampled_tokens_carry_their_own_logprob(smol_api):
     """At temperature 1 the chosen token need not be the top one; its logprob is among the top list's when there."""
-    res = _client(smol_api).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
+    res = openai_client(smol_api).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
                                                     seed=3, logprobs=True, top_logprobs=20)
     for c in res.choices[0].logprobs.content:
         values = {t.token: t.logprob for t in c.top_logprobs}
@@ -142,7 +138,7 @@ def test_sampled_tokens_carry_their_own_logprob(smol_api):
 
 
 def test_logprobs_request_errors(smol_api):
-    client = _client(smol_api)
+    client = openai_client(smol_api)
     for kwargs, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                           ({"top_logprobs": 2}, "top_logprobs")):
         with pytest.raises(openai.BadRequestError) as err:
@@ -157,7 +153,7 @@ def test_logprobs_of_steps_that_accept_guesses(api, local):
     """The made model drafts guesses (an MTP layer): a step returns several tokens, each with its own logprobs."""
     from sangama_p2p.model.sampling import SamplingParams
 
-    client = openai.OpenAI(base_url=api.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    client = openai_client(api, timeout=60)
     ids = local.tokenizer.encode("The quick brown fox")
     want = local.generate(ids, 16, SamplingParams(), guesses=4, stop_tokens=local.spec.eos_token_ids).tokens
     res = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0,

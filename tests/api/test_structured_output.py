@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from .conftest import KEY, smol_api_over  # noqa: E402
+from .conftest import openai_client, smol_api_over  # noqa: E402
 
 MODEL = "made"
 SPLIT = ["0:10", "10:20", "20:30"]
@@ -37,17 +37,13 @@ def smol_api(smol, key_file, tmp_path_factory):
     yield from smol_api_over(smol, SPLIT, key_file, tmp_path_factory)
 
 
-def _client(api):
-    return openai.OpenAI(base_url=api.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
-
-
 def _schema_format(schema):
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 
 
 def test_twenty_schema_requests_give_twenty_valid_replies(smol_api):
     """Greedy and sampled, chat and streamed: each reply is JSON that validates against the schema."""
-    client = _client(smol_api)
+    client = openai_client(smol_api)
     replies = []
     for i in range(20):
         person = PEOPLE[i % len(PEOPLE)]
@@ -73,7 +69,7 @@ def test_twenty_schema_requests_give_twenty_valid_replies(smol_api):
 
 
 def test_json_object_and_a_completion_hold_to_json(smol_api):
-    client = _client(smol_api)
+    client = openai_client(smol_api)
     reply = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about the planet Mars."}],
         max_tokens=80, temperature=0.0, response_format={"type": "json_object"})
@@ -89,7 +85,7 @@ def test_json_object_and_a_completion_hold_to_json(smol_api):
 
 
 def test_unconstrained_replies_are_unchanged_and_bad_formats_are_400(smol_api):
-    client = _client(smol_api)
+    client = openai_client(smol_api)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.0)
     text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.0,

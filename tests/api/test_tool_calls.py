@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from .conftest import KEY, smol_api_over  # noqa: E402
+from .conftest import openai_client, smol_api_over  # noqa: E402
 
 MODEL = "made"
 SPLIT = ["0:10", "10:20", "20:30"]
@@ -34,7 +34,7 @@ def smol_api(smol, key_file, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(smol_api):
-    return openai.OpenAI(base_url=smol_api.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+    return openai_client(smol_api)
 
 
 def _check(call, tool=WEATHER) -> dict:

@@ -31,6 +31,12 @@ def _attractive(server: StageServer) -> None:
     server.__class__ = Boastful
 
 
+def modest(server: StageServer) -> None:
+    """Make ``server`` (an honest stage) announce 1 step/s: routing then takes a liar of its range whatever RTT noise
+    a loaded machine measures (a liar's boast alone once lost to 10 ms of it)."""
+    server.__class__ = type("Modest", (type(server),), {"throughput": property(lambda self: 1.0)})
+
+
 def lie_constant(server: StageServer, token: int, *, when: Callable[[Any], bool] | None = None) -> list[int]:
     """Make ``server`` (a last stage) answer ``token`` as every trip's new token (``when(job)``: only on the steps
     it says); returns a list that counts the trips it lied on."""

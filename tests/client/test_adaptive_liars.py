@@ -16,7 +16,7 @@ import trio
 from sangama_p2p.client import ChainClient, ClientConfig
 
 from .fleet import MODEL, fleet, local_chain
-from .liars import _attractive, after_first_step, beside, lie_constant, lie_noise
+from .liars import _attractive, after_first_step, beside, lie_constant, lie_noise, modest
 from .test_liars import N, PROMPT, _liar_token, _run
 
 
@@ -56,7 +56,7 @@ def test_colluders_that_lie_only_beside_an_honest_peer_never_get_it_banned(ckpt)
                         lie_constant(last, bad, when=beside(target.peer_id))]
                 _attractive(target)  # the colluders' neighbour in the generation's chain
                 for _, other, _ in f.stages[3:]:  # the rest announce 1 step/s: RTT noise never outweighs it
-                    other.__class__ = type("Modest", (type(other),), {"throughput": property(lambda self: 1.0)})
+                    modest(other)
                 async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
                     with trio.fail_after(60):
                         while len(await client.survey(max_age=0.0, retry_slow=True)) < 9:

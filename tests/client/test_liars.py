@@ -16,7 +16,7 @@ import trio
 from sangama_p2p.client import ChainClient, ClientConfig
 
 from .fleet import MODEL, fleet, local_chain
-from .liars import lie_constant, lie_noise
+from .liars import lie_constant, lie_noise, modest
 
 PROMPT = [3, 1, 4, 1, 5, 9]
 N = 12
@@ -34,7 +34,7 @@ async def _run(ckpt, ranges, liar_range, lie, **client_options):
         same = [s for _, s, _ in f.stages if (s.model.start, s.model.end) == liar_range]
         liar = same[0]
         for honest in same[1:]:
-            honest.__class__ = type("Modest", (type(honest),), {"throughput": property(lambda self: 1.0)})
+            modest(honest)
         lies = lie(liar)
         async with ChainClient(f.clients[0], ClientConfig(MODEL, **client_options)) as client:
             # the subject is verification, not discovery: the generation starts on a survey that saw every peer (under
@@ -238,7 +238,7 @@ def test_a_verifying_chain_late_once_is_given_more_time_and_every_trip_is_still_
             async with fleet(ckpt, [*split, *split], batch_invariant=True) as f:
                 spare = f.stages[2][1]
                 for _, s, _ in f.stages[2:]:  # the spares announce 1 step/s: the generation's chain is the first two
-                    s.__class__ = type("Modest", (type(s),), {"throughput": property(lambda self: 1.0)})
+                    modest(s)
                 real, held = spare._on_step, []
 
                 def late_once(*args, **kwargs):  # the spare's first step answers 2.5 s late
@@ -285,7 +285,7 @@ def test_a_lie_caught_after_unverified_tokens_rewinds_or_stops_the_stream_never_
                 liar = same[0]
                 lie_constant(liar, bad)
                 for honest in same[1:]:  # 1 step/s: RTT noise on a loaded machine never outweighs the liar's boast
-                    honest.__class__ = type("Modest", (type(honest),), {"throughput": property(lambda self: 1.0)})
+                    modest(honest)
                 async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=0.5)) as client:
                     # the coin: trip 1 (the prefill) unverified, trip 2 verified
                     v: Verification = client.verification

@@ -27,12 +27,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ..errors import ApiError
+from ..errors import ApiError, ModelError
 from ..model.chat import render_chat
 from ..model.chat_model import open_chat_model
 from ..model.tokenizer import IncrementalDecoder
@@ -62,6 +63,11 @@ class ServedModel:
     eos_ids: tuple[int, ...]
     created: int = field(default_factory=lambda: int(time.time()))
     context: int | None = None  # positions (max_position_embeddings); None: unknown
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How the template lays tools out and writes calls (read from its source once)."""
+        return tool_format(self.template.source)
 
 
 def served_model(path: str | Path, model_id: str | None = None) -> ServedModel:
@@ -102,10 +108,6 @@ class _Released:
         finally:
             self.release()
             await self.response.body_iterator.aclose()
-
-
-def _tool_format(model: ServedModel) -> ToolFormat:
-    return tool_format(model.template.source)
 
 
 class ApiServer:
@@ -260,13 +262,11 @@ class ApiServer:
     def _prompt(self, model: ServedModel, req: ApiRequest) -> tuple[list[int], tuple[int, ...], ApiRequest]:
         """The prompt's ids, its stop ids and ``req`` with the grammar of a forced tool call (blocking: a thread)."""
         if req.chat:
-            messages: Any = list(req.messages)
-            tools = None
-            fmt = _tool_format(model)
-            if req.tools is not None:
-                messages, tools = req.tools.prepare(messages, fmt)
-            elif any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-                messages, _ = prepare_messages(messages, None, fmt)  # a conversation's earlier calls and results
+            fmt = model.tool_format
+            try:  # the tools, and a conversation's earlier calls and results, as the template takes them
+                messages, tools = prepare_messages(req.messages, req.tools.tools if req.tools else None, fmt)
+            except ModelError as exc:
+                raise ApiError(str(exc), param="messages") from exc
             prompt = render_chat(model.template, model.tokenizer, messages, tools=tools)
             if req.tools is not None and req.tools.forced:
                 req = dataclasses.replace(req, grammar=req.tools.grammar(fmt, prompt.text))
@@ -316,7 +316,7 @@ class ApiServer:
             if not await _while_connected(request, work):
                 return Response(status_code=499)  # nobody reads it: the client has gone, its sessions closed
             if req.stream:
-                calls = CallScanner(req.tools, _tool_format(model)) if req.tools is not None else None
+                calls = CallScanner(req.tools, model.tool_format) if req.tools is not None else None
                 stream = StreamingResponse(events(model.tokenizer, req, pieces, first[0], run, calls),
                                            media_type="text/event-stream",
                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -340,7 +340,7 @@ class ApiServer:
         content: str | None = "".join(text)
         calls: list[Any] = []
         if req.tools is not None and req.tools.choice != "none":
-            content, calls = parse_tool_calls(content or "", _tool_format(model), req.tools.tools)
+            content, calls = parse_tool_calls(content or "", model.tool_format, req.tools.tools)
         return JSONResponse(chat_response(new_id(chat), req.model, content, "tool_calls" if calls else
                                           run.finish or "length", use, run.tokens, lp, tool_calls_json(calls)))
 

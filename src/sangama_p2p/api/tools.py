@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ApiError, ModelError
 from ..model.constraint import MAX_GRAMMAR_BYTES
-from ..model.tool_calls import CALL_OPEN, ToolCall, ToolFormat, call_grammar, parse_tool_calls, prepare_messages
+from ..model.tool_calls import CALL_OPEN, ToolCall, ToolFormat, call_grammar, parse_tool_calls
 
 __all__ = ["CallScanner", "ToolRequest", "check_tool_messages", "parse_tools", "tool_calls_json"]
 
@@ -39,13 +39,6 @@ class ToolRequest:
     @property
     def forced(self) -> bool:
         return self.choice not in ("auto", "none")
-
-    def prepare(self, messages: Sequence[Mapping[str, Any]], fmt: ToolFormat) -> tuple[list[dict[str, Any]], Any]:
-        """``(messages, tools)`` for the template (:func:`~sangama_p2p.model.tool_calls.prepare_messages`)."""
-        try:
-            return prepare_messages(messages, self.tools, fmt)
-        except ModelError as exc:
-            raise ApiError(str(exc), param="messages") from exc
 
     def grammar(self, fmt: ToolFormat, prompt_text: str) -> str | None:
         """The grammar that holds the reply to calls (None unless forced): one call of a named tool; with
