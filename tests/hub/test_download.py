@@ -232,6 +232,22 @@ def test_a_hub_ggufs_metadata_copy_pins_the_full_files_fingerprint(hub, settings
     assert hub.served["tiny-F32.gguf"] < repos["one"].stat().st_size  # not the weights
 
 
+@pytest.mark.parametrize("repo", ["org/sharded", "org/full"])
+def test_a_safetensors_repos_metadata_copy_pins_the_full_checkpoints_fingerprint(hub, settings, repos, repo):
+    """``hf:ORG/REPO`` of safetensors (sharded, or one model.safetensors): the client's metadata copy holds every
+    shard's header and the fingerprint's sample windows, so it pins fingerprint and depth without the weights (a
+    copy of config and tokenizer alone gave the depth only, and an unpinned client in a public swarm)."""
+    from sangama_p2p.cli.pin import local_pin
+
+    path = resolve_model(f"hf:{repo}", settings=settings, progress=False, metadata_only=True)
+    full = checkpoint_identity(repos["full"])
+    pin = local_pin(path, None)
+    assert (pin.fingerprint, pin.num_layers) == (full.fingerprint, full.num_layers)
+    src = repos["sharded" if repo == "org/sharded" else "full"]
+    weights = sum(n for k, n in hub.served.items() if k.endswith(".safetensors"))
+    assert weights < sum(p.stat().st_size for p in src.glob("*.safetensors")) // 20  # not the weights
+
+
 def test_all_layers_come_as_whole_checked_files(hub, settings, repos):
     path = resolve_model("hf:org/gguf1:tiny-F32.gguf", layers=(0, 6), settings=settings, progress=False)
     assert "snapshots" in path.parts and path.read_bytes() == repos["one"].read_bytes()

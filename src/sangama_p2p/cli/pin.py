@@ -8,12 +8,11 @@ the checkpoint it wants:
 * ``--model DIR`` (config + weights) or ``--model FILE.gguf``: the fingerprint and depth of that copy (the same for
   ``--model ID --tokenizer DIR|FILE.gguf`` when the tokenizer's source is a checkpoint; ``--fingerprint`` wins over
   it, for a tokenizer borrowed from another checkpoint);
-* ``--model hf:ORG/REPO:FILE.gguf``: of the Hub file, from its header and the fingerprint's sample windows
-  (a few KiB per tensor, fetched once; no weights);
+* ``--model hf:ORG/REPO:FILE.gguf`` or ``hf:ORG/REPO`` of safetensors: of the Hub files, from their headers and
+  the fingerprint's sample windows (a few KiB per tensor, fetched once; no weights);
 * ``--fingerprint FP:LAYERS``: explicitly (``sangama-peer status`` prints the pin of each lineup, a stage prints its
   own when it joins);
-* a directory with only a config (``--tokenizer DIR``, or ``hf:ORG/REPO`` of safetensors: its weights are not
-  fetched) gives the depth alone.
+* a directory with only a config (``--tokenizer DIR``) gives the depth alone.
 
 The depth is never a vote of the records (:func:`sangama_p2p.net.lineup.choose_lineup`). Without a fingerprint a
 public swarm is refused with a message that says how to pin; a private fleet (``--fleet-secret-file``: every peer

@@ -103,14 +103,14 @@ def host_config(args: argparse.Namespace, *, serving: bool) -> HostConfig:
     return config if serving else config.replace(dht_server=False)
 
 
-def client_peer_config(args: argparse.Namespace, model: str, *, pin: bool = True) -> tuple[PeerConfig, str]:
+def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig, str]:
     """A client-only PeerConfig and the model id; ``model`` may be a checkpoint directory or a ``.gguf`` file (its
-    name is the id, its tokenizer encodes the prompt, and with ``pin`` only peers of that very checkpoint are
-    chained, at its depth: :mod:`.pin`). In a public swarm an unpinned model id is refused."""
+    name is the id, its tokenizer encodes the prompt, and only peers of that very checkpoint are chained, at its
+    depth: :mod:`.pin`). In a public swarm an unpinned model id is refused."""
     from ..client.config import ClientConfig
     from ..config import PeerConfig, default_model_id
     from ..net.bans import default_bans_path
-    from .pin import Pin, local_pin, merge_pins, require_pin
+    from .pin import local_pin, merge_pins, require_pin
 
     tokenizer = getattr(args, "tokenizer", None)
     model_id = model
@@ -123,8 +123,6 @@ def client_peer_config(args: argparse.Namespace, model: str, *, pin: bool = True
         model_id = default_model_id(model)  # the file holds its tokenizer (a GGUF) or is the tokenizer's directory
         tokenizer = tokenizer or Path(model)
     mine = local_pin(Path(model), Path(tokenizer).expanduser() if tokenizer else None)
-    if not pin:  # a Hub repo fetched for its metadata only: its depth, but no tensor data to fingerprint
-        mine = Pin(None, mine.num_layers, mine.source)
     # a pin from the tokenizer's source alone gives way to --fingerprint (a tokenizer borrowed from a base model)
     chosen = merge_pins(mine, getattr(args, "fingerprint", None), strict=mine.source == model)
     host = host_config(args, serving=False)
@@ -171,8 +169,8 @@ def client_model(args: argparse.Namespace, command: str) -> tuple[PeerConfig, st
     hub_path, hub_id = from_hub(args.model, metadata_only=True)
     if hub_id is not None:
         args.model = str(hub_path)
-    # a Hub GGUF comes with its fingerprint's sample windows (pinned); a safetensors repo's config gives the depth
-    config, model_id = client_peer_config(args, args.model, pin=hub_id is None or args.model.endswith(".gguf"))
+    # a Hub checkpoint's metadata copy holds the fingerprint's sample windows of every tensor (resolve_model): pinned
+    config, model_id = client_peer_config(args, args.model)
     if hub_id is not None:
         model_id = hub_id
         config = config.replace(client=config.client.replace(model_id=hub_id))

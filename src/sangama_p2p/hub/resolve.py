@@ -23,6 +23,7 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 from pathlib import Path
 
 from ..errors import CheckpointError, DownloadError, LayerRangeError, translate
@@ -94,14 +95,10 @@ class _Job:
         return sib
 
     def metadata(self, dest: str | Path | None) -> Path:
-        if not self.hs.filename:
-            # no shard index: without its shards the directory names no weights (a client then asks by model id)
-            small = [n for n in self.files if _SMALL.match(n) and n != "model.safetensors.index.json"]
-            if "config.json" not in small:
-                raise DownloadError(f"{self.hs}: no config.json in the repo (name a .gguf file with :FILE.gguf)")
-            return self.whole(small)["config.json"].parent
         stage = Path(dest) if dest is not None else (
             _repo_dir(self.settings, self.hs) / "sangama" / self.commit / "metadata")
+        if not self.hs.filename:
+            return self._safetensors_metadata(stage)
         # every part's header and the fingerprint's sample windows (a few KiB a tensor, no weights): the client's
         # sparse copy gives the checkpoint's fingerprint, so it chains only peers of this very file (cli/pin.py)
         for p in self._gguf_parts():
@@ -109,6 +106,33 @@ class _Job:
             spans = [(0, data_start)] + [s for _, at, nbytes in tensors for s in sample_spans(at, nbytes)]
             part.ensure(merge_spans(spans, _GAP), self.fetch)
         return stage / self.hs.filename
+
+    def _safetensors_metadata(self, stage: Path) -> Path:
+        """Config, tokenizer and template files, and of every shard a sparse copy holding its header and the
+        fingerprint's sample windows (a few KiB a tensor): the copy fingerprints as the whole checkpoint does, so
+        a client of ``hf:ORG/REPO`` chains only peers of that very checkpoint (cli/pin.py). A repo with no
+        ``.safetensors`` file gives the small files alone (the depth, from its config)."""
+        small = [n for n in self.files if _SMALL.match(n)]
+        if "config.json" not in small:
+            raise DownloadError(f"{self.hs}: no config.json in the repo (name a .gguf file with :FILE.gguf)")
+        got = self.whole(small)
+        snapshot = got["config.json"].parent
+        weight_map = _index_map(snapshot)
+        shards = sorted(set(weight_map.values())) if weight_map else (
+            ["model.safetensors"] if "model.safetensors" in self.files else [])
+        if not shards:
+            return snapshot
+        stage.mkdir(parents=True, exist_ok=True)
+        for n, p in got.items():
+            _link(stage, n, p)
+        for name in shards:
+            part = PartialFile(stage, name, self.sibling(name).size)  # type: ignore[arg-type]
+            header, data_start = safetensors_header(part, self.fetch)
+            spans = [(0, data_start)]
+            for n, (a, b) in _tensor_spans(header, data_start, f"{self.hs}: {name}").items():
+                spans += sample_spans(a, b - a)
+            part.ensure(merge_spans(spans, _GAP), self.fetch)
+        return stage
 
     # ---- safetensors -----------------------------------------------------------------------------------------
     def safetensors(self, layers: tuple[int, int] | None, dest: str | Path | None) -> Path:
@@ -147,11 +171,7 @@ class _Job:
             raw = list(header) if not weight_map else [n for n in header if weight_map.get(n) == name]
             own = safetensors_stage_tensors(raw, mspec.num_layers, start, end, mspec.tie_word_embeddings)
             spans = [(0, data_start)]
-            for n, info in header.items():
-                try:
-                    a, b = (data_start + int(x) for x in info["data_offsets"])
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise DownloadError(f"{self.hs}: {name} has a bad header entry for {n}") from exc
+            for n, (a, b) in _tensor_spans(header, data_start, f"{self.hs}: {name}").items():
                 spans += [(a, b)] if n in own else sample_spans(a, b - a)
             part.ensure(merge_spans(spans, _GAP), self.fetch)
         _complete(stage, self.hs, self.commit, (start, end))
@@ -221,6 +241,21 @@ def _check_layers(layers: tuple[int, int], num_layers: int) -> tuple[int, int]:
     if not 0 <= start < end <= num_layers:
         raise LayerRangeError(f"layers {start}:{end} lie outside the model's {num_layers} layers")
     return start, end
+
+
+def _tensor_spans(header: dict[str, Any], data_start: int, where: str) -> dict[str, tuple[int, int]]:
+    """Each tensor of a safetensors header -> its [start, end) bytes in the file."""
+    spans = {}
+    for n, info in header.items():
+        if n == "__metadata__":
+            continue
+        try:
+            spans[n] = tuple(data_start + int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DownloadError(f"{where} has a bad header entry for {n}") from exc
+        if len(spans[n]) != 2:
+            raise DownloadError(f"{where} has a bad header entry for {n}")
+    return spans  # type: ignore[return-value]
 
 
 def _index_map(snapshot: Path) -> dict[str, str] | None:
