@@ -12,7 +12,7 @@ import trio
 
 from sangama_p2p import Peer, PeerConfig
 from sangama_p2p.client.config import ClientConfig
-from sangama_p2p.errors import ModelError, SangamaError, StageError
+from sangama_p2p.errors import ModelError, RouteError, SangamaError, StageError
 from sangama_p2p.model.chain import LocalChain
 from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.make import make_model
@@ -74,6 +74,12 @@ def test_serve_auto_generate_and_stream_equal_local(tiny: Path, tmp_path: Path) 
                         held = await d.generate(prompt, 40, guesses=2, json_schema=SCHEMA)
                         seen["json"] = d.tokenizer.decode([t for t in held.tokens if t not in (0,)])  # eos: 0
                         seen["json_end"] = held.tokens[-1]
+                    # a bare model id names no checkpoint: in a public swarm an embedded client is refused (issue 26)
+                    bare = PeerConfig(host=host(tmp_path, "e", boot, dht_server=False),
+                                      client=ClientConfig(model_id="peer-tiny"))
+                    async with Peer(bare) as e:
+                        with pytest.raises(RouteError, match=r"does not name a checkpoint.*PeerConfig\(tokenizer_path"):
+                            await e.generate(prompt, 2, stop_at_eos=False)
                     # a serving peer generates through a chain that includes its own stage (in-process stream)
                     own = await b.generate(prompt, 12, stop_at_eos=False)
                     seen["own"], seen["own_route"] = list(own.tokens), own.result.route

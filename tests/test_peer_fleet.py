@@ -107,7 +107,8 @@ def test_fixed_guesses_2_4_6_over_the_process_fleet(fleet) -> None:
     chain = local_chain(model)
     expected = chain.generate(PROMPT, NEW, stop_at_eos=False).tokens
     config = PeerConfig(host=HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(f.bootstrap_addr,),
-                                        dht_server=False), client=ClientConfig(model_id=model.name))
+                                        dht_server=False), client=ClientConfig(model_id=model.name),
+                        tokenizer_path=model)
 
     async def main() -> dict[int, tuple[list[int], int]]:
         out = {}

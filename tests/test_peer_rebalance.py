@@ -96,7 +96,7 @@ def test_in_process_the_spare_moves_switches_handlers_and_the_old_stage_closes(t
                     assert move is not None and (move.old, move.new, move.reason) == ((0, 3), (3, 6), "gap")
                     assert (spare.servers[0].config.start, spare.servers[0].config.end) == (3, 6)
                     assert spare.servers[0] is not old
-                    client = cfg("d", boot, client=ClientConfig(model_id=model.name))
+                    client = cfg("d", boot, client=ClientConfig(model_id=model.name), tokenizer_path=model)
                     async with Peer(client) as d:
                         g = await d.generate(prompt, NEW, stop_at_eos=False)
                         seen["tokens"], seen["route"] = list(g.tokens), g.result.route

@@ -38,11 +38,13 @@ from .model.checkpoint import Checkpoint, open_checkpoint
 from .model.constraint import json_grammar
 from .model.fingerprint import stage_identity
 from .model.memory import auto_span
+from .model.pin import EMBEDDED_HOW, Pin, local_pin, require_pin
 from .model.spec import ModelSpec, parse_auto_span, parse_layer_range
 from .model.tokenizer import Tokenizer
 from .net.discovery import find_serving_peers
 from .net.host import open_host
 from .net.identity import KeyPair
+from .net.logs import keep_probe_hang_ups_quiet
 from .net.node import Node
 from .net.traversal import Traversal, TraversalConfig
 from .placement.rebalance import thinnest_range
@@ -55,24 +57,6 @@ from .stage.server import StageServer
 __all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_id"]
 
 log = logging.getLogger(__name__)
-
-
-class _ProbeHangUps(logging.Filter):
-    """py-libp2p logs ``fail to upgrade mux for peer X`` at ERROR when an inbound connection proves its peer id and
-    hangs up before the muxer, which is what every reachability probe does (net/reach.py: a Noise handshake, then
-    close): a peer embedded beside a running ``join`` logged it on each check. Kept at DEBUG, as py-libp2p keeps a
-    failed security upgrade; installed when a peer starts, never at import."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "fail to upgrade mux for peer %s" and record.levelno > logging.DEBUG:
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-def _keep_probe_hang_ups_quiet() -> None:
-    swarm_log = logging.getLogger("libp2p.network.swarm")
-    if not any(isinstance(f, _ProbeHangUps) for f in swarm_log.filters):
-        swarm_log.addFilter(_ProbeHangUps())
 
 
 def choose_layers(covered: Sequence[tuple[int, int]], num_layers: int, span: int | None = None,
@@ -116,12 +100,13 @@ class Peer:
         self._tokenizer: Tokenizer | None = None
         self._eos: tuple[int, ...] = ()
         self._spec_num_layers: int | None = None
+        self._pin_sources: dict[str, Path] = {}  # model id -> the checkpoint serve_api was given (its client's pin)
         self._auto_span: int | None = None  # the span --layers auto took (rebalancing keeps it)
 
     # lifetime ---------------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Peer:
-        _keep_probe_hang_ups_quiet()
+        keep_probe_hang_ups_quiet()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -361,12 +346,25 @@ class Peer:
                     config = config.replace(num_layers=self._spec_num_layers)
                 if config.fingerprint is None and own and own[0].identity is not None:
                     config = config.replace(fingerprint=own[0].identity.fingerprint)  # chain our own checkpoint
+                config = await self._pinned(config)
                 # our own stage joins our chains through an in-process stream (libp2p cannot dial itself)
                 local = own[0].open_local_stream if own else None
                 client = ChainClient(self.node, config, local_stage=local)
                 scope = await nursery.start(self._run_inside, client)
                 self._clients[model_id] = (client, scope)
         return self._clients[model_id][0]
+
+    async def _pinned(self, config: ClientConfig) -> ClientConfig:
+        """``config`` with the pin of the checkpoint ``serve_api`` was given for its model, else of ``tokenizer_path``
+        when it is the checkpoint, when none is set; an unpinned
+        model id in a public swarm is refused (:mod:`sangama_p2p.model.pin`)."""
+        for source in (self._pin_sources.get(config.model_id), self.config.tokenizer_path):
+            if config.fingerprint is None and source is not None:
+                mine = await trio.to_thread.run_sync(local_pin, Path(source), None)
+                config = config.replace(fingerprint=mine.fingerprint, num_layers=config.num_layers or mine.num_layers)
+        require_pin(Pin(config.fingerprint), config.model_id, private=self.config.host.fleet_secret is not None,
+                    how=EMBEDDED_HOW)
+        return config
 
     async def _drop_client(self, model_id: str) -> None:
         """Close the client of ``model_id`` (e.g. after serving it: the next one routes through our own stage)."""
@@ -425,6 +423,7 @@ class Peer:
             if model is None:
                 raise SangamaError("serve_api needs the model's checkpoint (directory or .gguf file) or served=")
             served = await trio.to_thread.run_sync(served_model, model, model_id)
+            self._pin_sources.setdefault(served.model_id, Path(model))  # its client chains that checkpoint
         config, mounts = config or self.config.api or ApiConfig(), {}
         if config.dashboard:  # the swarm's page at /dashboard/, surveyed by this peer, with its client's generations
             from .dashboard.server import watched_app

@@ -1,6 +1,7 @@
 """How loud py-libp2p is: the CLI's verbosity applied to py-libp2p's loggers.
 
-Only the CLI calls :func:`quiet_libp2p` (it decides how logging is set up); importing this module changes nothing.
+Only the CLI calls :func:`quiet_libp2p` (it decides how logging is set up); a starting peer calls
+:func:`keep_probe_hang_ups_quiet`; importing this module changes nothing.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import logging
 
 import libp2p  # noqa: F401  its import resets the "libp2p" logger to WARNING: let that happen before, not after
 
-__all__ = ["quiet_libp2p"]
+__all__ = ["keep_probe_hang_ups_quiet", "quiet_libp2p"]
 
 
 def quiet_libp2p() -> None:
@@ -25,3 +26,21 @@ def quiet_libp2p() -> None:
     libp2p_log = logging.getLogger("libp2p")
     libp2p_log.propagate = True
     libp2p_log.setLevel(logging.WARNING if level > logging.DEBUG else level)  # -v: its warnings; -vv: everything
+
+
+class _ProbeHangUps(logging.Filter):
+    """py-libp2p logs ``fail to upgrade mux for peer X`` at ERROR when an inbound connection proves its peer id and
+    hangs up before the muxer, which is what every reachability probe does (net/reach.py: a Noise handshake, then
+    close): a peer embedded beside a running ``join`` logged it on each check. Kept at DEBUG, as py-libp2p keeps a
+    failed security upgrade; installed when a peer starts, never at import."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "fail to upgrade mux for peer %s" and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def keep_probe_hang_ups_quiet() -> None:
+    swarm_log = logging.getLogger("libp2p.network.swarm")
+    if not any(isinstance(f, _ProbeHangUps) for f in swarm_log.filters):
+        swarm_log.addFilter(_ProbeHangUps())
