@@ -13,14 +13,21 @@ What it does:
    ``ChainClient`` (new links and lanes) every 5 generations; the solo tokens of each prompt, generated once alone
    before anything else runs, are the tokens every later generation must give;
 4. after ``--quiet-s`` of honest traffic alone, starts benchmarks/soak_attacks.py (a process per stage) against
-   the first stage 0:4 and the last 4:8 (``--attack``) for the whole soak: fuzzed frames, idle connections on the lane port, lane handshake replays, sessions to the
-   per-peer quota left idle, partial-record floods, NaN/Inf hidden states, replies never read (see that file);
+   the first stage 0:4 and the last 4:8 (``--attack``) for the whole soak: fuzzed frames, idle connections on the lane
+   port, lane handshake replays, sessions to the per-peer quota left idle, partial-record floods, NaN/Inf hidden
+   states, replies never read (see that file); and benchmarks/soak_liars.py (unless ``--no-liars``): stages that
+   lie - a constant liar that rejoins under a fresh key, one honest only on the first step, a noisy first stage,
+   colluders framing the attacked stages, another checkpoint under the model id, a depth liar (see that file).
+   With liars the fleet has ``--spares`` more honest peers per range (what a ban needs: a referee at every other
+   range), and the honest clients pin the checkpoint, verify ``--verify`` of their trips and keep bans in a file
+   each (as the CLI does);
 5. samples both stages' RSS (``VmRSS`` of ``/proc/<pid>/status``) every 2 s, and checks they are the same pids;
 6. after the attack, keeps the honest clients going until the attacked stage's RSS is within 10% of its baseline
    (at most 60 s), then prints a table and writes JSON (``--json``, default benchmarks/results/soak.json).
 
-Exit status 1 when an honest generation gave other tokens or failed, a stage died or restarted, or an attack class
-counted a defence that did not hold (a ``BAD`` key); 0 otherwise.
+Exit status 1 when an honest generation gave other tokens, more than 1% of them failed, an honest peer was banned,
+a stage died or restarted, or an attack or liar class counted a defence that did not hold (a ``BAD`` key); 0
+otherwise.
 
     python benchmarks/soak.py --minutes 3 --json benchmarks/results/soak_3min.json
 """
@@ -63,10 +70,10 @@ def rss_of(pid: int) -> int | None:
     return None
 
 
-def make_fleet_model(workdir: Path) -> Path:
+def make_fleet_model(workdir: Path, seed: int = 4) -> Path:
     from sangama_p2p.model.make import make_model, truncate_vocab
 
-    src = make_model(workdir / "made", "qwen3_5_moe", "tiny", seed=4)
+    src = make_model(workdir / "made", "qwen3_5_moe", "tiny", seed=seed)
     return truncate_vocab(src, workdir / "sangama-soak-tiny", 16)
 
 
@@ -86,27 +93,39 @@ def references(model_dir: Path, tokens: int, guesses: int) -> list[list[int]]:
 class Honest:
     """The 4 honest clients' generations: (client, phase, start, end, new tokens, outcome) rows."""
 
-    def __init__(self, model_id: str, tokens: int, guesses: int) -> None:
+    def __init__(self, model_id: str, tokens: int, guesses: int, pin: tuple[str, int] | None = None,
+                 verify: float = 0.0, bans_dir: Path | None = None) -> None:
         self.model_id, self.tokens, self.guesses = model_id, tokens, guesses
+        self.pin, self.verify, self.bans_dir = pin, verify, bans_dir
+        self.banned: dict[str, str] = {}  # peer id -> reason, of every ban an honest client made
+        self.unverified = 0  # trips drawn for a check that could not be checked
         self.want: list[list[int]] = []
         self.rows: list[dict] = []
         self.phase = "quiet"
         self.stop = False
         self.links: Counter = Counter()  # link kinds of fresh clients to the stages
 
+    def config(self, i: int):
+        from sangama_p2p.client import ClientConfig
+
+        fp, layers = self.pin or (None, None)
+        bans = self.bans_dir / f"bans-{i}.json" if self.bans_dir is not None else None
+        return ClientConfig(self.model_id, fingerprint=fp, num_layers=layers, verify=self.verify, bans_file=bans,
+                            step_timeout=30)
+
     async def generate(self, client, i: int) -> tuple[list[int] | None, str, int]:
         try:
             res = await client.generate(PROMPTS[i], self.tokens, guesses=self.guesses)
         except Exception as exc:  # noqa: BLE001 - every failure of an honest generation is counted and reported
             return None, f"{type(exc).__name__}: {str(exc)[:160]}", 0
+        self.unverified += res.unverified_trips or 0
         return res.tokens, "", res.failovers
 
     async def loop(self, node, i: int) -> None:
-        from sangama_p2p.client import ChainClient, ClientConfig
+        from sangama_p2p.client import ChainClient
 
-        config = ClientConfig(self.model_id, step_timeout=30)
         while not self.stop:
-            async with ChainClient(node, config) as client:
+            async with ChainClient(node, self.config(i)) as client:
                 for n in range(FRESH_EVERY):
                     if self.stop:
                         break
@@ -122,6 +141,7 @@ class Honest:
                         print(f"  client {i}: generation {outcome} at {phase}: {error or tokens}", flush=True)
                     if error:
                         await trio.sleep(0.5)
+                self.banned.update(client.verification.bans.reasons())
 
 
 def _tps(rows: list[dict], lo: float, hi: float) -> dict:
@@ -158,10 +178,10 @@ async def soak(args: argparse.Namespace, fleet: LocalFleet, honest: Honest, mode
             cfg = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(fleet.bootstrap_addr,),
                              key_path=Path(args.workdir) / f"honest{i}.key", handshake_timeout=5.0)
             nodes.append(await stack.enter_async_context(open_host(cfg, key_pair=generate_key_pair())))
-        from sangama_p2p.client import ChainClient, ClientConfig
+        from sangama_p2p.client import ChainClient
 
         for i, node in enumerate(nodes):  # the solo tokens: each prompt alone, before anything else runs
-            async with ChainClient(node, ClientConfig(honest.model_id)) as client:
+            async with ChainClient(node, honest.config(i).replace(verify=0.0)) as client:
                 tokens, error, _ = await honest.generate(client, i)
                 if tokens is None:
                     raise SystemExit(f"the solo generation of prompt {i} failed: {error}")
@@ -182,10 +202,18 @@ async def soak(args: argparse.Namespace, fleet: LocalFleet, honest: Honest, mode
                 cmd = [sys.executable, str(HERE / "soak_attacks.py"), "--bootstrap", fleet.bootstrap_addr,
                        "--model-id", honest.model_id, "--start", start, "--end", end, "--width", str(width),
                        "--idle-s", str(args.idle_s), "--seconds", str(args.minutes * 60), "--out", str(outs[k]),
-                       "--keys", str(Path(args.workdir) / f"attacker-keys-{k}")]
+                       "--keys", str(Path(args.workdir) / f"attacker-keys-{k}"), "--peer-id", fleet.stage_ids[k]]
                 if k + 1 < len(SPLIT):  # a stage before the last: its sessions name the next stage
                     cmd += ["--next-hop", fleet.stage_ids[k + 1]]
                 with open(Path(args.workdir) / f"attacks-{k}.log", "wb") as log:
+                    attackers.append(await trio.lowlevel.open_process(cmd, stdout=log, stderr=subprocess.STDOUT))
+            if args.liars:  # the liars, in a process of their own, for as long as the attack
+                cmd = [sys.executable, str(HERE / "soak_liars.py"), "--bootstrap", fleet.bootstrap_addr,
+                       "--model", str(model_dir), "--other", str(args.other), "--model-id", honest.model_id,
+                       "--beside0", fleet.stage_ids[0], "--beside1", fleet.stage_ids[1],
+                       "--seconds", str(args.minutes * 60), "--rekey-s", str(args.rekey_s),
+                       "--out", str(Path(args.workdir) / "liars.json"), "--keys", str(Path(args.workdir) / "liar-keys")]
+                with open(Path(args.workdir) / "liars.log", "wb") as log:
                     attackers.append(await trio.lowlevel.open_process(cmd, stdout=log, stderr=subprocess.STDOUT))
             last_print = 0.0
             while any(a.poll() is None for a in attackers):
@@ -220,6 +248,13 @@ async def soak(args: argparse.Namespace, fleet: LocalFleet, honest: Honest, mode
         attacks["classes"].update({f"{SPLIT[k]} {cls}": tally for cls, tally in got.get("classes", {}).items()})
         attacks["attack_s"] = attacks["attack_s"] or got.get("attack_s")
         attacks["missing"] = attacks.get("missing") or got.get("missing", False)
+    if args.liars:  # the liars' classes, named "liar NAME"
+        out = Path(args.workdir) / "liars.json"
+        got = json.loads(out.read_text()) if out.exists() else {"classes": {}, "missing": True}
+        attacks["classes"].update({f"liar {cls}": tally for cls, tally in got.get("classes", {}).items()})
+        attacks["missing"] = attacks.get("missing") or got.get("missing", False)
+    honest_ids = {pid: name for pid, name in zip(fleet.stage_ids, fleet.layers)}
+    attacks["honest_banned"] = {f"{honest_ids[p]} {p}": why for p, why in honest.banned.items() if p in honest_ids}
     rcs = [a.returncode for a in attackers]
     return _result(args, honest, samples, baseline, attack_at, attack_end, back_after, attacks, pids, procs,
                    next((rc for rc in rcs if rc not in (0, None)), 0), t0)
@@ -270,10 +305,13 @@ def _result(args, honest: Honest, samples, baseline, attack_at, attack_end, back
     reasons = []
     if outcome["wrong"]:
         reasons.append(f"{outcome['wrong']} honest generations gave other tokens")
-    if outcome["failed"]:
-        reasons.append(f"{outcome['failed']} honest generations failed")
+    if outcome["failed"] > 0.01 * max(len(rows), 1):
+        reasons.append(f"{outcome['failed']} of {len(rows)} honest generations failed (over 1%)")
+    if attacks.get("honest_banned"):
+        reasons.append(f"honest peers were banned: {attacks['honest_banned']}")
     if not all(alive):
-        reasons.append("a stage died: " + ", ".join(f"{n} pid {p}" for n, p, a in zip(SPLIT, pids, alive) if not a))
+        reasons.append("a stage died: " + ", ".join(f"{n} pid {p}" for n, p, a in zip(args.stage_names, pids, alive)
+                                                    if not a))
     reasons += [f"defence did not hold: {k} x{v}" for k, v in bad.items()]
     if attacks.get("missing") or attacker_rc not in (0, None):
         reasons.append(f"an attacker did not finish cleanly (exit {attacker_rc}; see attacks-K.log)")
@@ -284,6 +322,8 @@ def _result(args, honest: Honest, samples, baseline, attack_at, attack_end, back
         "stage_config": {"session_idle_s": args.idle_s, "outbox_bytes": args.outbox_mib * MiB,
                          "batch_invariant": True, "other bounds": "stage defaults"},
         "honest": {"clients": len(PROMPTS), "tokens_per_generation": args.tokens, "guesses": args.guesses,
+                   "verify": honest.verify, "unverified_trips": honest.unverified,
+                   "bans": len(honest.banned), "honest_banned": attacks.get("honest_banned", {}),
                    "solo_equals_local_chain": honest.want == args.refs, "generations": len(rows), **outcome,
                    "failovers": sum(r["failovers"] for r in rows), "errors": dict(errors),
                    "links_of_fresh_clients": dict(honest.links),
@@ -314,6 +354,8 @@ def print_report(r: dict) -> None:
     print(f"honest: {h['generations']} generations by {h['clients']} clients, {h.get('ok', 0)} ok, "
           f"{h.get('wrong', 0)} wrong tokens, {h.get('failed', 0)} failed, {h['failovers']} failovers; "
           f"solo tokens equal the local chain: {'yes' if h['solo_equals_local_chain'] else 'NO'}")
+    print(f"honest verification: --verify {h['verify']}, {h['unverified_trips']} trips drawn and not checkable, "
+          f"{h['bans']} peers banned, of them honest: {h['honest_banned'] or 'none'}")
     print(f"honest links set up by fresh clients: {h['links_of_fresh_clients']}")
     for e, n in h["errors"].items():
         print(f"  failed x{n}: {e}")
@@ -345,6 +387,11 @@ def main() -> int:
     p.add_argument("--outbox-mib", type=int, default=8, help="the stages' outbox_bytes in MiB (default 8)")
     p.add_argument("--attack", default=ATTACK, help=f"the stages attacked, each by its own attacker process "
                    f"(default {ATTACK}: the first stage and the last)")
+    p.add_argument("--liars", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run benchmarks/soak_liars.py's lying stages (default on)")
+    p.add_argument("--spares", type=int, default=2, help="more honest peers per range with liars (default 2)")
+    p.add_argument("--verify", type=float, default=1.0, help="the honest clients' --verify with liars (default 1)")
+    p.add_argument("--rekey-s", type=float, default=120.0, help="the constant liar's life under one key (default 120)")
     p.add_argument("--json", type=Path, default=HERE / "results" / "soak.json")
     p.add_argument("--workdir", type=Path, default=None, help="model, keys and logs (default: a temp dir)")
     args = p.parse_args()
@@ -360,12 +407,21 @@ def main() -> int:
     from sangama_p2p.model.checkpoint import open_checkpoint
 
     width = open_checkpoint(model_dir).spec.hidden_size
+    pin, layers = None, list(SPLIT)
+    if args.liars:
+        from sangama_p2p.model.fingerprint import checkpoint_identity
+
+        args.other = make_fleet_model(args.workdir / "other", seed=5)  # another checkpoint, the same model id
+        ident = checkpoint_identity(model_dir)
+        pin, layers = (ident.fingerprint, ident.num_layers), SPLIT + SPLIT * args.spares
     toml = args.workdir / "stage.toml"
     toml.write_text(f'[stage]\nmodel = "{model_dir}"\nsession_idle_s = {args.idle_s}\n'
                     f"outbox_bytes = {args.outbox_mib * MiB}\n")
-    honest = Honest(model_dir.name, args.tokens, args.guesses)
+    args.stage_names = layers
+    honest = Honest(model_dir.name, args.tokens, args.guesses, pin, args.verify if args.liars else 0.0,
+                    args.workdir if args.liars else None)
     join_args = ["--config", str(toml), "--batch-invariant", "--threads", "1"]
-    with LocalFleet(model_dir, SPLIT, args.workdir / "fleet", join_args=join_args) as fleet:
+    with LocalFleet(model_dir, layers, args.workdir / "fleet", join_args=join_args) as fleet:
         print(f"fleet up: stages {', '.join(SPLIT)} (pids {', '.join(map(str, fleet.pids()[1:]))}); attacking "
               f"{args.attack} for {args.minutes:g} min after {args.quiet_s:g} s of honest traffic", flush=True)
         result = trio.run(soak, args, fleet, honest, model_dir, width)

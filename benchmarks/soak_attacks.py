@@ -315,8 +315,13 @@ async def main(args: argparse.Namespace) -> None:
             cfg = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=(args.bootstrap,),
                              key_path=keys / f"attacker-{name}.key", handshake_timeout=5.0)
             nodes[name] = await stack.enter_async_context(open_host(cfg, key_pair=generate_key_pair()))
-        records = [r for r in await find_serving_peers(nodes["fuzz"], args.model_id)
-                   if (r.start, r.end) == (args.start, args.end)]
+        records: list = []
+        for _ in range(30):  # a lookup on a loaded machine can miss a record: look again, for up to a minute
+            records = [r for r in await find_serving_peers(nodes["fuzz"], args.model_id)
+                       if (r.start, r.end) == (args.start, args.end) and args.peer_id in (None, r.peer_id)]
+            if records:
+                break
+            await trio.sleep(2)
         if not records:
             raise SystemExit(f"no peer serves {args.start}:{args.end} of {args.model_id}")
         pid, addrs = ID.from_base58(records[0].peer_id), [multiaddr.Multiaddr(a) for a in records[0].addrs]
@@ -360,6 +365,7 @@ if __name__ == "__main__":
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--keys", type=Path, required=True)
     p.add_argument("--seed", type=int, default=15)
+    p.add_argument("--peer-id", default=None, help="the stage to attack (default: any peer of the range)")
     p.add_argument("--next-hop", default=None, help="the next stage's peer id (for a stage before the last)")
     quiet_libp2p()  # py-libp2p logs routine resets and DHT read failures as warnings
     trio.run(main, p.parse_args())

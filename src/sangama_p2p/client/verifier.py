@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from ..errors import SangamaError, VerifyingTripLate
+from ..errors import ErrorCode, SangamaError, StageRefused, VerifyingTripLate
 from ..generation import Trip
 from ..net.bans import BanList
 from ..positions import next_start
@@ -148,6 +148,11 @@ class TripVerifier:
         # without lying (its peers are in another fingerprint group, and left out)
         offers = self._chainable(offers, session)
         banned = frozenset(self.owner.banned(offers))
+        if self.alt is not None and start < self.alt_pos:
+            # the generation went back past what the second chain holds (a rewind around a liar): a stage keeps
+            # the states of its last step only, so it refuses a deeper roll-back (BAD_POSITION), and its peers were
+            # then skipped for the rest of the generation, every later trip unverified: a fresh second chain
+            await self._drop_alt()
         alt = await self._second_chain(session, offers, banned)
         if alt is None and not self.resurveyed:
             # the last survey may have missed peers (a DHT lookup that times out on a busy machine misses records:
@@ -181,6 +186,18 @@ class TripVerifier:
                 else:
                     log.info("verifying chain %s was late again: %s", alt.peers, exc)
                     self.skip |= set(alt.peers)
+            except StageRefused as exc:
+                if exc.code != ErrorCode.BAD_POSITION or self.alt_pos == 0:
+                    log.info("verifying chain %s failed: %s", alt.peers, exc)
+                    self.skip |= set(alt.peers)
+                    await self._drop_alt()
+                else:  # its state does not reach back to this trip (ours to fix, not its peers'): a fresh chain
+                    log.info("verifying chain %s cannot go back from %d to %d: %s; a fresh one", alt.peers,
+                             self.alt_pos, start, exc)
+                    await self._drop_alt()
+                    alt = await self._second_chain(session, offers, banned)
+                    if alt is not None:
+                        continue
             except SangamaError as exc:
                 log.info("verifying chain %s failed: %s", alt.peers, exc)
                 self.skip |= set(alt.peers)  # not again in this generation (e.g. a black hole costs `limit` once)
