@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, DownloadError, LayerRangeError, translate
 from ..model.gguf.config import decoder_depth
@@ -126,12 +127,7 @@ class _Job:
         for n, p in got.items():
             _link(stage, n, p)
         for name in shards:
-            part = PartialFile(stage, name, self.sibling(name).size)  # type: ignore[arg-type]
-            header, data_start = safetensors_header(part, self.fetch)
-            spans = [(0, data_start)]
-            for n, (a, b) in _tensor_spans(header, data_start, f"{self.hs}: {name}").items():
-                spans += sample_spans(a, b - a)
-            part.ensure(merge_spans(spans, _GAP), self.fetch)
+            self._sparse_shard(stage, name, lambda header: set())
         return stage
 
     # ---- safetensors -----------------------------------------------------------------------------------------
@@ -166,16 +162,24 @@ class _Job:
         for name in shard_names:
             if name in whole:
                 continue
-            part = PartialFile(stage, name, self.sibling(name).size)  # type: ignore[arg-type]
-            header, data_start = safetensors_header(part, self.fetch)
-            raw = list(header) if not weight_map else [n for n in header if weight_map.get(n) == name]
-            own = safetensors_stage_tensors(raw, mspec.num_layers, start, end, mspec.tie_word_embeddings)
-            spans = [(0, data_start)]
-            for n, (a, b) in _tensor_spans(header, data_start, f"{self.hs}: {name}").items():
-                spans += [(a, b)] if n in own else sample_spans(a, b - a)
-            part.ensure(merge_spans(spans, _GAP), self.fetch)
+            def own(header: dict[str, Any], name: str = name) -> set[str]:
+                raw = list(header) if not weight_map else [n for n in header if weight_map.get(n) == name]
+                return safetensors_stage_tensors(raw, mspec.num_layers, start, end, mspec.tie_word_embeddings)
+
+            self._sparse_shard(stage, name, own)
         _complete(stage, self.hs, self.commit, (start, end))
         return stage
+
+    def _sparse_shard(self, stage: Path, name: str, own: Callable[[dict[str, Any]], set[str]]) -> None:
+        """``stage/name`` as a sparse copy of the shard: its header, the tensors ``own(header)`` names whole, and
+        the fingerprint's sample windows of the others."""
+        part = PartialFile(stage, name, self.sibling(name).size)  # type: ignore[arg-type]
+        header, data_start = safetensors_header(part, self.fetch)
+        whole = own(header)
+        spans = [(0, data_start)]
+        for n, (a, b) in _tensor_spans(header, data_start, f"{self.hs}: {name}").items():
+            spans += [(a, b)] if n in whole else sample_spans(a, b - a)
+        part.ensure(merge_spans(spans, _GAP), self.fetch)
 
     # ---- GGUF ------------------------------------------------------------------------------------------------
     def gguf(self, layers: tuple[int, int] | None, dest: str | Path | None) -> Path:
