@@ -41,7 +41,7 @@ import trio
 from ..errors import ModelError, NetworkError, RouteError, SangamaError, TokensRetracted
 from ..generation import Generation, GenerationLoop, GenerationResult
 from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
-from ..net.discovery import find_serving_peers
+from ..net.discovery import SurveyFacts, find_serving_peers
 from ..net.lineup import choose_lineup
 from .config import ClientConfig
 from .links import LinkPool
@@ -74,6 +74,7 @@ class ChainClient:
         self.pool: LinkPool | None = None
         self._nursery_cm: Any = None
         self.offers: list[RouteCandidate] = []  # the last survey
+        self.survey_facts = SurveyFacts()  # what the last survey found on its way (for errors that name a cause)
         self.surveyed_at = -math.inf  # trio clock time of the last survey
         self._versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
         self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
@@ -137,8 +138,10 @@ class ChainClient:
 
     async def _survey(self, exclude: frozenset[str], retry_slow: bool) -> list[RouteCandidate]:
         pool = self._pool()
+        facts = SurveyFacts()
         records = await find_serving_peers(self.node, self.config.model_id,
-                                           include_self=self.local_stage is not None)
+                                           include_self=self.local_stage is not None, facts=facts)
+        self.survey_facts = facts
         offers: list[RouteCandidate] = []
 
         self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
@@ -224,7 +227,8 @@ class ChainClient:
         lineup = self._lineup(offers, pin)
         left = "; ".join(f"{o.peer_id} {o.start}:{o.end}: {o.reason}" for o in lineup.left_out)
         if lineup.fingerprint is None:
-            raise RouteError(f"no live peer serves {self.config.model_id!r}" + (f" (left out: {left})" if left else ""))
+            raise RouteError(f"no live peer serves {self.config.model_id!r}" + (f" (left out: {left})" if left else
+                                                                                 self._why_nobody()))
         try:
             return plan_route(lineup.members, lineup.num_layers, exclude=exclude,
                               banned=self.verification.banned(offers)), lineup.fingerprint
@@ -232,6 +236,15 @@ class ChainClient:
             if not left:
                 raise
             raise RouteError(f"{exc} (left out: {left})") from exc
+
+    def _why_nobody(self) -> str:
+        """What the last survey saw, when it yielded no peer: no DHT server answered, no provider, no record, or
+        records of peers that did not answer (gone, or only reachable over a relay that is gone)."""
+        why = self.survey_facts.explain(self.config.model_id)
+        if not why and self.survey_facts.records:
+            why = (f"{self.survey_facts.records} peer(s) serve it by their records but none answered: they left, or "
+                   "their links (or the relay they are reached through) are gone")
+        return f": {why}" if why else ""
 
     async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float,
                           pin: str | None = None, avoid: frozenset[str] = frozenset()) -> ChainSession:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from typing import Any
 
@@ -37,7 +38,7 @@ from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, ServerRouting, get_providers
 from .node import Node, offers_protocol
 from .records import NAMESPACE, RecordLedger, RecordValidator
 
-__all__ = ["bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
+__all__ = ["LookupFacts", "bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
 
 log = logging.getLogger(__name__)
 AUTHOR_GRACE_S = 1.0  # once a DHT server answered with a valid value, how long the record's own author may still
@@ -287,12 +288,23 @@ async def _twice(rpc: Any, *args: Any, **kwargs: Any) -> Any:
     return await rpc(*args, **kwargs)
 
 
-async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_SIZE) -> set[ID]:
+@dataclass
+class LookupFacts:
+    """Who a lookup asked and who answered (for error messages that say where nothing was found)."""
+
+    asked: set[ID] = field(default_factory=set)
+    answered: set[ID] = field(default_factory=set)
+
+
+async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_SIZE,
+                                 facts: LookupFacts | None = None) -> set[ID]:
     """Every provider of ``key`` known to the ``count`` peers closest to it, plus our local store.
 
     One iterative Kademlia lookup with GET_PROVIDERS (whose answers also carry closer peers), rather than a
-    FIND_NODE lookup followed by GET_PROVIDERS: the same peers are asked, in one round trip fewer.
+    FIND_NODE lookup followed by GET_PROVIDERS: the same peers are asked, in one round trip fewer. ``facts``
+    learns whom it asked and who answered.
     """
+    facts = facts if facts is not None else LookupFacts()
     dht = _require_dht(node)
     found: set[ID] = {info.peer_id for info in dht.provider_store.get_providers(key)}
     peerstore = node.host.get_peerstore()
@@ -309,6 +321,7 @@ async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_
                 except Exception as exc:  # a dead or misbehaving peer must not stop the lookup
                     log.debug("GET_PROVIDERS from %s failed: %s", peer, exc)
                     return
+                facts.answered.add(peer)
                 for info in providers:
                     if info.addrs:
                         peerstore.add_addrs(info.peer_id, info.addrs, 600)
@@ -323,6 +336,7 @@ async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_
         if not todo:
             return found
         asked.update(todo)
+        facts.asked.update(todo)
         async with trio.open_nursery() as nursery:
             for peer in todo:
                 nursery.start_soon(ask, peer)

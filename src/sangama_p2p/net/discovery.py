@@ -20,14 +20,17 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError, RecordError, translate
-from .dht import providers_from_network, values_from_network
-from .dial import remember
+from .dht import LookupFacts, providers_from_network, values_from_network
+from .dial import dial_peer, remember
 from .node import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
-__all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "find_serving_peers", "publish"]
+__all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "SurveyFacts", "fetch_records", "find_serving_peers",
+           "publish"]
 
 RECORDS_PROTOCOL = "/sangama/records/1"  # request: nothing; response: msgpack list of signed record values
+AUTHOR_TIMEOUT_S = 5.0  # how long a survey asks a provider itself for its record, once no DHT server had it
+MAX_RESPONSE = 1 << 20  # bytes a peer may answer a records (or links) request with
 
 log = logging.getLogger(__name__)
 
@@ -171,13 +174,42 @@ class Announcer:
                 await self._wake.wait()
 
 
+@dataclass
+class SurveyFacts:
+    """What a survey found on its way (``find_serving_peers`` fills it): the DHT servers asked for providers and those
+    that answered, the providers, and the records found (``from_authors``: asked of the peers themselves)."""
+
+    asked: int = 0
+    answered: int = 0
+    providers: int = 0
+    records: int = 0
+    from_authors: bool = False
+
+    def explain(self, model_id: str) -> str:
+        """Why a survey found nobody, in words that name the cause."""
+        if self.providers == 0:
+            if self.answered == 0:
+                return (f"no DHT server answered the lookup for {model_id!r} (asked {self.asked}): the bootstrap "
+                        "nodes are unreachable or down")
+            return (f"no peer provides {model_id!r}: none of the {self.answered} DHT server(s) that answered knows "
+                    "one (nobody serves it, or its peers have not published yet)")
+        if self.records == 0:
+            return (f"{self.providers} peer(s) provide {model_id!r} but no record of theirs was found: no DHT server "
+                    "holds one and the peers themselves did not answer")
+        return ""
+
+
 async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = True,
-                             fingerprint: str | None = None) -> list[ServingRecord]:
+                             fingerprint: str | None = None, facts: SurveyFacts | None = None) -> list[ServingRecord]:
     """Every live peer serving ``model_id`` with its newest valid record, sorted by layer range then peer id;
-    ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with)."""
-    providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)))
+    ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with);
+    ``facts``: filled with what the survey found on its way."""
+    lookup = LookupFacts()
+    providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)), facts=lookup)
     if not include_self:
         providers.discard(node.peer_id)
+    facts = facts if facts is not None else SurveyFacts()
+    facts.asked, facts.answered, facts.providers = len(lookup.asked), len(lookup.answered), len(providers)
     found: dict[str, ServingRecord] = {}
 
     async def fetch(peer: ID) -> None:
@@ -191,13 +223,89 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
                 continue  # expired since it was fetched, or otherwise stale
             if best is None or (record.seq, record.expires_at) > (best.seq, best.expires_at):
                 best = record
+        keep(peer, best)
+
+    def keep(peer: ID, best: ServingRecord | None) -> None:
         if best is not None:
             found[best.peer_id] = best
             remember(node, peer, best.addrs)  # circuit addresses too: later dials of any kind know them
 
+    async def from_author(peer: ID) -> None:
+        keep(peer, await _from_author(node, peer, model_id))
+
     async with trio.open_nursery() as nursery:
         for peer in providers:
             nursery.start_soon(fetch, peer)
-    keep = [r for r in found.values() if fingerprint is None or r.fingerprint == fingerprint]
-    return sorted(keep, key=lambda r: (r.start, r.end, r.peer_id))
+    if providers and not found:
+        # providers but no record anywhere: no DHT server keeps ours (go-libp2p servers keep no /sangama/ values, and
+        # NATed authors are DHT clients that answer no GET_VALUE), so ask each provider for its own signed record.
+        # Not while any record was found: a departed provider would cost every survey a dial timeout.
+        log.info("no DHT server holds a record of the %d provider(s) of %r: asking them directly", len(providers),
+                 model_id)
+        facts.from_authors = True
+        async with trio.open_nursery() as nursery:
+            for peer in providers:
+                nursery.start_soon(from_author, peer)
+    facts.records = len(found)
+    ours = [r for r in found.values() if fingerprint is None or r.fingerprint == fingerprint]
+    return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
 
+
+async def _from_author(node: Node, peer: ID, model_id: str) -> ServingRecord | None:
+    """``peer``'s own record for ``model_id`` over ``/sangama/records/1`` (a DHT client answers no GET_VALUE)."""
+    try:
+        records, _ = await fetch_records(node, peer, timeout=AUTHOR_TIMEOUT_S)
+    except NetworkError as exc:
+        log.debug("no record of %s from %s itself: %s", model_id, peer, exc)
+        return None
+    mine = [r for r in records if r.model_id == model_id]
+    if mine:
+        log.debug("record of %s for %s fetched from its author (no DHT server held it)", peer, model_id)
+    return max(mine, key=lambda r: (r.seq, r.expires_at), default=None)
+
+
+async def fetch_records(
+    node: Node, peer_id: ID, *, timeout: float = 5.0
+) -> tuple[list[ServingRecord], float | None]:
+    """Ask ``peer_id`` for its signed records: the valid ones and the request's round trip in ms (None: serves none)."""
+    with trio.move_on_after(timeout):
+        await dial_peer(node, peer_id, timeout=timeout)  # record addresses found by discovery are in the peerstore
+        start = time.perf_counter()
+        try:
+            stream = await node.host.new_stream(peer_id, [RECORDS_PROTOCOL])
+        except Exception as exc:  # no handler: the peer serves nothing (a bootstrap node, a client)
+            log.debug("%s does not answer %s: %s", peer_id, RECORDS_PROTOCOL, exc)
+            return [], None
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while chunk := await stream.read(65536):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_RESPONSE:
+                    raise NetworkError(f"{peer_id} sent more than {MAX_RESPONSE} bytes of records")
+        except NetworkError:
+            raise
+        except Exception as exc:  # stream reset/EOF errors differ between muxers
+            if not chunks:
+                raise translate(exc, NetworkError, f"reading records from {peer_id} failed")
+        finally:
+            await stream.close()
+        rtt_ms = (time.perf_counter() - start) * 1000
+        try:
+            values = msgpack.unpackb(b"".join(chunks), raw=False)
+        except Exception as exc:  # untrusted bytes: msgpack raises several types
+            raise translate(exc, NetworkError, f"{peer_id} sent undecodable records")
+        if not isinstance(values, list):
+            raise NetworkError(f"{peer_id} sent records that are not a list")
+        records = []
+        for value in values:
+            if not isinstance(value, bytes):
+                continue
+            try:
+                model = msgpack.unpackb(msgpack.unpackb(value)[0], raw=False)["model"]
+                records.append(decode_record(record_key(model, peer_id), value))
+            except Exception as exc:  # a bad record from a peer is skipped, never trusted
+                log.debug("skipping record from %s: %s", peer_id, exc)
+        return records, rtt_ms
+    raise NetworkError(f"{peer_id} did not answer within {timeout:g} s")

@@ -30,7 +30,7 @@ from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
 
 from ..errors import NetworkError, SangamaError, describe, translate
-from .addrs import order_addrs, strip_p2p
+from .addrs import is_relayed, order_addrs, strip_p2p
 from .config import HostConfig
 from .fleet import mismatch_error
 from .identity import wrong_peer_id
@@ -76,6 +76,10 @@ class Node:
         advertise (the host's address function reads this same set)."""
         self.fallback_dialers: list[Dialer] = []
         self.dial_failed: list[Callable[[ID], None]] = []
+        self.circuit_guesses: list[Callable[[ID], list[multiaddr.Multiaddr]]] = []
+        """Circuit addresses to try for a peer of whom no ``/p2p-circuit`` address is known (net/traversal.py: through
+        the relays we know). A NATed peer found as a DHT provider comes with its private addresses only - go-libp2p
+        nodes store and return no circuit address - so without a guess nobody could reach it."""
         self._dialing: dict[ID, trio.Event] = {}
         self._route_library_dials()
 
@@ -153,6 +157,9 @@ class Node:
         candidates = order_addrs([*given, *others])
         if candidates:
             peerstore.add_addrs(peer_id, candidates, _ADDR_TTL)
+        if not any(is_relayed(a) for a in candidates):  # guesses are tried last (dial.plan's order), never stored
+            for guess in self.circuit_guesses:
+                others.extend(guess(peer_id))
         return await self._race(self, peer_id, given, others)
 
     async def connect_multiaddr(self, addr: str | multiaddr.Multiaddr) -> ID:

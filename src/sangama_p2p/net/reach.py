@@ -8,7 +8,8 @@ peer's observed IP at each port it listens on, completes a Noise handshake to ch
 dials only the observed IP of the requester, so nobody can point it at a third party, and it refuses requests that
 arrive over relayed connections (the observed address there is the relay's).
 
-The request and response are one msgpack frame each (length-prefixed with ``wire.framing``), small and bounded.
+A server that does not speak it (a go-libp2p bootstrap) but offers the standard AutoNAT v1 is asked that instead
+(net/autonat.py). The request and response are one msgpack frame each (length-prefixed with ``wire.framing``), small and bounded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from multiaddr import Multiaddr
 
 from ..errors import NetworkError, WireError
 from ..wire.framing import encode_frame, read_frame
+from .autonat import AUTONAT_PROTOCOL, ask_autonat
+from .node import offers_protocol
 from .relay import ConnectFn, relay_of
 
 __all__ = [
@@ -267,7 +270,8 @@ async def check_reachability(
     timeout_s: float = 10.0,
     connect: ConnectFn | None = None,
 ) -> ReachabilityReport:
-    """Ask every server in parallel to dial us back; public if any reached us, private if all answered no.
+    """Ask every server in parallel to dial us back (our dial-back, else AutoNAT v1); public if any reached us, private
+    if all that answered said no, unknown if none answered.
 
     ``addrs`` defaults to our own non-relay addresses; ``connect`` reaches a server (default ``host.connect``).
     """
@@ -279,12 +283,28 @@ async def check_reachability(
         try:
             reply = await _ask(host, server, wanted, timeout_s, connect or host.connect)
         except (NetworkError, WireError) as exc:
-            errors.append(str(exc))
+            if offers_protocol(host, server.peer_id, AUTONAT_PROTOCOL) is not False:  # maybe a standard AutoNAT server
+                await ask_standard(server, str(exc))
+            else:
+                errors.append(str(exc))
             return
         if reply.error:
             errors.append(f"{server.peer_id}: {reply.error}")
         else:
             replies[str(server.peer_id)] = reply
+
+    async def ask_standard(server: PeerInfo, ours_failed: str) -> None:
+        try:
+            answer = await ask_autonat(host, server.peer_id, wanted, timeout_s)
+        except NetworkError as exc:
+            errors.append(f"{ours_failed}; {exc}")
+            return
+        if answer.reached:
+            replies[str(server.peer_id)] = DialBackReply((answer.addr or wanted[0],) if wanted else (), tuple(wanted))
+        elif answer.unreachable:
+            replies[str(server.peer_id)] = DialBackReply((), tuple(wanted))
+        else:
+            errors.append(f"{server.peer_id}: AutoNAT gave no verdict (status {answer.status}: {answer.text})")
 
     async with trio.open_nursery() as nursery:
         for server in servers:

@@ -21,19 +21,17 @@ import msgpack
 import trio
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError, SangamaError, translate
-from .dial import dial_peer
-from .discovery import RECORDS_PROTOCOL, find_serving_peers
+from ..errors import NetworkError, SangamaError
+from .discovery import MAX_RESPONSE, fetch_records, find_serving_peers
 from .holepunch import link_info
 from .bans import Ban, load_bans
 from .lineup import Lineup, choose_lineup
 from .node import Node
-from .records import ServingRecord, decode_record, record_key
+from .records import ServingRecord
 
 __all__ = ["PeerStatus", "SwarmStatus", "ban_lines", "fetch_info", "fetch_links", "fetch_records", "survey"]
 
 log = logging.getLogger(__name__)
-MAX_RESPONSE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -107,53 +105,6 @@ def ban_lines(status: SwarmStatus, *, now: float | None = None) -> list[str]:
         model = f" for {b.model_id}" if b.model_id else ""
         lines.append(f"  banned {b.peer_id}{model} ({where}; {left / 3600:.1f} h left): {b.reason}")
     return lines
-
-
-async def fetch_records(
-    node: Node, peer_id: ID, *, timeout: float = 5.0
-) -> tuple[list[ServingRecord], float | None]:
-    """Ask ``peer_id`` for its signed records: the valid ones and the request's round trip in ms (None: serves none)."""
-    with trio.move_on_after(timeout):
-        await dial_peer(node, peer_id, timeout=timeout)  # record addresses found by discovery are in the peerstore
-        start = time.perf_counter()
-        try:
-            stream = await node.host.new_stream(peer_id, [RECORDS_PROTOCOL])
-        except Exception as exc:  # no handler: the peer serves nothing (a bootstrap node, a client)
-            log.debug("%s does not answer %s: %s", peer_id, RECORDS_PROTOCOL, exc)
-            return [], None
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            while chunk := await stream.read(65536):
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > MAX_RESPONSE:
-                    raise NetworkError(f"{peer_id} sent more than {MAX_RESPONSE} bytes of records")
-        except NetworkError:
-            raise
-        except Exception as exc:  # stream reset/EOF errors differ between muxers
-            if not chunks:
-                raise translate(exc, NetworkError, f"reading records from {peer_id} failed")
-        finally:
-            await stream.close()
-        rtt_ms = (time.perf_counter() - start) * 1000
-        try:
-            values = msgpack.unpackb(b"".join(chunks), raw=False)
-        except Exception as exc:  # untrusted bytes: msgpack raises several types
-            raise translate(exc, NetworkError, f"{peer_id} sent undecodable records")
-        if not isinstance(values, list):
-            raise NetworkError(f"{peer_id} sent records that are not a list")
-        records = []
-        for value in values:
-            if not isinstance(value, bytes):
-                continue
-            try:
-                model = msgpack.unpackb(msgpack.unpackb(value)[0], raw=False)["model"]
-                records.append(decode_record(record_key(model, peer_id), value))
-            except Exception as exc:  # a bad record from a peer is skipped, never trusted
-                log.debug("skipping record from %s: %s", peer_id, exc)
-        return records, rtt_ms
-    raise NetworkError(f"{peer_id} did not answer within {timeout:g} s")
 
 
 async def fetch_links(node: Node, peer_id: ID, *, timeout: float = 5.0) -> dict[str, Any]:

@@ -15,7 +15,10 @@ What ``run`` does, in order:
    direct ones;
 3. asks the relays (by default the bootstrap nodes) to dial it back; if nobody could, it keeps a reservation on up to
    ``max_reservations`` relays and advertises the resulting ``/p2p-circuit`` addresses (``Node.extra_addrs``);
-4. re-checks reachability every ``recheck_s`` seconds.
+4. re-checks reachability every ``recheck_s`` seconds; when nobody answered (servers that speak neither our dial-back
+   nor AutoNAT, or refuse to dial private addresses) it acts as a private node - the safe choice - says so, and asks
+   again after ``UNDECIDED_RECHECK_S``, doubling up to ``recheck_s``;
+5. offers circuit addresses through its relays for peers of whom none is known (``Node.circuit_guesses``).
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ from .holepunch import HolePuncher, LinkInfo, link_info, run_hole_puncher, wait_
 from .movable import LINKS_PROTOCOL, links_report
 from .node import Node
 from .reach import Reachability, ReachabilityReport, check_reachability, serve_dialback
-from .relay import RelayClient, RelayServiceConfig, open_relay_client
+from .relay import RelayClient, RelayServiceConfig, circuit_addr, offers_hop, open_relay_client
 
 __all__ = ["Traversal", "TraversalConfig"]
 
 logger = logging.getLogger(__name__)
+
+UNDECIDED_RECHECK_S = 60.0  # first re-check after nobody answered; doubles up to TraversalConfig.recheck_s
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class Traversal:
         self._ready = trio.Event()
         self._warned = False
         self._serving = False
+        self._asked = False  # the last check asked dial-back servers (it was not forced, nor without servers)
         self.listeners: list[Callable[[], None]] = []
         """Called when reachability or our circuit addresses changed (a stage re-publishes its record at once)."""
         self.report_extra: Callable[[], dict[str, Any]] | None = None
@@ -116,6 +122,12 @@ class Traversal:
     @property
     def reachability(self) -> Reachability:
         return self.report.status if self.report is not None else Reachability.UNKNOWN
+
+    @property
+    def undecided(self) -> bool:
+        """Servers were asked and none answered (e.g. go-libp2p nodes that refuse to dial private addresses): the
+        node then acts as a private one, the safe choice, and keeps asking."""
+        return self.reachability is Reachability.UNKNOWN and self._asked
 
     async def wait_ready(self) -> None:
         """Wait until reachability is known and, for a private node, a first reservation was tried."""
@@ -147,10 +159,22 @@ class Traversal:
             node.fallback_dialers.append(self._dial_via_relay)
             stack.callback(node.fallback_dialers.remove, self._dial_via_relay)
             relays = self._relays(node)
+            node.circuit_guesses.append(self._guess_circuits)
+            stack.callback(node.circuit_guesses.remove, self._guess_circuits)
+            undecided_wait = UNDECIDED_RECHECK_S
             while True:
                 await self._check(node, relays, serve)
                 self._ready.set()
-                await trio.sleep(self.config.recheck_s)
+                if self.undecided:  # nobody answered: ask again soon, then less often (never silently for good)
+                    logger.warning("reachability undecided: no relay or bootstrap node answered a dial-back or AutoNAT "
+                                   "request (%s); acting as not publicly reachable (DHT client, relay reservations) "
+                                   "and asking again in %.0f s", "; ".join(self.report.errors) if self.report else "",
+                                   min(undecided_wait, self.config.recheck_s))
+                    await trio.sleep(min(undecided_wait, self.config.recheck_s))
+                    undecided_wait *= 2
+                else:
+                    undecided_wait = UNDECIDED_RECHECK_S
+                    await trio.sleep(self.config.recheck_s)
 
     async def _serve_links(self, stream: INetStream) -> None:
         """``/sangama/links/1``: our stage streams, how each runs now, and the stage traffic by kind of link."""
@@ -178,14 +202,17 @@ class Traversal:
     async def _check(self, node: Node, relays: list[PeerInfo], serving: bool) -> None:
         before = self.reachability
         forced = self.config.reachability
+        was_private = self._acts_private()
         if forced is not None or serving or not relays:
             status = Reachability(forced) if forced else (Reachability.PUBLIC if serving else Reachability.UNKNOWN)
             self.report = ReachabilityReport(status, (), ())
+            self._asked = False
         else:
             self.report = await check_reachability(node.host, relays, connect=self._connect_to)
+            self._asked = True
         logger.info("reachability: %s %s", self.report.status.value, list(self.report.public_addrs))
         self._drop_dead_announced(node)
-        if self.report.status is not before:
+        if self.report.status is not before or self._acts_private() is not was_private:
             await self._dht_mode(node)
             self._changed()
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
@@ -222,15 +249,19 @@ class Traversal:
         stage's first record took 16-34 s to store, so ``ready`` came that late). Server again once reachable."""
         if node.dht is None or not node.config.dht_server:
             return
-        if _set_dht_client(node, self.reachability is Reachability.PRIVATE):
+        if _set_dht_client(node, self._acts_private()):
             logger.info("DHT %s mode (reachability %s)", node.dht.mode.value, self.reachability.value)
-            if self.reachability is not Reachability.PRIVATE:  # tell peers we serve the DHT after all
+            if not self._acts_private():  # tell peers we serve the DHT after all
                 push = getattr(node.host, "_push_identify_to_all_peers", None)
                 if push is not None:
                     try:
                         await push()
                     except Exception as exc:  # best effort: peers learn it at their next identify
                         logger.debug("identify push failed: %s", exc)
+
+    def _acts_private(self) -> bool:
+        """Private, or undecided after asking: nobody is known to be able to dial us."""
+        return self.reachability is Reachability.PRIVATE or self.undecided
 
     async def _reserve(self, relays: list[PeerInfo]) -> None:
         assert self.relay_client is not None
@@ -278,6 +309,26 @@ class Traversal:
     def circuit_addrs(self) -> list[Multiaddr]:
         """Our ``/p2p-circuit`` addresses (empty when public or before a reservation)."""
         return self.relay_client.circuit_addrs() if self.relay_client is not None else []
+
+    def _guess_circuits(self, peer_id: ID) -> list[Multiaddr]:
+        """Circuit addresses of ``peer_id`` through the relays we know (``relays``, else the bootstrap nodes), for a
+        peer of whom no circuit address is known: a NATed peer found as a provider through a go-libp2p DHT comes with
+        its private addresses only, and it most likely holds a reservation on the relays we were given too. A peer
+        that is no relay (identify says so, or it refused a reservation) is left out; at most ``max_reservations``."""
+        node = self._node
+        if node is None:
+            return []
+        refused = self.relay_client.not_relays if self.relay_client is not None else set()
+        out: list[Multiaddr] = []
+        for relay in self._relays(node):
+            if relay.peer_id == peer_id or str(relay.peer_id) in refused:
+                continue
+            if offers_hop(node.host, relay.peer_id) is False:
+                continue
+            out.extend(circuit_addr(a, relay.peer_id, peer_id) for a in relay.addrs[:1])
+            if len(out) >= self.config.max_reservations:
+                break
+        return out
 
     async def _dial_via_relay(self, node: Node, peer_id: ID, addrs: list[Multiaddr]) -> INetConn:
         if self.relay_client is None:
