@@ -392,3 +392,31 @@ def test_idle_connections_cannot_hold_the_handshake_slots():
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_stage_that_announces_addresses_offers_lanes_only_on_a_port_of_its_choosing():
+    """Issue 27, item 4: a stage behind a port forward (``--announce``) with a random lane port made every new link
+    wait for the lane's 2 s timeout (upstream dials the lane at the IP it reached the stage on, where that port is not
+    forwarded). Such a stage offers no lanes, so upstream falls back at once; ``--lane-port`` turns them on."""
+    from types import SimpleNamespace
+
+    from sangama_p2p.net.lane import lanes_offered
+
+    def node(*announce: str) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(announce_addrs=announce))
+
+    assert lanes_offered(node(), 0) and lanes_offered(node(), 4201)  # nothing announced: the listen IP is the one
+    assert not lanes_offered(node("/ip4/203.0.113.11/tcp/4101"), 0)
+    assert lanes_offered(node("/ip4/203.0.113.11/tcp/4101"), 4201)  # forwarded like the libp2p port
+
+    async def main():
+        with trio.fail_after(30):
+            async with open_host(config()) as stage, open_host(config()) as client:
+                dialer = LaneDialer(client)
+                await client.connect(stage.peer_id, stage.listen_addrs())
+                start = trio.current_time()
+                assert await dialer.open(stage.peer_id) is None  # no lane protocol served: refused at once
+                assert trio.current_time() - start < 1.0
+                assert str(stage.peer_id) in dialer.failed  # and not asked again for the next link
+
+    trio.run(main)

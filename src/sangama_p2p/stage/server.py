@@ -46,7 +46,7 @@ from ..errors import (ErrorCode, InvalidMessageError, LaneError, OutboxFull, San
 from ..model.device import resolve_device
 from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
-from ..net.lane import LaneDialer, LaneListener
+from ..net.lane import LaneDialer, LaneListener, lanes_offered
 from ..net.movable import STAGE_MOVABLE_PROTOCOL, MovableAcceptor
 from ..net.stage_stream import open_stage_stream
 from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
@@ -138,7 +138,7 @@ class StageServer:
             # the same stage streams, able to move from a relay to a hole-punched connection (net/movable.py)
             self.node.serve(STAGE_MOVABLE_PROTOCOL, MovableAcceptor(self._on_stage_stream).handle)
             self.node.serve(INFO_PROTOCOL, self._on_info_stream)
-            if self.config.lanes:
+            if self.config.lanes and lanes_offered(self.node, self.config.lane_port):
                 self.lane_listener = LaneListener(self.node, self._on_stage_stream, port=self.config.lane_port,
                                                   max_frame=self.config.max_frame, budget=self.input_budget,
                                                   max_lanes_per_peer=self.config.max_lanes_per_peer)

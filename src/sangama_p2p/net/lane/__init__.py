@@ -45,7 +45,7 @@ cover them or the record misses its deadline.
 
 from .dialer import LaneDialer, open_lane
 from .handshake import HELLO, READY
-from .listener import LaneListener
+from .listener import LaneListener, lanes_offered
 from .records import LaneStream
 
-__all__ = ["HELLO", "READY", "LaneDialer", "LaneListener", "LaneStream", "open_lane"]
+__all__ = ["HELLO", "READY", "LaneDialer", "LaneListener", "LaneStream", "lanes_offered", "open_lane"]

@@ -20,9 +20,23 @@ from ..streams import FramedStream
 from .handshake import HELLO_BYTES, NONCE_BYTES, READY, lane_key, open_hello, parse_hello
 from .records import LaneStream, receive_exactly, remote_label
 
-__all__ = ["LaneListener", "listen_hosts"]
+__all__ = ["LaneListener", "lanes_offered", "listen_hosts"]
 
 log = logging.getLogger(__name__)
+
+
+def lanes_offered(node: Any, port: int) -> bool:
+    """Whether a stage on ``node`` should offer lanes on ``port`` (0: any free port): not when it announces addresses
+    (a port forward, a cloud VM's public IP) and its lane port is picked at random. Upstream peers dial the lane at
+    the IP they reached the stage on; a random port there is neither forwarded nor announced, so every new link waited
+    for the lane's timeout (2 s) before falling back to libp2p. ``--lane-port`` forwarded like the libp2p port turns
+    them on again."""
+    announced = tuple(getattr(getattr(node, "config", None), "announce_addrs", ()) or ())
+    if announced and port == 0:
+        log.info("lanes off: this stage announces %s and its lane port would be random (not forwarded); set "
+                 "--lane-port to a port forwarded like the libp2p one to use lanes", ", ".join(announced))
+        return False
+    return True
 
 
 class LaneListener:
