@@ -189,3 +189,77 @@ def test_fixed_range_peers_never_move_even_beside_a_gap(tmp_path: Path) -> None:
         served = sorted((r["start"], r["end"]) for p in json.loads(status.stdout)["peers"] for r in p["records"])
         assert served == [(0, 3), (0, 3), (6, 8)]
         assert all(p["rebalance"] is None for p in json.loads(status.stdout)["peers"])
+
+
+def test_a_generation_through_the_spare_outlives_the_leave_and_the_move(tmp_path: Path) -> None:
+    """Issue 24: a leave with a spare under a running generation. The generation runs through the spare (0:3, then
+    the only peer there); a fixed 0:3 peer joins, the only 3:6 peer leaves mid-generation, and the spare moves into
+    the gap (same peer id, new range) while its old stage drains and closes under the generation. The generation
+    waits for the range to be served again and ends with the uninterrupted tokens, through the moved spare."""
+    model = make_model(tmp_path / "tiny", "qwen3_5_moe", "tiny")
+    prompt = [int(t) for t in PROMPT.split(",")]
+    long = 120
+    expected = LocalChain.load(open_checkpoint(model), [LayerRange(0, 8)]).generate(prompt, long,
+                                                                                   stop_at_eos=False).tokens
+    seen: dict = {}
+
+    def cfg(name: str, boot: tuple[str, ...] = (), **kw) -> PeerConfig:
+        hc = HostConfig(listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap_addrs=boot, key_path=tmp_path / name)
+        return PeerConfig(host=hc, **kw)
+
+    async def serve_until(name: str, boot: tuple[str, ...], layers: str, stop: trio.Event,
+                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with Peer(cfg(name, boot)) as p:
+            await p.serve(model, layers)
+            task_status.started()
+            await stop.wait()
+
+    async def main() -> None:
+        async with Peer(cfg("c")) as c, trio.open_nursery() as nursery:
+            await c.serve(model, "6:8")
+            boot = (c.addrs[0],)
+            stop_b, stop_a = trio.Event(), trio.Event()
+            await nursery.start(serve_until, "b", boot, "3:6", stop_b)
+            async with Peer(cfg("s", boot, rebalance_every=600.0, rebalance_drain_s=1.0)) as spare:
+                assert await spare.serve(model, "auto") == (0, 3)  # the gap at join
+                client_cfg = cfg("d", boot, client=ClientConfig(model_id=model.name, recover_every_s=0.5),
+                                 tokenizer_path=model)
+                async with Peer(client_cfg) as d:
+                    moved = trio.Event()
+
+                    async def leave_and_move() -> None:
+                        await nursery.start(serve_until, "a", boot, "0:3", stop_a)  # 0:3 twice now
+                        client = await d.client()
+                        with trio.fail_after(30):  # the client has seen it (a failover with no spare in sight
+                            while len(await client.survey(max_age=0.0)) < 4:  # gives up at once)
+                                await trio.sleep(0.2)
+                        stop_b.set()  # the only 3:6 peer leaves mid-generation
+                        with trio.fail_after(60):
+                            while (move := await spare.rebalancer.step()) is None:
+                                await trio.sleep(0.5)
+                        seen["move"] = (move.old, move.new)
+                        moved.set()
+
+                    tokens: list[int] = []
+                    async for tok in d.stream(prompt, long, stop_at_eos=False):
+                        tokens.append(tok)
+                        if len(tokens) == 10:
+                            seen["first_route"] = (await d.client()).routes[0]
+                            nursery.start_soon(leave_and_move)
+                        if len(tokens) > 10 and not moved.is_set():
+                            await trio.sleep(0.02)  # slow the generation so that the move lands inside it
+                    seen["tokens"] = tokens
+                    seen["stats"] = (await d.client()).stats
+                seen["spare"] = spare.peer_id
+            stop_a.set()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trio.run(main)
+    finally:
+        torch.set_num_threads(before)
+    assert seen["first_route"][0] == seen["spare"]  # the generation started through the spare's 0:3 stage
+    assert seen["move"] == ((0, 3), (3, 6))
+    assert seen["tokens"] == expected
+    assert seen["stats"].failovers >= 1 and seen["stats"].failed == 0

@@ -50,19 +50,8 @@ from ..net.lane import LaneDialer, LaneListener, lanes_offered
 from ..net.movable import STAGE_MOVABLE_PROTOCOL, MovableAcceptor
 from ..net.stage_stream import open_stage_stream
 from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
-from ..wire.messages import (
-    CloseSession,
-    ErrorMessage,
-    InfoRequest,
-    InfoResponse,
-    Message,
-    OpenSession,
-    SessionOpened,
-    Step,
-    StepResult,
-    TokenLogprobs,
-    TraceStamp,
-)
+from ..wire.messages import (CloseSession, ErrorMessage, InfoRequest, InfoResponse, Message, OpenSession, SessionOpened,
+                             Step, StepResult, TokenLogprobs, TraceStamp)
 from ..wire.framing import ByteBudget
 from ..wire.protocols import INFO_PROTOCOL, STAGE_PROTOCOL
 from .announce import StageAnnouncer
@@ -324,9 +313,10 @@ class StageServer:
             self._inbound.pop(fs, None)
             self.table.drop_reply_stream(outbox)
             outbox.close()
-            with trio.move_on_after(1):
-                await outbox.done.wait()  # the writer flushes what is queued before the close
-            await fs.aclose()
+            with trio.CancelScope(shield=True), trio.move_on_after(2):  # closed even when the stage is cancelled (a
+                with trio.move_on_after(1):  # moved stage drained): else its peer keeps a link nobody reads
+                    await outbox.done.wait()  # the writer flushes what is queued before the close
+                await fs.aclose()
 
     def _dispatch(self, fs: FramedStream, outbox: Outbox, msg: Message, recv_ns: int) -> None:
         peer = fs.peer
