@@ -88,6 +88,8 @@ class Node:
         self._dialing: dict[ID, trio.Event] = {}
         self.backoff = DialBackoff() if backoff is None else backoff
         """Peers that failed to answer, and when they may be dialled again (:mod:`.backoff`)."""
+        self._configured = _peer_ids(config.bootstrap_addrs)
+        """Configured bootstrap nodes: the user named them, so every dial of one counts as explicit."""
         self._route_library_dials()
         host.get_network().register_notifee(_ClearOnConnect(self))
 
@@ -143,8 +145,9 @@ class Node:
         each attempt bounded by its own timeout. Raises :class:`NetworkError` naming every failure.
 
         A peer in its backoff (it failed to answer recently, :attr:`backoff`) is not dialled: :class:`PeerBackedOff`
-        at once. ``explicit``: a dial the user drives (a configured bootstrap address, a client chaining a stage from
-        a live serving record) skips that check; its outcome still counts. A dial that its caller cancels after
+        at once. ``explicit``: a dial the user drives (a client chaining a stage from a live serving record) skips
+        that check, as every dial of a configured bootstrap node does (a bounded set the user named, which
+        reconnecting callers pace themselves); its outcome still counts. A dial that its caller cancels after
         ``CANCELLED_IS_FAILURE_S`` without a connection counts as failed (py-libp2p's DHT queries give up after 5 s,
         before the dial's own timeout).
         """
@@ -154,7 +157,7 @@ class Node:
             await self._dialing[peer_id].wait()
         for conn in self.connections(peer_id):
             return conn
-        if not explicit:
+        if not explicit and peer_id not in self._configured:
             wait = self.backoff.admit(peer_id)
             if wait > 0:
                 raise PeerBackedOff(f"{peer_id} failed to answer {self.backoff.failures(peer_id)} time(s): not dialled "
@@ -226,6 +229,16 @@ class Node:
                 negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
             return conn
         raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=self.config.fleet_secret is not None)
+
+
+def _peer_ids(addrs: Sequence[str]) -> frozenset[ID]:
+    ids = set()
+    for addr in addrs:
+        try:
+            ids.add(info_from_p2p_addr(multiaddr.Multiaddr(str(addr))).peer_id)
+        except Exception:  # HostConfig checked them; one without /p2p/ names no peer to exempt
+            continue
+    return frozenset(ids)
 
 
 class _ClearOnConnect(INotifee):
