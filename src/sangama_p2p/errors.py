@@ -30,6 +30,7 @@ application can catch one class. Errors that cross the wire carry a numeric ``co
     |   +-- RelayError            a relay refused or failed a reservation or circuit (carries its status)
     |       +-- NotARelayError        the peer offers no relay service at all
     |   +-- KeyInUse              a key file that another running peer holds (one identity, one peer)
+    |   +-- PeerBackedOff         a peer that failed to answer, not dialled again until its backoff ends
     |   +-- OutboxFull            a stream's queue of outgoing frames at its bound while its writes do not drain
     |   +-- ChainBroken           a chain that cannot finish a trip (a stream ended, a next hop failed, a stall)
     +-- RouteError            no chain of peers covers the model
@@ -72,6 +73,7 @@ __all__ = [
     "NonFiniteHidden",
     "NotARelayError",
     "OutboxFull",
+    "PeerBackedOff",
     "RecordError",
     "RelayError",
     "RouteError",
@@ -243,6 +245,15 @@ class NotARelayError(RelayError):
 
 class KeyInUse(NetworkError):
     """Another running peer holds this key file: two peers with one identity would knock each other off the swarm."""
+
+
+class PeerBackedOff(NetworkError):
+    """A peer that failed to answer recently is not dialled again yet (``net/backoff.py``); ``wait_s``: seconds until
+    it may be. Nothing was sent: retrying before then gets the same answer."""
+
+    def __init__(self, message: str, wait_s: float) -> None:
+        super().__init__(message)
+        self.wait_s = wait_s
 
 
 class OutboxFull(NetworkError):

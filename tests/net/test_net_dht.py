@@ -84,7 +84,7 @@ def test_a_dht_query_that_arrives_while_the_node_closes_does_not_crash_it():
                 dht = _ServerDHT(node.host, DHTMode.SERVER, closed)
                 stranger = peer_id_of(generate_key_pair())  # identify knows nothing of it: the deferred path
                 assert await dht.add_peer(stranger) is False
-                assert stranger not in dht._identifying
+                assert stranger not in dht.routing_table._identifying
 
     trio.run(main)
 

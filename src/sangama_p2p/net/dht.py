@@ -5,11 +5,10 @@ returns a local copy without asking anyone else. Discovery must see the whole sw
 :func:`providers_from_network` and :func:`values_from_network` ask the peers closest to the key directly (the same
 GET_PROVIDERS / GET_VALUE RPCs, without the local short-cut) and merge in the local answer.
 
-The routing table holds DHT servers only. py-libp2p adds every peer that opens a KAD stream to us
-(``KadDHT._do_handle_stream`` passes ``skip_server_mode_check=True``), so each throwaway client (a ``generate`` run)
-stayed in a bootstrap node's table after it left, and every later lookup dialled the dead peers. :class:`_ServerDHT`
-adds a peer only once identify shows that it offers the KAD protocol itself (client-mode nodes do not register it),
-and a peer that cannot be dialled any more is dropped from the table (as go-libp2p's DHT does after a failed query).
+The routing table holds DHT servers only (:class:`~.kad_table.ServerTable`: every way py-libp2p adds a peer goes
+through its identify check), so a throwaway client (a ``generate`` run) never enters a table and no later lookup
+dials it after it left; a peer that cannot be dialled any more is dropped from the table (as go-libp2p's DHT does
+after a failed query).
 """
 
 from __future__ import annotations
@@ -35,7 +34,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from ..errors import NetworkError
 from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, ServerRouting, get_providers
-from .node import Node, offers_protocol
+from .kad_table import ServerTable, offers_dht
+from .node import Node
 from .records import NAMESPACE, RecordLedger, RecordValidator
 
 __all__ = ["LookupFacts", "bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 AUTHOR_GRACE_S = 1.0  # once a DHT server answered with a valid value, how long the record's own author may still
 # answer (a NATed author's dead addresses otherwise held every lookup for QUERY_TIMEOUT: 5 s measured)
 BOOTSTRAP_IDENTIFY_WAIT = 3.0  # seconds identify has, after the bootstrap connect, to say whether it serves the DHT
-IDENTIFY_WAIT = 10.0  # seconds a peer that queried us has for identify to tell whether it is a DHT server
 
 
 def _require_dht(node: Node) -> KadDHT:
@@ -143,47 +142,29 @@ class _CappedValueStore(ValueStore):
 
 
 class _ServerDHT(KadDHT):
-    """A KadDHT whose routing table keeps DHT servers only (see the module docstring).
+    """A KadDHT whose routing table keeps DHT servers only (:class:`~.kad_table.ServerTable`).
 
-    ``nursery`` runs the short waits for identify; it must outlive the DHT service.
+    ``nursery`` runs the table's short waits for identify; it must outlive the DHT service.
     """
 
     def __init__(self, host: Any, mode: DHTMode, nursery: trio.Nursery, **kwargs: Any) -> None:
         super().__init__(host, mode, **kwargs)
+        old = self.routing_table
+        self.routing_table = ServerTable(self.local_peer_id, host, nursery,
+                                         max_peers_per_subnet=old.max_peers_per_subnet,
+                                         max_peers_per_subnet_table=old.max_peers_per_subnet_table)
         self.peer_routing = ServerRouting(host, self.routing_table)
         self.provider_store.peer_routing = self.peer_routing
-        self._nursery = nursery
-        self._identifying: set[ID] = set()
+        if self.rt_refresh_manager is not None:  # random walk (off by default) adds what it finds to the table
+            self.rt_refresh_manager.routing_table = self.routing_table
 
     async def add_peer(self, peer_id: ID, *, skip_server_mode_check: bool = False) -> bool:
-        """Add ``peer_id`` if it is a DHT server; decide later if identify has not told yet.
+        """Add ``peer_id`` if identify says it is a DHT server (now or within the table's wait).
 
         ``skip_server_mode_check`` is ignored: py-libp2p sets it for every peer that queries us, clients included.
-        Trusted peers (bootstrap nodes) go through ``routing_table.add_peer`` directly.
+        Trusted peers (bootstrap nodes) go through ``routing_table.add_peer(..., skip_server_mode_check=True)``.
         """
-        server = offers_dht(self.host, peer_id)
-        if server is None:
-            if peer_id not in self._identifying and peer_id != self.local_peer_id:
-                try:
-                    self._nursery.start_soon(self._add_once_identified, peer_id)
-                except RuntimeError:  # the node is closing (its nursery takes no new tasks): nothing to add to
-                    return False
-                self._identifying.add(peer_id)
-            return False
-        if not server:
-            self.routing_table.remove_peer(peer_id)
-            return False
-        return await self.routing_table.add_peer(peer_id, skip_server_mode_check=True)
-
-    async def _add_once_identified(self, peer_id: ID) -> None:
-        try:
-            with trio.move_on_after(IDENTIFY_WAIT):
-                while offers_dht(self.host, peer_id) is None:
-                    await trio.sleep(0.05)
-                if offers_dht(self.host, peer_id):
-                    await self.routing_table.add_peer(peer_id, skip_server_mode_check=True)
-        finally:
-            self._identifying.discard(peer_id)
+        return await self.routing_table.add_peer(peer_id)
 
     async def sweep_expired(self) -> int:
         """Drop stored records past their own ``expires_at`` (py-libp2p alone keeps every value for 24 h, so a stale
@@ -206,11 +187,6 @@ class _ServerDHT(KadDHT):
         """Drop a peer we could not dial from the routing table, so that later lookups stop dialling it."""
         if self.routing_table.remove_peer(peer_id):
             log.debug("dropped unreachable peer %s from the DHT routing table", peer_id)
-
-
-def offers_dht(host: Any, peer_id: ID) -> bool | None:
-    """Whether ``peer_id`` serves the KAD protocol (a DHT server), per identify; ``None`` while nobody knows."""
-    return offers_protocol(host, peer_id, PROTOCOL_ID)
 
 
 async def bootstrap(node: Node, addrs: Iterable[str]) -> list[ID]:

@@ -36,7 +36,7 @@ import trio
 from libp2p.abc import INetConn
 from libp2p.peer.id import ID
 
-from ..errors import NetworkError
+from ..errors import NetworkError, PeerBackedOff
 from .addrs import is_site_local
 from .dht import values_from_network
 from .node import Node
@@ -212,23 +212,30 @@ async def record_addrs(node: Node, peer_id: ID, model_id: str) -> list[str]:
 
 
 async def dial_peer(node: Node, peer_id: ID | str, *, addrs: Sequence[Any] = (), record: Any = None,
-                    model_id: str | None = None, timeout: float = 15.0,
+                    model_id: str | None = None, timeout: float = 15.0, explicit: bool = False,
                     policy: DialPolicy = DialPolicy()) -> INetConn:
     """A connection to ``peer_id`` from every address known for it (see the module docstring), within ``timeout``.
 
-    ``record``: the peer's :class:`~.records.ServingRecord` (its ``addrs`` come first); ``model_id``: look the
-    record up in the DHT when no circuit address is known. :class:`NetworkError` if every address failed.
+    ``record``: the peer's :class:`~.records.ServingRecord` (its ``addrs`` come first; signed after the peer's last
+    failed dial, it ends the peer's backoff); ``model_id``: look the record up in the DHT when no circuit address is
+    known. A peer in its backoff (``Node.backoff``) raises :class:`~sangama_p2p.errors.PeerBackedOff` unless
+    ``explicit`` (a dial the user drives: see ``Node.connect``). :class:`NetworkError` if every address failed.
     """
     pid = peer_id if isinstance(peer_id, ID) else ID.from_base58(str(peer_id))
     given = [str(a) for a in addrs] + ([str(a) for a in record.addrs] if record is not None else [])
+    if record is not None:
+        # a record carries its expiry, not its signing time: expiry - our record_ttl (the fleet's; a record signed
+        # with a longer TTL reads as signed later than it was, and may end a backoff early once)
+        node.backoff.fresh_record(pid, record.expires_at - node.config.record_ttl)
     try:
         with trio.fail_after(timeout):
-            return await _dial_peer(node, pid, given, model_id, policy)
+            return await _dial_peer(node, pid, given, model_id, policy, explicit)
     except trio.TooSlowError as exc:
         raise NetworkError(f"peer {pid} not reached in {timeout:g} s") from exc
 
 
-async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None, policy: DialPolicy) -> INetConn:
+async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None, policy: DialPolicy,
+                     explicit: bool) -> INetConn:
     for conn in sorted(node.connections(pid), key=lambda c: _relayed(c)):  # an open link, direct first
         return conn
     remember(node, pid, given)
@@ -238,11 +245,16 @@ async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None
         return await race_addrs(node, pid, given, [], policy)
     if any("/p2p-circuit" in a for a in given + known_addrs(node, pid)) or model_id is None:
         try:
-            return await node.connect(pid, [multiaddr.Multiaddr(a) for a in given])
+            return await node.connect(pid, [multiaddr.Multiaddr(a) for a in given], explicit=explicit)
+        except PeerBackedOff:
+            raise
         except NetworkError:
             if model_id is None:
-                return await _via_find_peer(node, pid)
+                return await _via_find_peer(node, pid, explicit)
             raise
+    wait = 0.0 if explicit else node.backoff.wait_s(pid)
+    if wait > 0:  # the record's addresses below are raced outside Node.connect: check its backoff here
+        raise PeerBackedOff(f"{pid} failed to answer recently: not dialled again for {wait:.0f} s", wait)
     # no circuit address known: fetch the record while the known addresses are tried, and race its addresses as
     # soon as it arrives (outside Node.connect's one-dial-per-peer lock, which a hanging address may hold)
     won: list[INetConn] = []
@@ -250,7 +262,7 @@ async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None
 
     async def known(nursery: trio.Nursery) -> None:
         try:
-            won.append(await node.connect(pid, [multiaddr.Multiaddr(a) for a in given]))
+            won.append(await node.connect(pid, [multiaddr.Multiaddr(a) for a in given], explicit=explicit))
             nursery.cancel_scope.cancel()
         except NetworkError as exc:
             errors.append(exc)
@@ -279,7 +291,7 @@ async def _dial_peer(node: Node, pid: ID, given: list[str], model_id: str | None
     raise NetworkError(f"cannot reach {pid}: " + "; ".join(str(e) for e in errors)) from (errors or [None])[0]
 
 
-async def _via_find_peer(node: Node, pid: ID) -> INetConn:
+async def _via_find_peer(node: Node, pid: ID, explicit: bool) -> INetConn:
     if node.dht is None:
         raise NetworkError(f"no address known for peer {pid}")
     try:
@@ -288,7 +300,7 @@ async def _via_find_peer(node: Node, pid: ID) -> INetConn:
         raise NetworkError(f"cannot find {pid}: {exc}") from exc
     if info is None:
         raise NetworkError(f"no address known for peer {pid}")
-    return await node.connect(pid, list(info.addrs))
+    return await node.connect(pid, list(info.addrs), explicit=explicit)
 
 
 def remember(node: Node, peer_id: ID, addrs: Sequence[str]) -> None:

@@ -10,6 +10,7 @@ Choices (each with the py-libp2p 0.8.1 behaviour behind it; speeds in docs/bench
 * A resource manager that counts connections and streams but never refuses a peer for the memory its process uses
   (a serving peer holds gigabytes of weights by design).
 * Listen and announce addresses are separate (``net/node.py`` says how a node dials).
+* No auto-connector (:class:`_NoAutoConnector`): Sangama dials the peers it needs, nobody else.
 
 This is where the network's pieces meet: the host, the node that dials with :func:`.dial.race_addrs`, the DHT
 (``net/dht.py``) and bootstrap. Services passed to :func:`open_host` start after the host listens and the DHT runs,
@@ -32,6 +33,7 @@ from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.rcmgr import ResourceLimits, new_resource_manager
 from libp2p.rcmgr.memory_limits import MemoryConnectionLimits
@@ -88,6 +90,26 @@ async def widen_receive_window(stream: Any, size: int = FRAME_WINDOW) -> None:
     await muxed.send_window_update(increment)
 
 
+class _NoAutoConnector(AutoConnector):
+    """py-libp2p's auto-connector, never dialling.
+
+    py-libp2p 0.8.1's swarm always starts an ``AutoConnector`` (``Swarm.run``), which every 30 s, and after
+    disconnects, dials peerstore peers until the connection count reaches the midpoint of ``low_watermark`` and
+    ``high_watermark``: with ``low_watermark=0`` and ``high_watermark=max_connections`` (512) that is 256, so it
+    dialled every peer that ever connected ("initiating 253 new dials" every ~12 s under client churn; departed
+    clients included, each again after at most 5 min). No watermark turns it off: the pruner closes connections down to ``low_watermark``
+    once ``high_watermark`` is passed, so ``high_watermark=0`` would close every connection. Replacing the instance
+    before the swarm runs is the one switch; the peers a node needs (bootstrap nodes, next stages, DHT servers for
+    a lookup) are dialled by Sangama's own code when it needs them.
+    """
+
+    async def run_background_task(self, nursery: trio.Nursery) -> None:
+        return None
+
+    async def maybe_connect(self) -> None:
+        return None
+
+
 def _build_host(config: HostConfig, key_pair: KeyPair, dead_announced: set[str]) -> IHost:
     """``dead_announced``: announced addresses a dial-back found dead (the Node's set, filled by net/traversal.py)."""
     listen = parse_multiaddrs(config.listen_addrs, what="listen_addrs")
@@ -118,7 +140,7 @@ def _build_host(config: HostConfig, key_pair: KeyPair, dead_announced: set[str])
     connection_config = ConnectionConfig(
         max_connections=limits.max_connections,
         min_connections=0,
-        low_watermark=0,  # no auto-connector churn: Sangama decides whom to dial
+        low_watermark=0,  # the pruner's floor; the auto-connector is replaced (_NoAutoConnector)
         high_watermark=limits.max_connections,
         max_connections_per_peer=limits.max_connections_per_peer,
         dial_timeout=timeout,
@@ -138,7 +160,9 @@ def _build_host(config: HostConfig, key_pair: KeyPair, dead_announced: set[str])
         )
     except Exception as exc:
         raise NetworkError(f"cannot create libp2p host: {exc}") from exc
-    host.get_network().retry_config = RetryConfig(max_retries=0)  # Node.connect walks the addresses itself
+    swarm = host.get_network()
+    swarm.retry_config = RetryConfig(max_retries=0)  # Node.connect walks the addresses itself
+    swarm.auto_connector = _NoAutoConnector(swarm)  # type: ignore[attr-defined]  # before host.run starts it
     return host
 
 

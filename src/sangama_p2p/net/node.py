@@ -12,16 +12,22 @@ background tasks for the node's lifetime, ``Node.extra_addrs`` are advertised af
 ``/p2p-circuit`` ones), ``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address
 works, and ``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets
 it).
+
+A peer that failed to answer is not dialled again for a while (``Node.backoff``, :mod:`.backoff`: 5 s doubling to
+10 min, and a budget of retries a minute shared by all such peers), whoever asks - py-libp2p's lookups or our own
+callers. Only ``explicit`` dials skip the check (see :meth:`Node.connect`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
-from libp2p.abc import IHost, INetConn, INetStream
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.keys import KeyPair
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
@@ -29,8 +35,9 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
 
-from ..errors import NetworkError, SangamaError, describe, translate
+from ..errors import NetworkError, PeerBackedOff, SangamaError, describe, translate
 from .addrs import is_relayed, order_addrs, strip_p2p
+from .backoff import DialBackoff
 from .config import HostConfig
 from .fleet import mismatch_error
 from .identity import wrong_peer_id
@@ -56,6 +63,8 @@ Dialer = Callable[["Node", ID, list[multiaddr.Multiaddr]], Awaitable[INetConn]]
 Race = Callable[["Node", ID, Sequence[multiaddr.Multiaddr], Sequence[multiaddr.Multiaddr]], Awaitable[INetConn]]
 """How :meth:`Node.connect` races a peer's addresses: ``race(node, peer_id, given, known)``."""
 _ADDR_TTL = 3600  # seconds a peer's dialled addresses stay in our peerstore
+CANCELLED_IS_FAILURE_S = 1.0  # a dial its caller gave up on after this long, with no connection, counts as failed
+log = logging.getLogger(__name__)
 
 
 class Node:
@@ -63,7 +72,7 @@ class Node:
     directly."""
 
     def __init__(self, host: IHost, config: HostConfig, key_pair: KeyPair, nursery: trio.Nursery, race: Race,
-                 dead_announced: set[str] | None = None) -> None:
+                 dead_announced: set[str] | None = None, backoff: DialBackoff | None = None) -> None:
         self.host = host
         self.config = config
         self.key_pair = key_pair
@@ -81,7 +90,12 @@ class Node:
         the relays we know). A NATed peer found as a DHT provider comes with its private addresses only - go-libp2p
         nodes store and return no circuit address - so without a guess nobody could reach it."""
         self._dialing: dict[ID, trio.Event] = {}
+        self.backoff = DialBackoff() if backoff is None else backoff
+        """Peers that failed to answer, and when they may be dialled again (:mod:`.backoff`)."""
+        self._configured = _peer_ids(config.bootstrap_addrs)
+        """Configured bootstrap nodes: the user named them, so every dial of one counts as explicit."""
         self._route_library_dials()
+        host.get_network().register_notifee(_ClearOnConnect(self))
 
     def _route_library_dials(self) -> None:
         """Make py-libp2p's own dials (DHT queries, identify, relays) go through :meth:`connect`.
@@ -126,12 +140,20 @@ class Node:
         """Open connections to ``peer_id``."""
         return [c for c in self.host.get_network().get_connections(peer_id) if not c.is_closed]
 
-    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr] = ()) -> INetConn:
+    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr] = (), *,
+                      explicit: bool = False) -> INetConn:
         """A connection to ``peer_id``: an open one, else the first of ``addrs`` (then known ones) that answers.
 
         Addresses (the given ones, then the peerstore's) are raced happy-eyeballs style (:func:`.dial.race_addrs`):
         announced public, observed public, private, then ``/p2p-circuit`` through the fallback dialers (relays),
         each attempt bounded by its own timeout. Raises :class:`NetworkError` naming every failure.
+
+        A peer in its backoff (it failed to answer recently, :attr:`backoff`) is not dialled: :class:`PeerBackedOff`
+        at once. ``explicit``: a dial the user drives (a client chaining a stage from a live serving record) skips
+        that check, as every dial of a configured bootstrap node does (a bounded set the user named, which
+        reconnecting callers pace themselves); its outcome still counts. A dial that its caller cancels after
+        ``CANCELLED_IS_FAILURE_S`` without a connection counts as failed (py-libp2p's DHT queries give up after 5 s,
+        before the dial's own timeout).
         """
         if peer_id == self.peer_id:
             raise NetworkError("refusing to dial ourselves")
@@ -139,15 +161,33 @@ class Node:
             await self._dialing[peer_id].wait()
         for conn in self.connections(peer_id):
             return conn
+        if not explicit and peer_id not in self._configured:
+            wait = self.backoff.admit(peer_id)
+            if wait > 0:
+                raise PeerBackedOff(f"{peer_id} failed to answer {self.backoff.failures(peer_id)} time(s): not dialled "
+                                    f"again for {wait:.0f} s", wait)
         self._dialing[peer_id] = trio.Event()
+        started = time.monotonic()
+        outcome = "cancelled"  # or an error that is not ours: either way the caller stopped waiting
         try:
-            return await self._connect(peer_id, addrs)
+            conn = await self._connect(peer_id, addrs)
+            outcome = "ok"
         except NetworkError:
-            for callback in list(self.dial_failed):
-                callback(peer_id)
+            outcome = "failed"
             raise
         finally:
             self._dialing.pop(peer_id).set()
+            if outcome == "ok" or self.connections(peer_id):
+                self.backoff.succeeded(peer_id)
+            elif outcome == "failed" or time.monotonic() - started >= CANCELLED_IS_FAILURE_S:
+                self._dial_failed(peer_id)
+        return conn
+
+    def _dial_failed(self, peer_id: ID) -> None:
+        wait = self.backoff.failed(peer_id)
+        log.debug("%s did not answer: not dialled again for %.0f s", peer_id, wait)
+        for callback in list(self.dial_failed):
+            callback(peer_id)
 
     async def _connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> INetConn:
         peerstore = self.host.get_peerstore()
@@ -162,13 +202,15 @@ class Node:
                 others.extend(guess(peer_id))
         return await self._race(self, peer_id, given, others)
 
-    async def connect_multiaddr(self, addr: str | multiaddr.Multiaddr) -> ID:
-        """Connect to a ``.../p2p/<id>`` address (e.g. a bootstrap node) and return the peer id."""
+    async def connect_multiaddr(self, addr: str | multiaddr.Multiaddr, *, explicit: bool = True) -> ID:
+        """Connect to a ``.../p2p/<id>`` address (e.g. a bootstrap node) and return the peer id.
+
+        ``explicit`` (default): a configured address, dialled even while the peer is in its backoff."""
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(str(addr)))
         except Exception as exc:  # multiaddr's parse errors, and libp2p's for a missing or bad /p2p/ part
             raise translate(exc, NetworkError, f"bad peer address {addr!r} (it must end in /p2p/<peer id>)")
-        await self.connect(info.peer_id, info.addrs)
+        await self.connect(info.peer_id, info.addrs, explicit=explicit)
         return info.peer_id
 
     async def _dial_direct(self, peer_id: ID, addr: multiaddr.Multiaddr) -> INetConn:
@@ -194,6 +236,43 @@ class Node:
                 negative_cache.evict(str(peer_id))  # a stale 60 s block must not hide a live connection
             return conn
         raise mismatch_error(str(peer_id), str(addr), timeout, have_secret=self.config.fleet_secret is not None)
+
+
+def _peer_ids(addrs: Sequence[str]) -> frozenset[ID]:
+    ids = set()
+    for addr in addrs:
+        try:
+            ids.add(info_from_p2p_addr(multiaddr.Multiaddr(str(addr))).peer_id)
+        except Exception:  # HostConfig checked them; one without /p2p/ names no peer to exempt
+            continue
+    return frozenset(ids)
+
+
+class _ClearOnConnect(INotifee):
+    """Clears a peer's backoff whenever a connection to it opens, ours or its own (a departed peer that is back)."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        peer = getattr(getattr(conn, "muxed_conn", None), "peer_id", None)
+        if peer is not None:
+            self._node.backoff.succeeded(peer)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        return None
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
 
 
 def _security_failed(exc: BaseException | None) -> bool:

@@ -42,7 +42,9 @@ async def open_stage_stream(node: Any, lanes: LaneDialer, peer: str, *, timeout:
     except Exception as exc:  # base58 / multihash ValueErrors, multiaddr's parse errors, a non-str
         raise translate(exc, NetworkError, f"bad peer id or address for {peer!r}")
     with trio.move_on_after(timeout) as scope:
-        await dial_peer(node, pid, addrs=maddrs, model_id=model_id, timeout=timeout)
+        # explicit: a generation (or a probe of a live record) names this peer now, so a backoff left by an earlier
+        # failure does not stop it; a departed peer's record expires within its TTL, which bounds these dials
+        await dial_peer(node, pid, addrs=maddrs, model_id=model_id, timeout=timeout, explicit=True)
         stream = await lanes.stage_stream(pid)
     if scope.cancelled_caught:
         raise NetworkError(f"{peer} not reached in {timeout:g} s")
