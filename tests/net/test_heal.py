@@ -1,22 +1,28 @@
-"""Issue 27 on loopback: a relay node that restarts (same key, same port) is found again by the peers that
+"""Issue 27 on loopback: a relay or bootstrap node that restarts (same key, same port) is found again by the peers that
 were using it, without restarting them. The real processes behind NATs are in ``test_heal_netns.py``."""
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 import trio
 from libp2p.crypto.keys import KeyPair
 
+from sangama_p2p.net.discovery import Announcer, ServingOffer
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
 from sangama_p2p.net.node import Node
+from sangama_p2p.net.records import provider_key, record_key
 from sangama_p2p.net.relay import RelayServiceConfig
 from sangama_p2p.net.traversal import Traversal, TraversalConfig
 
 from .net_swarm import config, first_addr
+
+FP = "0" * 32
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -111,6 +117,48 @@ def test_a_restarted_relay_holds_the_reservation_again_within_seconds_and_the_ci
             # the lost reservation left B's advertised addresses (a re-publish), and the regained one came back
             assert [] in seen and seen[-1] == circuits, seen
             assert [str(x) for x in b.extra_addrs] == circuits
+            await stop()
+
+    trio.run(main)
+
+
+def test_a_restarted_bootstrap_holds_the_records_and_providers_again_within_seconds() -> None:
+    """Old code: nothing reconnected to the bootstrap node, and the dial that failed while it was away dropped it from
+    the routing table: its store stayed empty until the next periodic re-publish (60 s here), which reached nobody
+    when the routing table had nobody else."""
+
+    async def main() -> None:
+        key, port = generate_key_pair(), _free_port()
+        async with AsyncExitStack() as outer:
+            nursery = await outer.enter_async_context(trio.open_nursery())
+            boot, stop = await _start(nursery, key, port, relay=False)
+            boot_addr = first_addr(boot)
+            stage = await outer.enter_async_context(open_host(config(bootstrap_addrs=(boot_addr,))))
+            announcer = Announcer(stage)
+            offer = ServingOffer("tiny", 0, 4, fingerprint=FP, num_layers=8)  # 180 s: re-published every 60 s
+            await announcer.update(offer)
+            stage.nursery.start_soon(announcer.run)
+            rkey = record_key("tiny", stage.peer_id).encode()
+            pkey = bytes.fromhex(provider_key("tiny"))
+            assert boot.dht is not None and boot.dht.value_store.get(rkey) is not None
+
+            await stop()
+            try:  # a lookup while the bootstrap is away fails its dial (and drops it from the routing table)
+                await stage.connect(boot.peer_id)
+            except Exception:
+                pass
+            t_restart = time.monotonic()
+            back, stop = await _start(nursery, key, port, relay=False)
+            assert back.dht is not None and back.dht.value_store.get(rkey) is None  # it forgot everything
+
+            def holds() -> bool:
+                return back.dht.value_store.get(rkey) is not None and any(  # type: ignore[union-attr]
+                    p.peer_id == stage.peer_id for p in back.dht.provider_store.get_providers(pkey))
+
+            await _wait(holds, 10.0)
+            print(f"\nbootstrap restarted: it holds the stage's record and provider entry again "
+                  f"{time.monotonic() - t_restart:.2f} s after the restart (re-publish period 60 s)")
+            assert stage.dht is not None and back.peer_id in stage.dht.routing_table.get_peer_ids()
             await stop()
 
     trio.run(main)

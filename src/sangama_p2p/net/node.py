@@ -10,8 +10,8 @@ address from the peerstore, waits a fixed 250 ms per dial, and blocks a peer for
 Extension points for relays and hole punching (``net/relay.py``, ``net/traversal.py``): ``Node.nursery`` runs
 background tasks for the node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g.
 ``/p2p-circuit`` ones), ``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address
-works, and ``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets
-it).
+works, ``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets
+it), and ``Node.bootstrap_back`` callbacks of every bootstrap node reconnected after it was lost (``net/rejoin.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ class Node:
         advertise (the host's address function reads this same set)."""
         self.fallback_dialers: list[Dialer] = []
         self.dial_failed: list[Callable[[ID], None]] = []
+        self.bootstrap_back: list[Callable[[ID], None]] = []
+        """Called with a bootstrap node's id when it is connected again after it was lost (``net/rejoin.py``): the
+        announcer re-publishes its records to it at once."""
         self._dialing: dict[ID, trio.Event] = {}
         self._route_library_dials()
 
