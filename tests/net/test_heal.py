@@ -76,8 +76,9 @@ async def _wait(predicate, timeout: float, step: float = 0.05) -> float:  # type
 
 
 def test_a_restarted_relay_holds_the_reservation_again_within_seconds_and_the_circuit_address_follows() -> None:
-    """Old code: the keeper slept for 3/4 of the reservation's hour after the grant, so the restarted relay refused
-    every circuit to the private peer (NO_RESERVATION) for 45 minutes, while the peer kept advertising the circuit."""
+    """Old code: the keeper slept for 3/4 of the reservation's hour after the grant, so the private peer kept
+    advertising the circuit while the relay was away, and the restarted relay refused every circuit to it
+    (NO_RESERVATION) for 45 minutes."""
 
     async def main() -> None:
         key, port = generate_key_pair(), _free_port()
@@ -98,6 +99,7 @@ def test_a_restarted_relay_holds_the_reservation_again_within_seconds_and_the_ci
             a = await outer.enter_async_context(open_host(config(), services=[a_t.run]))
 
             await stop()  # the relay goes away: its connections close
+            gone = await _wait(lambda: not b_t.circuit_addrs(), 5.0)  # nobody can reach B there: not advertised
             t_restart = trio.current_time()
             _, stop = await _start(nursery, key, port, relay=True)
 
@@ -111,11 +113,11 @@ def test_a_restarted_relay_holds_the_reservation_again_within_seconds_and_the_ci
                     return False
 
             took = await _wait(through_relay, 10.0, step=0.2)
-            print(f"\nrelay restarted: B reachable through it again {trio.current_time() - t_restart:.2f} s "
-                  f"after the restart ({took:.2f} s of polling)")
+            print(f"\nrelay stopped: B's circuit address withdrawn after {gone:.2f} s; relay restarted: B reachable "
+                  f"through it again {trio.current_time() - t_restart:.2f} s after the restart ({took:.2f} s of polling)")
             assert b_t.relay_client is not None and b_t.relay_client.keeper.regained >= 1
             # the lost reservation left B's advertised addresses (a re-publish), and the regained one came back
-            assert [] in seen and seen[-1] == circuits, seen
+            assert seen[0] == [] and seen[-1] == circuits, seen
             assert [str(x) for x in b.extra_addrs] == circuits
             await stop()
 
