@@ -132,3 +132,33 @@ def test_a_publish_asks_only_dht_servers_and_stores_only_at_peers_that_answered(
 
     trio.run(main)
 
+
+
+def test_a_slow_peer_is_stored_at_only_if_identify_shows_it_serving_the_dht(monkeypatch):
+    """A peer that took longer than QUERY_TIMEOUT to answer FIND_NODE but is still connected was returned among the
+    closest, so put_value and provide stored at it, whatever it was: issue 27's stages stored their records at a DHT
+    client (another NATed stage: "protocol not supported") and at departed clients. Here the slow peer's identify
+    lists no KAD protocol (it registered a handler that never answers only after identify ran)."""
+    from libp2p.kad_dht.common import PROTOCOL_ID
+
+    from sangama_p2p.net import kad_rpc
+
+    monkeypatch.setattr(kad_rpc, "QUERY_TIMEOUT", 1.0)
+
+    async def never_answer(stream):
+        await trio.sleep_forever()
+
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(1) as (boot,):
+                cfg = config(bootstrap_addrs=(first_addr(boot),))
+                async with open_host(cfg, key_pair=generate_key_pair()) as node, \
+                        open_host(config(dht_server=False), key_pair=generate_key_pair()) as client:
+                    await node.connect(client.peer_id, client.listen_addrs())
+                    await _until(lambda: offers_dht(node.host, client.peer_id) is False)
+                    client.host.set_stream_handler(PROTOCOL_ID, never_answer)  # no identify push: still "a client"
+                    await node.dht.routing_table.add_peer(client.peer_id, skip_server_mode_check=True)  # stale entry
+                    closest = await node.dht.peer_routing.find_closest_peers_network(os.urandom(32))
+                    assert closest == [boot.peer_id]
+
+    trio.run(main)

@@ -284,7 +284,8 @@ async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_
     dht = _require_dht(node)
     found: set[ID] = {info.peer_id for info in dht.provider_store.get_providers(key)}
     peerstore = node.host.get_peerstore()
-    seen: set[ID] = set(dht.routing_table.find_local_closest_peers(key, count)) or set(node.host.get_connected_peers())
+    seen: set[ID] = set(dht.routing_table.find_local_closest_peers(key, count)) or {
+        p for p in node.host.get_connected_peers() if offers_dht(node.host, p) is not False}  # never a DHT client
     seen.discard(node.peer_id)
     asked: set[ID] = set()
     limiter = trio.CapacityLimiter(CONCURRENCY)

@@ -114,6 +114,7 @@ class Announcer:
         self._offers: dict[str, ServingOffer] = {}
         self._seq = int(time.time() * 1000)
         self._wake = trio.Event()
+        self._all_due = False  # a bootstrap node came back: re-publish every offer at once
         self.published: dict[str, SignedRecord] = {}
         self.signed: dict[str, SignedRecord] = {}
         """The newest record signed per model, set as its publication starts (``published``: once it finished)."""
@@ -147,29 +148,47 @@ class Announcer:
         self.published[offer.model_id] = signed
         return signed
 
+    def republish_now(self, *_: object) -> None:
+        """Re-publish every offer at once (``Node.bootstrap_back`` calls it: a restarted bootstrap node holds nothing)."""
+        self._all_due = True
+        self._wake.set()
+
     async def run(self) -> None:
-        """Re-publish forever (run it in the node's nursery)."""
+        """Re-publish forever (run it in the node's nursery), and at once when a bootstrap node comes back."""
+        self.node.bootstrap_back.append(self.republish_now)
+        try:
+            await self._run()
+        finally:
+            self.node.bootstrap_back.remove(self.republish_now)
+
+    async def _run(self) -> None:
         while True:
             now = time.time()
+            all_due, self._all_due = self._all_due, False
             due = [
                 offer
                 for model, offer in self._offers.items()
-                if model not in self.published
+                if all_due or model not in self.published
                 or self.published[model].record.expires_at - now <= offer.ttl * 2 / 3
             ]
             retry = 0.05
+            failed = False
             for offer in due:
                 try:
                     await self._publish(offer)
                 except NetworkError as exc:
                     log.warning("re-publishing %s failed: %s", offer.model_id, exc)
+                    failed = True
                     retry = 1.0  # the DHT is unreachable for now: retry each second, not in a tight loop
             waits = [
                 self.published[m].record.expires_at - offer.ttl * 2 / 3 - time.time()
                 for m, offer in self._offers.items()
                 if m in self.published
             ]
+            if self._all_due and not failed:  # asked again while publishing
+                continue
             self._wake = trio.Event()
+            self._all_due = self._all_due or (failed and all_due)  # after the pause
             with trio.move_on_after(max(retry, min(waits, default=60.0))):
                 await self._wake.wait()
 

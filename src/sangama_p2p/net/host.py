@@ -51,6 +51,7 @@ from .dial import DialPolicy, race_addrs
 from .fleet import psk_from_secret
 from .identity import default_key_path, load_or_create_key_pair, lock_key_file
 from .node import Node
+from .rejoin import keep_bootstrap
 
 __all__ = [
     "FRAME_WINDOW",
@@ -264,6 +265,7 @@ async def open_host(
                 nursery.start_soon(service, node)
             if config.bootstrap_addrs:
                 await bootstrap(node, config.bootstrap_addrs)
+                nursery.start_soon(keep_bootstrap, node, config.bootstrap_addrs)  # reconnected when they drop
             try:
                 yield node
             finally:

@@ -24,6 +24,7 @@ from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from .node import offers_protocol
+from .watch import open_connections
 
 __all__ = ["CONCURRENCY", "MIN_SEEDS", "QUERY_TIMEOUT", "ServerRouting", "closest_servers", "get_providers", "kad_request",
            "peer_infos"]
@@ -85,8 +86,9 @@ async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET
     The lookup starts from the routing table (topped up with the connected peers identify shows serving the DHT when
     it holds fewer than ``MIN_SEEDS``), asks the closest ``count`` peers seen until all of them answered or failed,
     and keeps the peers that answered, then (where fewer answered than ``count``) those that were only slow: still
-    connected, no answer within ``QUERY_TIMEOUT`` (a busy server still takes a store). A peer that could not be
-    reached is never returned: see :class:`ServerRouting` for why py-libp2p's own lookup is not used.
+    connected, DHT servers per identify, no answer within ``QUERY_TIMEOUT`` (a busy server still takes a store). A
+    peer that could not be reached is never returned: see :class:`ServerRouting` for why py-libp2p's own lookup is
+    not used.
     """
     local = host.get_id()
     peerstore = host.get_peerstore()
@@ -127,8 +129,11 @@ async def closest_servers(host: Any, table: Any, key: bytes, count: int = BUCKET
                 nursery.start_soon(ask, peer)
     for peer in answered:  # a peer that answered a KAD query is a DHT server
         await table.add_peer(peer, skip_server_mode_check=True)
-    connected = set(host.get_connected_peers())
-    late = [p for p in sort_peer_ids_by_distance(key, list(slow - answered)) if p in connected]
+    # a slow peer counts only while a connection to it is open and identify lists the KAD protocol: a DHT client (a
+    # NATed stage) or a departed peer would take record stores meant for servers (issue 27 counted stores failing
+    # with "protocol not supported" and dial errors)
+    late = [p for p in sort_peer_ids_by_distance(key, list(slow - answered))
+            if offers_protocol(host, p, PROTOCOL_ID) and open_connections(host, p)]
     return (sort_peer_ids_by_distance(key, list(answered)) + late)[:count]
 
 

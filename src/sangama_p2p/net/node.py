@@ -10,8 +10,8 @@ address from the peerstore, waits a fixed 250 ms per dial, and blocks a peer for
 Extension points for relays and hole punching (``net/relay.py``, ``net/traversal.py``): ``Node.nursery`` runs
 background tasks for the node's lifetime, ``Node.extra_addrs`` are advertised after the direct addresses (e.g.
 ``/p2p-circuit`` ones), ``Node.fallback_dialers`` are tried in order by :meth:`Node.connect` when no direct address
-works, and ``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets
-it).
+works, ``Node.dial_failed`` callbacks hear of every peer :meth:`Node.connect` could not reach (the DHT forgets
+it), and ``Node.bootstrap_back`` callbacks of every bootstrap node reconnected after it was lost (``net/rejoin.py``).
 
 A peer that failed to answer is not dialled again for a while (``Node.backoff``, :mod:`.backoff`: 5 s doubling to
 10 min, and a budget of retries a minute shared by all such peers), whoever asks - py-libp2p's lookups or our own
@@ -89,6 +89,9 @@ class Node:
         """Circuit addresses to try for a peer of whom no ``/p2p-circuit`` address is known (net/traversal.py: through
         the relays we know). A NATed peer found as a DHT provider comes with its private addresses only - go-libp2p
         nodes store and return no circuit address - so without a guess nobody could reach it."""
+        self.bootstrap_back: list[Callable[[ID], None]] = []
+        """Called with a bootstrap node's id when it is connected again after it was lost (``net/rejoin.py``): the
+        announcer re-publishes its records to it at once."""
         self._dialing: dict[ID, trio.Event] = {}
         self.backoff = DialBackoff() if backoff is None else backoff
         """Peers that failed to answer, and when they may be dialled again (:mod:`.backoff`)."""

@@ -3,8 +3,9 @@
 Why our own client pieces on top of py-libp2p 0.8.1's ``relay.circuit_v2``:
 
 * its reservation refresher gives up when the relay connection drops and never tells us the reservation's relay
-  addresses, so we run the RESERVE exchange ourselves and keep each reservation alive in a task that re-connects,
-  refreshes at ``refresh_fraction`` of the granted lifetime and retries on failure;
+  addresses, so we run the RESERVE exchange ourselves and keep each reservation alive (:mod:`.reservations`): refreshed
+  at ``refresh_fraction`` of the granted lifetime, re-made at once when the relay connection closes (a restarted
+  relay forgets every reservation), retried with backoff on failure;
 * it advertises no ``/p2p-circuit`` address; :meth:`RelayClient.circuit_addrs` computes them (see :func:`circuit_addr`)
   for ``Node.extra_addrs`` and our DHT records;
 * ``host.connect`` refuses ``/p2p-circuit`` addresses and its transport's ``dial`` makes a reservation first, so
@@ -13,8 +14,8 @@ Why our own client pieces on top of py-libp2p 0.8.1's ``relay.circuit_v2``:
   real relay, so every connection can report ``relayed via <relay id>``, and it tells the hole puncher that a relayed
   connection was accepted (only the accepting side drives DCUtR).
 
-The relay side (``open_relay_client(host, relay_config=RelayServiceConfig())``) is stock ``CircuitV2Protocol`` with
-``allow_hop=True`` and limits sized for a bootstrap node.
+The relay side (``open_relay_client(host, relay_config=RelayServiceConfig())``) is ``CircuitV2Protocol`` with
+``allow_hop=True`` and limits sized for a bootstrap node (:mod:`.relay_hop`).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IHost, INetConn, INetStream
+from libp2p.abc import IHost, INetConn
 from libp2p.connection_types import ConnectionType
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
@@ -36,15 +37,16 @@ from libp2p.protocol_muxer.exceptions import MultiselectClientError, ProtocolNot
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
-from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
 from ..errors import NotARelayError, RelayError
 from .node import offers_protocol
+from .relay_hop import CircuitProtocol, InboundCallback, RelayServiceConfig
+from .reservations import ReservationKeeper
+from .watch import PeerWatch, watch_peers
 
 __all__ = [
     "ConnectFn",
@@ -60,34 +62,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-InboundCallback = Callable[[ID, ID], None]
-"""Called as ``callback(peer_id, relay_id)`` when a relayed connection from ``peer_id`` was accepted."""
-
 ConnectFn = Callable[[PeerInfo], Awaitable[object]]
 """How to reach a relay, e.g. ``lambda info: node.connect(info.peer_id, info.addrs)``; default ``host.connect``."""
-
-MAX_RETRY_S = 60.0
-
-
-@dataclass(frozen=True)
-class RelayServiceConfig:
-    """Limits of a relay node. py-libp2p's defaults (4 reservations, 8 circuits) are too small for a bootstrap node."""
-
-    max_reservations: int = 128
-    max_circuits: int = 64
-    reservation_ttl_s: int = 3600
-    circuit_duration_s: int = 3600
-    circuit_bytes: int = 1 << 30
-
-    def limits(self) -> RelayLimits:
-        return RelayLimits(
-            duration=self.circuit_duration_s,
-            data=self.circuit_bytes,
-            max_circuit_conns=self.max_circuits,
-            max_reservations=self.max_reservations,
-            reservation_ttl=self.reservation_ttl_s,
-        )
-
 
 @dataclass(frozen=True)
 class Reservation:
@@ -146,69 +122,6 @@ def relay_of(conn: INetConn) -> ID | None:
     return None
 
 
-class _CircuitProtocol(CircuitV2Protocol):
-    """CircuitV2Protocol whose STOP side labels accepted connections with the real relay and reports them."""
-
-    def __init__(self, host: IHost, on_inbound: InboundCallback | None = None, **kwargs: object) -> None:
-        super().__init__(host, **kwargs)  # type: ignore[arg-type]
-        self.on_inbound = on_inbound
-        self.relayed_bytes = 0  # what this relay carried for others, both directions (status --json shows it)
-
-    async def handle_incoming_connection(self, stream: INetStream, remote_peer_id: bytes) -> None:
-        peer_id = ID(remote_peer_id)
-        relay_id = stream.muxed_conn.peer_id
-        addr = Multiaddr(f"/p2p/{relay_id}/p2p-circuit/p2p/{peer_id}")
-        raw = RawConnection(stream=stream, initiator=False, connection_type=ConnectionType.RELAYED, addresses=[addr])
-        try:
-            muxed = await self.host.upgrade_inbound_connection(raw, addr)
-        except Exception as exc:
-            await stream.close()
-            raise ConnectionError(f"relayed connection from {peer_id} failed to upgrade: {exc}") from exc
-        for conn in self.host.get_network().get_connections(peer_id):
-            if getattr(conn, "muxed_conn", None) is muxed:
-                conn.set_transport_info([addr], ConnectionType.RELAYED)  # type: ignore[attr-defined]
-        logger.debug("accepted relayed connection from %s via %s", peer_id, relay_id)
-        if self.on_inbound is not None:
-            self.on_inbound(peer_id, relay_id)
-
-    async def _relay_data(self, src_stream: INetStream, dst_stream: INetStream, peer_id: ID,
-                          deadline: float | None = None, circuit_data_limit: list[int] | None = None) -> None:
-        """One direction of a circuit: copy ``src`` to ``dst``; on EOF close (FIN) ``dst``, on error reset both.
-
-        Replaces py-libp2p 0.8.1's, which keys active circuits by one peer id and, when a circuit ends, closes the
-        streams stored under that id - another circuit's when a peer has two (a client's and a stage's circuit to
-        the same stage: the second died ~1 s after the first ended, measured in namespaces).
-        """
-        try:
-            while True:
-                if deadline is not None and time.monotonic() > deadline:
-                    logger.info("circuit to/from %s reached its duration limit", peer_id)
-                    raise RelayError("circuit duration limit")
-                try:
-                    data = await src_stream.read(1 << 16)
-                except Exception:  # EOF or reset: this direction is done
-                    data = b""
-                if not data:
-                    with trio.move_on_after(self.close_timeout):
-                        await dst_stream.close()
-                    return
-                if circuit_data_limit is not None:
-                    if len(data) > circuit_data_limit[0]:
-                        logger.info("circuit to/from %s reached its data limit", peer_id)
-                        raise RelayError("circuit data limit")
-                    circuit_data_limit[0] -= len(data)
-                with trio.fail_after(self.write_timeout):
-                    await dst_stream.write(data)
-                self.relayed_bytes += len(data)
-        except Exception as exc:  # a limit, a write timeout or a broken stream: the circuit is over
-            logger.debug("circuit to/from %s ends: %s", peer_id, exc)
-            for stream in (src_stream, dst_stream):
-                try:
-                    await stream.reset()
-                except Exception:
-                    pass
-
-
 class RelayClient:
     """Accepts relayed connections, keeps reservations on relays alive, and dials peers through relays.
 
@@ -220,9 +133,10 @@ class RelayClient:
         self,
         host: IHost,
         nursery: trio.Nursery,
-        protocol: _CircuitProtocol,
+        protocol: CircuitProtocol,
+        watch: PeerWatch,
         refresh_fraction: float = 0.75,
-        retry_s: float = 5.0,
+        retry_s: float = 1.0,
         timeout_s: float = 10.0,
         connect: ConnectFn | None = None,
     ) -> None:
@@ -231,15 +145,11 @@ class RelayClient:
         self.host = host
         self._nursery = nursery
         self._protocol = protocol
-        self._refresh_fraction = refresh_fraction
-        self._retry_s = retry_s
         self._timeout_s = timeout_s
         self._connect: ConnectFn = connect or host.connect
         self._reservations: dict[str, Reservation] = {}
-        self._kept: set[str] = set()
-        self.not_relays: set[str] = set()
-        """Peers (ids as strings) that were asked to keep a reservation but offer no relay service."""
-        self.refreshes = 0
+        self.keeper = ReservationKeeper(self, nursery, watch, refresh_fraction=refresh_fraction, retry_s=retry_s,
+                                        on_change=self._changed)
         self.on_change: Callable[[], None] | None = None
         """Called whenever a kept reservation was granted, refreshed or lost (e.g. to re-advertise addresses)."""
 
@@ -306,45 +216,27 @@ class RelayClient:
         logger.info("reserved a slot on relay %s until %.0f", relay.peer_id, expires)
         return reservation
 
+    def forget(self, relay_id: str) -> bool:
+        """Drop our reservation on ``relay_id`` (it was lost or refused); True if there was one."""
+        return self._reservations.pop(relay_id, None) is not None
+
     def keep_reservation(self, relay: PeerInfo) -> None:
-        """Hold a reservation on ``relay`` for as long as the client is open: refresh early, retry on failure.
+        """Hold a reservation on ``relay`` while the client is open (:meth:`.ReservationKeeper.keep`)."""
+        self.keeper.keep(relay)
 
-        A peer that turns out not to be a relay (:class:`NotARelayError`) is given up on at once and listed in
-        :attr:`not_relays`, until ``keep_reservation`` is called for it again.
-        """
-        key = str(relay.peer_id)
-        if key not in self._kept:
-            self._kept.add(key)
-            self.not_relays.discard(key)
-            self._nursery.start_soon(self._keep, relay)
+    def keep_reservations(self, relays: Sequence[PeerInfo], want: int) -> None:
+        """Hold reservations on at least ``want`` of ``relays`` (:meth:`.ReservationKeeper.keep_some`)."""
+        self.keeper.keep_some(relays, want)
 
-    async def _keep(self, relay: PeerInfo) -> None:
-        first = True
-        retry = self._retry_s
-        while True:
-            try:
-                reservation = await self.reserve(relay)
-            except NotARelayError as exc:
-                logger.info("%s; not reserving a slot on it", exc)
-                key = str(relay.peer_id)
-                self._reservations.pop(key, None)
-                self._kept.discard(key)
-                self.not_relays.add(key)
-                self._changed()
-                return
-            except RelayError as exc:
-                logger.warning("%s; retrying in %.1f s", exc, retry)
-                self._changed()
-                await trio.sleep(retry)
-                retry = min(2 * retry, MAX_RETRY_S)  # a full or dead relay is not hammered
-                continue
-            retry = self._retry_s
-            if not first:
-                self.refreshes += 1
-            first = False
-            self._changed()
-            lifetime = reservation.expires_at - time.time()
-            await trio.sleep(max(0.5, lifetime * self._refresh_fraction))
+    @property
+    def not_relays(self) -> set[str]:
+        """Peers (ids as strings) that were asked to keep a reservation but offer no relay service."""
+        return self.keeper.not_relays
+
+    @property
+    def refreshes(self) -> int:
+        """Reservations refreshed in place (not counting first grants and regained ones)."""
+        return self.keeper.refreshes
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -409,7 +301,7 @@ async def open_relay_client(
     host: IHost,
     *,
     refresh_fraction: float = 0.75,
-    retry_s: float = 5.0,
+    retry_s: float = 1.0,
     timeout_s: float = 10.0,
     relay_config: RelayServiceConfig | None = None,
     connect: ConnectFn | None = None,
@@ -418,10 +310,10 @@ async def open_relay_client(
     kwargs: dict[str, object] = {}
     if relay_config is not None:
         kwargs = {"limits": relay_config.limits(), "allow_hop": True}
-    protocol = _CircuitProtocol(host, **kwargs)
-    async with background_trio_service(protocol), trio.open_nursery() as nursery:
+    protocol = CircuitProtocol(host, **kwargs)
+    async with background_trio_service(protocol), watch_peers(host) as watch, trio.open_nursery() as nursery:
         await protocol.event_started.wait()
-        client = RelayClient(host, nursery, protocol, refresh_fraction, retry_s, timeout_s, connect)
+        client = RelayClient(host, nursery, protocol, watch, refresh_fraction, retry_s, timeout_s, connect)
         try:
             yield client
         finally:

@@ -13,8 +13,10 @@ What ``run`` does, in order:
    (``HostConfig.relay_hop``), the dial-back server on relay nodes, and the DCUtR hole puncher;
 2. registers a fallback dialer on the node, so ``Node.connect`` tries a peer's ``/p2p-circuit`` addresses after its
    direct ones;
-3. asks the relays (by default the bootstrap nodes) to dial it back; if nobody could, it keeps a reservation on up to
-   ``max_reservations`` relays and advertises the resulting ``/p2p-circuit`` addresses (``Node.extra_addrs``);
+3. asks the relays (by default the bootstrap nodes) to dial it back; if nobody could, it keeps reservations on at least
+   ``max_reservations`` relays (the next relay of the list stands in for one that fails) and advertises the resulting
+   ``/p2p-circuit`` addresses (``Node.extra_addrs``); a reservation whose relay connection closes is re-made at once,
+   and listeners hear of every change of those addresses (a stage re-publishes its record);
 4. re-checks reachability every ``recheck_s`` seconds; when nobody answered (servers that speak neither our dial-back
    nor AutoNAT, or refuse to dial private addresses) it acts as a private node - the safe choice - says so, and asks
    again after ``UNDECIDED_RECHECK_S``, doubling up to ``recheck_s``;
@@ -166,10 +168,11 @@ class Traversal:
                 await self._check(node, relays, serve)
                 self._ready.set()
                 if self.undecided:  # nobody answered: ask again soon, then less often (never silently for good)
-                    logger.warning("reachability undecided: no relay or bootstrap node answered a dial-back or AutoNAT "
-                                   "request (%s); acting as not publicly reachable (DHT client, relay reservations) "
-                                   "and asking again in %.0f s", "; ".join(self.report.errors) if self.report else "",
-                                   min(undecided_wait, self.config.recheck_s))
+                    say = logger.warning if undecided_wait == UNDECIDED_RECHECK_S else logger.info  # once loud
+                    say("reachability undecided: no relay or bootstrap node answered a dial-back or AutoNAT request "
+                        "(%s); acting as not publicly reachable (DHT client, relay reservations) and asking again in "
+                        "%.0f s", "; ".join(self.report.errors) if self.report else "",
+                        min(undecided_wait, self.config.recheck_s))
                     await trio.sleep(min(undecided_wait, self.config.recheck_s))
                     undecided_wait *= 2
                 else:
@@ -216,7 +219,7 @@ class Traversal:
             await self._dht_mode(node)
             self._changed()
         if self.report.status is not Reachability.PUBLIC and self.relay_client is not None:
-            await self._reserve(relays[: self.config.max_reservations])
+            await self._reserve(relays)
 
     def _drop_dead_announced(self, node: Node) -> None:
         """An announced address that the dial-back servers tried (our observed IP at its port) and nobody answered
@@ -266,8 +269,7 @@ class Traversal:
     async def _reserve(self, relays: list[PeerInfo]) -> None:
         assert self.relay_client is not None
         client = self.relay_client
-        for relay in relays:
-            client.keep_reservation(relay)
+        client.keep_reservations(relays, self.config.max_reservations)  # each kept relay is watched (relay.py)
         with trio.move_on_after(10.0):  # first grant, so that wait_ready means "advertising a circuit"
             while not client.reservations and any(str(r.peer_id) not in client.not_relays for r in relays):
                 await trio.sleep(0.05)  # ... unless every relay turned out to be no relay at all
