@@ -75,8 +75,10 @@ def test_no_spare_for_a_dead_stage_raises_route_error(ckpt):
                         if f.stages[1][2].cancel_called is False:
                             f.kill(1)
 
-                    with pytest.raises(RouteError, match="layer 4"):
+                    with pytest.raises(RouteError, match="layer 4") as caught:
                         await client.generate(PROMPT, 20, on_tokens=on_tokens)
+                    # the message says where the chain broke and why, then why no other chain exists (issue 27)
+                    assert "the chain broke at trip" in str(caught.value), caught.value
 
     trio.run(main)
 

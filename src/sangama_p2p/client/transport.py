@@ -144,7 +144,13 @@ class ChainTransport:
         self.exclude |= bad
         if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
             self.avoid |= stalled
-        self.session, self.sent = await self._reopen(session.fingerprint), []
+        try:
+            self.session, self.sent = await self._reopen(session.fingerprint), []
+        except RouteError as route_exc:
+            if type(route_exc) is not RouteError:
+                raise
+            raise RouteError(f"the chain broke at trip {trip.number} ({exc}), and no chain to go on with was found: "
+                             f"{route_exc}") from route_exc
         client.active[id(result)] = self.session
 
     async def _reopen(self, fingerprint: str | None) -> ChainSession:
