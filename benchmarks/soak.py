@@ -113,13 +113,13 @@ class Honest:
         return ClientConfig(self.model_id, fingerprint=fp, num_layers=layers, verify=self.verify, bans_file=bans,
                             step_timeout=30)
 
-    async def generate(self, client, i: int) -> tuple[list[int] | None, str, int]:
+    async def generate(self, client, i: int) -> tuple[list[int] | None, str, int, int]:
         try:
             res = await client.generate(PROMPTS[i], self.tokens, guesses=self.guesses)
         except Exception as exc:  # noqa: BLE001 - every failure of an honest generation is counted and reported
-            return None, f"{type(exc).__name__}: {str(exc)[:160]}", 0
+            return None, f"{type(exc).__name__}: {str(exc)[:160]}", 0, 0
         self.unverified += res.unverified_trips or 0
-        return res.tokens, "", res.failovers
+        return res.tokens, "", res.failovers, res.unverified_trips or 0
 
     async def loop(self, node, i: int) -> None:
         from sangama_p2p.client import ChainClient
@@ -132,13 +132,14 @@ class Honest:
                     if n == 1:  # what the first generation of this fresh client set up: lanes, or libp2p streams
                         self.links.update(link.fs.link_kind for link in client.pool.links.values())
                     phase, t0 = self.phase, time.monotonic()
-                    tokens, error, failovers = await self.generate(client, i)
+                    tokens, error, failovers, unverified = await self.generate(client, i)
                     outcome = "failed" if error else ("ok" if tokens == self.want[i] else "wrong")
                     self.rows.append({"client": i, "phase": phase, "start": t0, "end": time.monotonic(),
                                       "tokens": len(tokens or ()), "outcome": outcome, "error": error,
-                                      "failovers": failovers})
+                                      "failovers": failovers, "unverified_trips": unverified})
                     if outcome != "ok":  # said at once too: a long run's failures are read while it goes on
-                        print(f"  client {i}: generation {outcome} at {phase}: {error or tokens}", flush=True)
+                        said = f" ({unverified} trips said unverified)" if outcome == "wrong" else ""
+                        print(f"  client {i}: generation {outcome} at {phase}{said}: {error or tokens}", flush=True)
                     if error:
                         await trio.sleep(0.5)
                 self.banned.update(client.verification.bans.reasons())
@@ -182,7 +183,7 @@ async def soak(args: argparse.Namespace, fleet: LocalFleet, honest: Honest, mode
 
         for i, node in enumerate(nodes):  # the solo tokens: each prompt alone, before anything else runs
             async with ChainClient(node, honest.config(i).replace(verify=0.0)) as client:
-                tokens, error, _ = await honest.generate(client, i)
+                tokens, error, _, _ = await honest.generate(client, i)
                 if tokens is None:
                     raise SystemExit(f"the solo generation of prompt {i} failed: {error}")
                 honest.want.append(tokens)
