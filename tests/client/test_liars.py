@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from sangama_p2p.client import ChainClient, ClientConfig
+from sangama_p2p.errors import RouteError
 
 from .fleet import MODEL, fleet, local_chain
 from .liars import lie_constant, lie_noise, modest
@@ -110,7 +111,9 @@ def test_a_noisy_middle_stage_is_found_banned_and_the_tokens_are_an_honest_runs(
 
 def test_with_two_peers_per_range_a_liar_in_the_second_chain_stays_undecided_and_the_tokens_are_right(ckpt):
     """No referee: the two peers of the liar's range explain the answers equally; nobody is banned, the generation
-    keeps its own (honest) chain's tokens, and both peers are reported as disputed."""
+    keeps its own (honest) chain's tokens, and both peers are reported as disputed. (Not strict: strict
+    verification keeps no trip that nobody could confirm, and fails such a generation, as the other-checkpoint test
+    shows.)"""
     split = [(0, 4), (4, 8)]
     want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, N).tokens
     bad = _liar_token(want)
@@ -121,7 +124,7 @@ def test_with_two_peers_per_range_a_liar_in_the_second_chain_stays_undecided_and
                 liar = f.stages[3][1]
                 lie_constant(liar, bad)
                 type(liar).throughput = property(lambda self: 1e-3)  # slow: the generation's chain avoids it
-                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0, verify_strict=False)) as client:
                     res = await client.generate(PROMPT, N)
                     return res, liar.peer_id, client
 
@@ -149,7 +152,9 @@ def test_verification_is_on_by_default_in_public_swarms_and_off_in_private_fleet
 
 def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt, tmp_path):
     """Peers of another checkpoint under the same model id answer other tokens without lying: routing leaves them
-    out, and so does verification (no second chain: the trips go unchecked, nobody is banned)."""
+    out, and so does verification (no second chain: the trips go unchecked, nobody is banned). At ``verify`` 1
+    verification is strict: an unchecked trip is not kept, so the generation fails, saying why, and returns no
+    token; with ``verify_strict=False`` it keeps them, said unverified."""
     from sangama_p2p.model.checkpoint import open_checkpoint
     from sangama_p2p.model.fingerprint import checkpoint_identity
 
@@ -166,10 +171,16 @@ def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt,
                     await f.add_stage(a, b, ckpt=other, batch_invariant=True)
                 pin = checkpoint_identity(ckpt).fingerprint  # chain the fleet's own checkpoint
                 async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0, fingerprint=pin)) as client:
+                    with pytest.raises(RouteError, match="could not be verified") as strict:
+                        await client.generate(PROMPT, N)
+                    assert client.verification.refused >= 1 and not client.verification.banned()
+                config = ClientConfig(MODEL, verify=1.0, verify_strict=False, fingerprint=pin)
+                async with ChainClient(f.clients[0], config) as client:
                     res = await client.generate(PROMPT, N)
-                    return res, client
+                    return res, client, strict.value
 
-    res, client = trio.run(main)
+    res, client, strict = trio.run(main)
+    assert "no second chain of other peers" in str(strict), strict
     v = client.verification
     assert res.tokens == want and not v.banned() and not v.events
     assert v.verified == 0 and v.unverifiable == v.trips == N

@@ -241,3 +241,29 @@ def test_without_referees_at_the_other_ranges_nobody_is_banned():
     o.append(RouteCandidate("c0", 0, 4, throughput=10.0, rtt=0.001))  # a referee for 0:4 too: now convicted
     verdict = trio.run(lambda: find_liar(run, [by["a0"], by["a1"]], [by["b0"], by["b1"]], o))
     assert verdict.liar == "a1" and "outside the disputed chains" in verdict.reason
+
+
+def test_a_referee_that_lies_on_its_own_does_not_confirm_a_framed_peer():
+    """The 30-minute liar soak banned an honest first stage: a framer of 4:8 lied only beside it (every mix of the
+    two chains pointed at it), and the company "outside the disputed chains" chosen to confirm was a constant liar of
+    4:8 that had just joined under a fresh key (cheapest: it boasts). Its lie counted as the honest peer's. The
+    company must answer honestly with the suspect's stand-in in its place; this one does not, and proves nothing."""
+    o = offers({"h0": (0, 4), "b0": (0, 4), "c0": (0, 4), "f1": (4, 8), "b1": (4, 8), "k1": (4, 8), "d1": (4, 8)},
+               fast=["f1", "k1"])
+    by = {x.peer_id: x for x in o}
+
+    async def run(route):
+        ids = {x.peer_id for x in route}
+        if "k1" in ids:
+            return (0,)  # the constant liar, whoever sits beside it
+        return (2,) if {"h0", "f1"} <= ids else HONEST  # the framer, beside its target only
+
+    main, alt = [by["h0"], by["f1"]], [by["b0"], by["b1"]]
+    verdict = trio.run(lambda: find_liar(run, main, alt, o))
+    assert verdict.liar is None and verdict.suspect == "h0", verdict
+    assert ("b0", "k1") in [r for r, _ in verdict.observations]  # the company was checked without the suspect
+    assert ("h0", "d1") in [r for r, _ in verdict.observations]  # and another one tried in its place
+    # an honest company confirms a real liar: h0 lying beside everyone is still convicted
+    liar_run, _ = world({"h0": (9,)})
+    verdict = trio.run(lambda: find_liar(liar_run, main, alt, o))
+    assert verdict.liar == "h0" and "outside the disputed chains" in verdict.reason

@@ -37,7 +37,12 @@ class ClientConfig:
     :mod:`sangama_p2p.net.lane`), set up within ``lane_timeout`` seconds, else over libp2p streams.
     ``verify``: the fraction of trips re-run through a second chain of other peers for the same ranges and compared
     (:mod:`sangama_p2p.client.verify`; None: 0.05 in a public swarm, 0 in a private fleet, i.e. with a fleet
-    secret). A peer found lying is banned for ``ban_s`` seconds; ``bans_file``: where bans are kept between runs
+    secret). ``verify_strict``: a trip drawn for verification that no second chain confirmed (none could be
+    opened, it failed, or the judging found nobody to tell the answers apart) is not kept - the generation goes back
+    to its last verified token and continues on a chain around the one that gave it, and fails with
+    :class:`~sangama_p2p.errors.RouteError` after ``max_failovers`` such re-routes - instead of being kept and
+    counted unverified (None: strict at ``verify`` 1, where every token returned is then confirmed by two chains of
+    distinct peers). A peer found lying is banned for ``ban_s`` seconds; ``bans_file``: where bans are kept between runs
     (``status`` shows them; None: in memory only). ``recover_s``: after a failover finds no chain (the only peer of a
     range left), how long the generation waits for one, surveying again every ``recover_every_s`` seconds (peers
     that joined with ``--layers auto`` move to cover a range nobody serves, within about 25 s); a generation's
@@ -60,6 +65,7 @@ class ClientConfig:
     stall_factor: float = 10.0
     stall_floor_s: float = 1.0
     verify: float | None = None
+    verify_strict: bool | None = None
     bans_file: Path | None = None
     ban_s: float = 24 * 3600.0
     recover_s: float = 60.0

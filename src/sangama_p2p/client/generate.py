@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it)
 SLOW_RETRY_MAX_S = 480.0  # twice as long after each further time-out in a row, up to this
+SLOW_PROBE_FACTOR = 3.0  # a late peer asked again (``retry_slow``) gets this many times the probe's time
 
 
 class ChainClient:
@@ -128,7 +129,9 @@ class ChainClient:
         A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight. A peer
         that refused or failed its probe is skipped until it publishes a newer record; one whose probe only timed
         out (alive but busy, as on a loaded machine) is skipped for :data:`SLOW_RETRY_S`, or not at all with
-        ``retry_slow`` (a caller that found no route, or no second chain, without it).
+        ``retry_slow`` (a caller that found no route, or no second chain, without it), and is then given
+        :data:`SLOW_PROBE_FACTOR` x the probe's time (a stage under a flood answers, only late: in the liar soak the
+        honest stages' probes timed out and every route was the liars').
         """
         started = trio.current_time()
         async with self._survey_lock:
@@ -147,7 +150,7 @@ class ChainClient:
         self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
 
         async def probe(rec: Any) -> None:
-            with trio.move_on_after(self._probe_s):
+            with trio.move_on_after(self._probe_s * (SLOW_PROBE_FACTOR if rec.peer_id in self.slow else 1.0)):
                 try:
                     link = await pool.get(rec.peer_id, tuple(rec.addrs))
                     info, rtt = await link.probe()

@@ -75,6 +75,8 @@ class Verification:
     trips: int = 0  # trips the hook saw
     verified: int = 0  # trips re-run on a second chain and found equal
     unverifiable: int = 0  # trips drawn for verification with no second chain of the same ranges
+    strict: bool = False  # a drawn trip no other chain confirmed is not kept (the generation goes around its chain)
+    refused: int = 0  # trips not kept for want of confirmation (strict)
     seconds: float = 0.0  # spent verifying (second-chain trips, opening it, judging), on the generations' paths
     open_seconds: float = 0.0  # of which opening second chains
     events: list[VerifyEvent] = field(default_factory=list)
@@ -84,7 +86,9 @@ class Verification:
     def for_client(cls, client: Any) -> Verification:
         cfg = client.config
         private = getattr(getattr(client.node, "config", None), "fleet_secret", None) is not None
-        return cls(client, resolve_fraction(cfg.verify, private=private), BanList(cfg.bans_file))
+        fraction = resolve_fraction(cfg.verify, private=private)
+        strict = fraction >= 1.0 if cfg.verify_strict is None else cfg.verify_strict
+        return cls(client, fraction, BanList(cfg.bans_file), strict=strict)
 
     def banned(self, offers: Sequence[RouteCandidate] = ()) -> dict[str, str]:
         """peer id -> reason of every ban in force (routing leaves these peers out), and of each of ``offers`` a
@@ -162,8 +166,7 @@ class TripVerifier:
             offers = self._chainable(await self.client.survey(max_age=0.0, retry_slow=True), session)
             alt = await self._second_chain(session, offers, banned)
         if alt is None:
-            log.info("trip %d: no second chain of other peers (%d offers): not verified", self.trip, len(offers))
-            self._unverified()
+            self._not_confirmed(session, f"no second chain of other peers ({len(offers)} offers)")
             return
         while True:
             pos = min(self.alt_pos, start)
@@ -202,7 +205,8 @@ class TripVerifier:
                 log.info("verifying chain %s failed: %s", alt.peers, exc)
                 self.skip |= set(alt.peers)  # not again in this generation (e.g. a black hole costs `limit` once)
                 await self._drop_alt()
-            self._unverified()  # drawn, and not verified: said, as a trip with no second chain is
+            # drawn, and not verified: said, as a trip with no second chain is (strict: not kept)
+            self._not_confirmed(session, "its verifying chain failed")
             return
         if answer == tuple(tokens):
             self.alt_pos = start + len(sent) - n_guesses + len(tokens) - 1
@@ -268,8 +272,7 @@ class TripVerifier:
                        for st in session.route):  # a chain without every disputed peer exists: go on there
                     raise ChainBroken(f"trip {self.trip}'s answer {list(tokens)} was disputed ({verdict.reason})",
                                       stalled=frozenset(verdict.disputed), keep=self.verified)
-                log.warning("trip %d cannot be verified: %s", self.trip, verdict.reason)  # kept, said unchecked
-                self._unverified()
+                self._not_confirmed(session, verdict.reason)  # kept, said unchecked (strict: not kept)
                 return
             # the other chains agree on another answer than the generation's own, which no replay reproduced (a
             # liar lying only on live sessions): never kept, back to the last verified trip, around its chain
@@ -382,6 +385,18 @@ class TripVerifier:
             answers.append(tuple(res.tokens))
             pos += 1
         return answers
+
+    def _not_confirmed(self, session: ChainSession, why: str) -> None:
+        """A drawn trip that no other chain confirmed: kept and counted unverified (said with the result), or, when
+        verification is strict, not kept: ``ChainBroken`` back to the last verified token, around this chain."""
+        if self.owner.strict:
+            log.warning("trip %d could not be verified (%s): not kept (strict verification); going on around %s",
+                        self.trip, why, session.peers)
+            self.owner.refused += 1
+            raise ChainBroken(f"trip {self.trip} could not be verified ({why}), and strict verification keeps no "
+                              "unconfirmed trip", stalled=frozenset(session.peers), keep=self.verified)
+        log.info("trip %d: %s: not verified", self.trip, why)
+        self._unverified()
 
     def _unverified(self) -> None:
         self.trips_unverified += 1

@@ -22,8 +22,10 @@ peers is wrong, and :func:`find_liar` finds which by mixing the chains:
    chain must give the honest answer too (two liars at once could otherwise make an honest peer look like the one).
    And the liar must lie beside peers *outside* both disputed chains too (a referee at every other range, up to
    :data:`OUTSIDE_TRIES` runs): colluders that lie only beside an honest neighbour make it look like the one liar
-   in every mix of the two chains, and are not believed. Without referees at the other ranges nobody is banned
-   (the suspect is routed around, and its trip is not kept).
+   in every mix of the two chains, and are not believed. That company must itself answer honestly with the
+   suspect's stand-in (the peer of the honest chain) in its place, else it is lying on its own and proves nothing
+   (a referee that is another liar, not yet banned). Without referees at the other ranges nobody is banned (the
+   suspect is routed around, and its trip is not kept).
 7. One position is not proof: honest peers computing in another dtype or on another device flip near-ties now and
    then (measured: 1 of 240 trips between fp32 and bf16 last stages of the tiny model). So the liar's chain and the
    closest honest chain are also compared at other positions (``recheck``: the generation's earlier trips and a few
@@ -250,19 +252,35 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
     if len(main) > 1:  # its neighbours in the disputed chains may be the ones lying, only beside it (framing)
         base = main if in_main else alt
         i = _ids(base).index(liar)
-        company = [referee(offers, stage, exclude={*_ids(main), *_ids(alt), *exclude}) if j != i else stage
-                   for j, stage in enumerate(base)]
-        if any(o is None for o in company):
-            return Verdict(None, f"{liar} {reason}, but no chain of peers outside the disputed chains can confirm "
-                           "it (a ban needs a third peer at every other range): not banned", honest, runs,
-                           disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar, observations=tuple(obs))
-        outside = [o for o in company if o is not None]
-        for k in range(OUTSIDE_TRIES):  # a noisy liar does not lie visibly every time
-            ans = await observe(outside, again=k > 0)
-            if ans is not None and ans != honest:
-                reason += f", and {_show(ans)} beside peers outside the disputed chains"
+        stand_in = (alt if in_main else main)[i]  # its position's peer in the chain that answered honestly
+        shunned = {*_ids(main), *_ids(alt), *exclude}
+        confirmed, k = False, 0
+        while not confirmed and k < OUTSIDE_TRIES:
+            company = [referee(offers, stage, exclude=shunned) if j != i else stage for j, stage in enumerate(base)]
+            if any(o is None for o in company):
+                why = ("no chain of peers outside the disputed chains can confirm it (a ban needs a third peer at "
+                       "every other range)" if k == 0 else "no company outside the disputed chains that answers "
+                       "honestly without it is left")
+                return Verdict(None, f"{liar} {reason}, but {why}: not banned", honest, runs,
+                               disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar,
+                               observations=tuple(obs))
+            outside = [o for o in company if o is not None]
+            while k < OUTSIDE_TRIES:  # a noisy liar does not lie visibly every time
+                ans = await observe(outside, again=k > 0)
+                k += 1
+                if ans is None or ans == honest:
+                    continue
+                # the company must answer honestly with the stand-in in the suspect's place: else it lies on its
+                # own (another liar of another range, not yet banned), and proves nothing about the suspect (a
+                # soak's honest first stage was banned beside a constant liar that had joined under a fresh key)
+                control = await observe([*outside[:i], stand_in, *outside[i + 1:]], again=True)
+                if control == honest:
+                    reason += f", and {_show(ans)} beside peers outside the disputed chains"
+                    confirmed = True
+                else:
+                    shunned |= {o.peer_id for j, o in enumerate(outside) if j != i}
                 break
-        else:
+        if not confirmed:
             return Verdict(None, f"{liar} {reason}, but answered {_show(honest)} beside peers outside the disputed "
                            "chains: its neighbours there may lie beside it alone; nobody banned", honest, runs,
                            disputed=frozenset(_ids(main)) | frozenset(_ids(alt)), liar_in_main=in_main,
@@ -270,7 +288,7 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
     if recheck is not None:  # one position is not enough: honest numerics (another dtype, device) flip near-ties
         by_id = {o.peer_id: o for o in [*offers, *main, *alt]}
         bad_route = next(r for r, ans in obs if liar in r and ans != honest)
-        good_route = max((r for r, ans in obs if liar not in r),
+        good_route = max((r for r, ans in obs if liar not in r and ans == honest),
                          key=lambda r: sum(a == b for a, b in zip(r, bad_route)))  # the closest honest chain
         runs += 2
         try:
