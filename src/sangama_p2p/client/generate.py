@@ -274,6 +274,10 @@ class ChainClient:
                     fresh_misses, max_age = 1, 0.0  # machine: tests/stage/test_lane_flood.py once): once more,
                     retry_slow = True  # the peers whose probes were late asked again
                     continue
+                if type(exc) is RouteError and self.survey_facts.records > len(offers):
+                    late = sum(map(self._still_slow, self.slow))
+                    raise RouteError(f"{exc}; the last survey found {self.survey_facts.records} records, of which "
+                                     f"{len(offers)} peers answered their probes ({late} late)") from exc
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
                                    step_timeout=self.config.step_timeout, stall_factor=self.config.stall_factor,

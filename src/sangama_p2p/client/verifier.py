@@ -166,7 +166,9 @@ class TripVerifier:
             offers = self._chainable(await self.client.survey(max_age=0.0, retry_slow=True), session)
             alt = await self._second_chain(session, offers, banned)
         if alt is None:
-            self._not_confirmed(session, f"no second chain of other peers ({len(offers)} offers)")
+            facts, late = self.client.survey_facts, sum(map(self.client._still_slow, self.client.slow))
+            self._not_confirmed(session, f"no second chain of other peers ({len(offers)} chainable offers of "
+                                f"{facts.records} records; {late} peers late to their probes)")
             return
         while True:
             pos = min(self.alt_pos, start)
@@ -252,7 +254,7 @@ class TripVerifier:
         await self._drop_alt()
         t0 = time.perf_counter()
         verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned, recheck=recheck,
-                                  rechecks=2 * RECHECKS)
+                                  rechecks=2 * RECHECKS, rng=self.rng)
         self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, time.perf_counter() - t0))
         if verdict.liar is None:
             log.warning("trip %d: %s", self.trip, verdict.reason)
@@ -311,7 +313,7 @@ class TripVerifier:
             if same and not clash:
                 return alt
             await self._drop_alt()
-        route = alternate_route(offers, main, exclude=banned | self.skip)
+        route = alternate_route(offers, main, exclude=banned | self.skip, rng=self.rng)
         if route is None:
             return None
         alt = self._session(route)

@@ -20,12 +20,14 @@ peers is wrong, and :func:`find_liar` finds which by mixing the chains:
    change the tokens every time, an honest chain always answers the same), a few rounds at most.
 6. Before a verdict, the liar's own chain is run once more with a third peer in its place, where one exists: that
    chain must give the honest answer too (two liars at once could otherwise make an honest peer look like the one).
-   And the liar must lie beside peers *outside* both disputed chains too (a referee at every other range, up to
-   :data:`OUTSIDE_TRIES` runs): colluders that lie only beside an honest neighbour make it look like the one liar
-   in every mix of the two chains, and are not believed. That company must itself answer honestly with the
-   suspect's stand-in (the peer of the honest chain) in its place, else it is lying on its own and proves nothing
-   (a referee that is another liar, not yet banned). Without referees at the other ranges nobody is banned (the
-   suspect is routed around, and its trip is not kept).
+   And the liar must lie beside peers *outside* both disputed chains too: up to :data:`OUTSIDE_COMPANIES`
+   disjoint companies (a peer at every other range, drawn at random: a boast of speed does not make a judge), each
+   run with it up to :data:`OUTSIDE_TRIES` times. Colluders that lie only beside an honest neighbour make it look
+   like the one liar in every mix of the two chains; a company counts against the suspect only when it answers
+   honestly with the suspect's stand-in (the honest chain's peer) in its place - else it lies on its own (another
+   liar, not yet banned) and proves nothing - and the suspect is banned only when it lied beside more companies
+   than it answered honestly beside: framers must outnumber the honest peers of the other ranges. Without
+   referees at the other ranges nobody is banned (the suspect is routed around, and its trip is not kept).
 7. One position is not proof: honest peers computing in another dtype or on another device flip near-ties now and
    then (measured: 1 of 240 trips between fp32 and bf16 last stages of the tiny model). So the liar's chain and the
    closest honest chain are also compared at other positions (``recheck``: the generation's earlier trips and a few
@@ -60,8 +62,13 @@ PUBLIC_FRACTION = 0.05
 """The fraction of trips verified by default in a public swarm (no fleet secret); a private fleet verifies none."""
 
 OUTSIDE_TRIES = 5
-"""Runs of a suspect among peers outside the disputed chains before it counts as honest there (a noisy liar does not
-change the tokens every time)."""
+"""Runs of a suspect beside one company of peers outside the disputed chains before it counts as honest there (a
+noisy liar does not change the tokens every time)."""
+
+OUTSIDE_COMPANIES = 4
+"""Companies of peers outside the disputed chains (disjoint, drawn at random) beside which a suspect is run: it is
+banned only when it lied beside more of them than it answered honestly beside (framers must outnumber the honest
+peers of the other ranges)."""
 
 Route = Sequence[RouteCandidate]
 Answer = tuple[int, ...]
@@ -86,10 +93,12 @@ def _cost(o: RouteCandidate) -> float:
     return step_cost(o) + (o.rtt if o.rtt is not None else 0.05)
 
 
-def alternate_route(offers: Sequence[RouteCandidate], route: Route, *,
-                    exclude: Collection[str] = ()) -> list[RouteCandidate] | None:
+def alternate_route(offers: Sequence[RouteCandidate], route: Route, *, exclude: Collection[str] = (),
+                    rng: random.Random | None = None) -> list[RouteCandidate] | None:
     """A chain over the same ranges as ``route`` with another peer at every position (none of ``route``'s, none of
-    ``exclude``), the cheapest per position; None when some range has no other peer."""
+    ``exclude``), the cheapest per position, or with ``rng`` one drawn at random (a verifier's: liars that boast of
+    their speed win the generation's chain, and must not win its check too - two noisy liars chained in both
+    answered alike in the liar soak); None when some range has no other peer."""
     used = {o.peer_id for o in route}
     alt: list[RouteCandidate] = []
     for stage in route:
@@ -97,7 +106,8 @@ def alternate_route(offers: Sequence[RouteCandidate], route: Route, *,
                    and o.peer_id not in exclude]
         if not options:
             return None
-        best = min(options, key=lambda o: (_cost(o), o.peer_id))
+        best = (min(options, key=lambda o: (_cost(o), o.peer_id)) if rng is None
+                else rng.choice(sorted(options, key=lambda o: o.peer_id)))
         alt.append(best)
         used.add(best.peer_id)
     return alt
@@ -117,6 +127,29 @@ def referee(offers: Sequence[RouteCandidate], stage: RouteCandidate, *,
     """A third peer for ``stage``'s range (none of ``exclude``), the cheapest; None if there is none."""
     options = [o for o in offers if (o.start, o.end) == (stage.start, stage.end) and o.peer_id not in exclude]
     return min(options, key=lambda o: (_cost(o), o.peer_id)) if options else None
+
+
+def _companies(offers: Sequence[RouteCandidate], base: Route, i: int, shunned: Collection[str],
+               rng: random.Random) -> list[list[RouteCandidate]]:
+    """Up to :data:`OUTSIDE_COMPANIES` chains like ``base`` with other peers (none of ``shunned``) at every position
+    but ``i``, each peer in at most one, in a random order (a peer's boast of speed does not make it a judge); none
+    when some other position has no such peer."""
+    pools = []
+    for j, stage in enumerate(base):
+        if j == i:
+            continue
+        pool = sorted((o for o in offers if (o.start, o.end) == (stage.start, stage.end) and o.peer_id not in shunned),
+                      key=lambda o: o.peer_id)
+        if not pool:
+            return []
+        rng.shuffle(pool)
+        pools.append(pool)
+    n = min(OUTSIDE_COMPANIES, *(len(p) for p in pools))
+    out = []
+    for c in range(n):
+        others = iter([p[c] for p in pools])
+        out.append([stage if j == i else next(others) for j, stage in enumerate(base)])
+    return out
 
 
 Observations = Sequence[tuple[tuple[str, ...], Answer]]
@@ -175,7 +208,7 @@ def _show(answer: Answer | None) -> str:
 async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt: Route,
                     offers: Sequence[RouteCandidate], *, exclude: Collection[str] = (), rounds: int = 3,
                     recheck: Callable[[Route, Route], Awaitable[tuple[Sequence[Answer], Sequence[Answer]]]]
-                    | None = None, rechecks: int = 10) -> Verdict:
+                    | None = None, rechecks: int = 10, rng: random.Random | None = None) -> Verdict:
     """Find the one peer whose answers differ from the others': re-run the trip on ``main`` and ``alt``, on every
     one-stage swap between them (both ways), then, while several peers stay suspect (at most ``rounds`` times),
     on main with a referee at each suspect's position and once more on the other chain holding each suspect (a
@@ -187,6 +220,7 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
     docstring."""
     obs: list[tuple[tuple[str, ...], Answer]] = []
     runs = 0
+    rng = rng or random.Random(0)
 
     async def observe(route: Route, *, again: bool = False) -> Answer | None:
         nonlocal runs
@@ -249,50 +283,59 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
     reason = (f"answered {', '.join(_show(x) for x in lied)} where {sum(liar not in r for r, _ in obs)} chains "
               f"without it answered {_show(honest)}")
     in_main = liar in _ids(main)
+    lied = []
     if len(main) > 1:  # its neighbours in the disputed chains may be the ones lying, only beside it (framing)
         base = main if in_main else alt
         i = _ids(base).index(liar)
         stand_in = (alt if in_main else main)[i]  # its position's peer in the chain that answered honestly
-        shunned = {*_ids(main), *_ids(alt), *exclude}
-        confirmed, k = False, 0
-        while not confirmed and k < OUTSIDE_TRIES:
-            company = [referee(offers, stage, exclude=shunned) if j != i else stage for j, stage in enumerate(base)]
-            if any(o is None for o in company):
-                why = ("no chain of peers outside the disputed chains can confirm it (a ban needs a third peer at "
-                       "every other range)" if k == 0 else "no company outside the disputed chains that answers "
-                       "honestly without it is left")
-                return Verdict(None, f"{liar} {reason}, but {why}: not banned", honest, runs,
-                               disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar,
-                               observations=tuple(obs))
-            outside = [o for o in company if o is not None]
-            while k < OUTSIDE_TRIES:  # a noisy liar does not lie visibly every time
-                ans = await observe(outside, again=k > 0)
-                k += 1
-                if ans is None or ans == honest:
-                    continue
-                # the company must answer honestly with the stand-in in the suspect's place: else it lies on its
-                # own (another liar of another range, not yet banned), and proves nothing about the suspect (a
-                # soak's honest first stage was banned beside a constant liar that had joined under a fresh key)
-                control = await observe([*outside[:i], stand_in, *outside[i + 1:]], again=True)
-                if control == honest:
-                    reason += f", and {_show(ans)} beside peers outside the disputed chains"
-                    confirmed = True
-                else:
-                    shunned |= {o.peer_id for j, o in enumerate(outside) if j != i}
-                break
-        if not confirmed:
-            return Verdict(None, f"{liar} {reason}, but answered {_show(honest)} beside peers outside the disputed "
-                           "chains: its neighbours there may lie beside it alone; nobody banned", honest, runs,
+        companies = _companies(offers, base, i, {*_ids(main), *_ids(alt), *exclude}, rng)
+        if not companies:
+            return Verdict(None, f"{liar} {reason}, but no chain of peers outside the disputed chains can confirm "
+                           "it (a ban needs a third peer at every other range): not banned", honest, runs,
+                           disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar, observations=tuple(obs))
+        lied: list[tuple[list[RouteCandidate], list[RouteCandidate], Answer]] = []  # (with it, control, its lie)
+        clean = 0  # companies beside which it answered honestly every time
+        for n, company in enumerate(companies):
+            left = len(companies) - n
+            if len(lied) > clean + left or clean >= len(lied) + left:
+                break  # decided either way
+            with_it = [*company[:i], base[i], *company[i + 1:]]
+            ans = None
+            for k in range(OUTSIDE_TRIES):  # a noisy liar does not lie visibly every time
+                ans = await observe(with_it, again=k > 0)
+                if ans is not None and ans != honest:
+                    break
+            if ans is None or ans == honest:
+                clean += 1
+                continue
+            # the company must answer honestly with the stand-in in the suspect's place (twice: a noisy liar leaves
+            # the tokens alone now and then), else it lies on its own - a liar of another range not yet banned -
+            # and proves nothing either way (a soak's honest first stage was banned beside a constant liar that had
+            # just joined under a fresh key)
+            control = [*company[:i], stand_in, *company[i + 1:]]
+            controls = [await observe(control, again=True) for _ in range(2)]
+            if all(c == honest for c in controls):
+                lied.append((with_it, control, ans))
+        if not lied or len(lied) <= clean:
+            return Verdict(None, f"{liar} {reason}, but answered {_show(honest)} beside {clean} of "
+                           f"{clean + len(lied)} companies of peers outside the disputed chains: its neighbours may "
+                           "lie beside it alone (framing); nobody banned", honest, runs,
                            disputed=frozenset(_ids(main)) | frozenset(_ids(alt)), liar_in_main=in_main,
                            suspect=liar, observations=tuple(obs))
+        reason += (f", and {_show(lied[0][2])} beside peers outside the disputed chains ({len(lied)} of "
+                   f"{clean + len(lied)} companies that answer honestly without it)")
     if recheck is not None:  # one position is not enough: honest numerics (another dtype, device) flip near-ties
         by_id = {o.peer_id: o for o in [*offers, *main, *alt]}
-        bad_route = next(r for r, ans in obs if liar in r and ans != honest)
-        good_route = max((r for r, ans in obs if liar not in r and ans == honest),
-                         key=lambda r: sum(a == b for a, b in zip(r, bad_route)))  # the closest honest chain
+        if lied:  # beside a company shown honest without it: the two chains differ at the suspect alone
+            bad, good = lied[0][0], lied[0][1]
+        else:
+            bad_route = next(r for r, ans in obs if liar in r and ans != honest)
+            good_route = max((r for r, ans in obs if liar not in r and ans == honest),
+                             key=lambda r: sum(a == b for a, b in zip(r, bad_route)))  # the closest honest chain
+            bad, good = [by_id[p] for p in bad_route], [by_id[p] for p in good_route]
         runs += 2
         try:
-            bad_at, good_at = await recheck([by_id[p] for p in bad_route], [by_id[p] for p in good_route])
+            bad_at, good_at = await recheck(bad, good)
         except SangamaError:
             bad_at, good_at = [], []
         pairs = list(zip(bad_at, good_at))[:rechecks]
