@@ -170,7 +170,8 @@ def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt,
                 for a, b in split:
                     await f.add_stage(a, b, ckpt=other, batch_invariant=True)
                 pin = checkpoint_identity(ckpt).fingerprint  # chain the fleet's own checkpoint
-                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0, fingerprint=pin)) as client:
+                config = ClientConfig(MODEL, verify=1.0, fingerprint=pin, max_verify_reroutes=2)
+                async with ChainClient(f.clients[0], config) as client:
                     with pytest.raises(RouteError, match="could not be verified") as strict:
                         await client.generate(PROMPT, N)
                     assert client.verification.refused >= 1 and not client.verification.banned()
@@ -180,7 +181,7 @@ def test_a_spare_of_another_checkpoint_is_never_a_verifier_so_never_banned(ckpt,
                     return res, client, strict.value
 
     res, client, strict = trio.run(main)
-    assert "no second chain of other peers" in str(strict), strict
+    assert "no second chain of other peers" in str(strict) and "2 re-routes for verification" in str(strict), strict
     v = client.verification
     assert res.tokens == want and not v.banned() and not v.events
     assert v.verified == 0 and v.unverifiable == v.trips == N

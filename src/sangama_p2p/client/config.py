@@ -22,7 +22,8 @@ class ClientConfig:
     (:func:`sangama_p2p.model.fingerprint.checkpoint_identity`); only peers of that fingerprint are chained (None:
     the fingerprint group chosen by :func:`sangama_p2p.net.lineup.choose_lineup`). ``step_timeout``: a trip that
     takes longer counts as a failed stage (the client probes the chain, re-routes and replays). ``max_failovers``: re-routes per generation before
-    giving up with :class:`~sangama_p2p.errors.RouteError`. ``probe_timeout``: an ``/sangama/info/2`` round trip
+    giving up with :class:`~sangama_p2p.errors.RouteError`; ``max_verify_reroutes``: those the verifier asks for
+    (a lie caught, a trip no other chain confirmed), counted apart. ``probe_timeout``: an ``/sangama/info/2`` round trip
     (RTT measurement, liveness probe; a new link that tries a lane first has ``lane_timeout`` more). ``rediscover``: ask the DHT again on every re-route (False: re-use the last
     survey minus the failed peers, which is faster and enough when spares were already announced).
     ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one;
@@ -40,7 +41,7 @@ class ClientConfig:
     secret). ``verify_strict``: a trip drawn for verification that no second chain confirmed (none could be
     opened, it failed, or the judging found nobody to tell the answers apart) is not kept - the generation goes back
     to its last verified token and continues on a chain around the one that gave it, and fails with
-    :class:`~sangama_p2p.errors.RouteError` after ``max_failovers`` such re-routes - instead of being kept and
+    :class:`~sangama_p2p.errors.RouteError` after ``max_verify_reroutes`` such re-routes - instead of being kept and
     counted unverified (None: strict at ``verify`` 1, where every token returned is then confirmed by two chains of
     distinct peers). A peer found lying is banned for ``ban_s`` seconds; ``bans_file``: where bans are kept between runs
     (``status`` shows them; None: in memory only). ``recover_s``: after a failover finds no chain (the only peer of a
@@ -56,6 +57,7 @@ class ClientConfig:
     open_timeout: float = 20.0
     probe_timeout: float = 3.0
     max_failovers: int = 4
+    max_verify_reroutes: int = 16
     rediscover: bool = True
     survey_max_age: float = 10.0
     max_step_tokens: int = 1024
@@ -85,8 +87,8 @@ class ClientConfig:
             raise RouteError("stall_factor must be >= 0 and stall_floor_s positive")
         if self.recover_s < 0 or self.recover_every_s <= 0:
             raise RouteError("recover_s must be >= 0 and recover_every_s positive")
-        if self.max_failovers < 0:
-            raise RouteError("max_failovers must be >= 0")
+        if self.max_failovers < 0 or self.max_verify_reroutes < 0:
+            raise RouteError("max_failovers and max_verify_reroutes must be >= 0")
         if self.max_step_tokens <= 0:
             raise RouteError("max_step_tokens must be positive")
         if self.verify is not None and (isinstance(self.verify, bool) or not isinstance(self.verify, (int, float))

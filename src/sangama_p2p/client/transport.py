@@ -59,6 +59,7 @@ class ChainTransport:
         self.exclude = exclude  # peers left out of this request's routes (dead, misbehaving, refusing)
         self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled, or that computed NaN/Inf
         self.non_finite_from: set[str] = set()  # peers whose hidden states a stage refused as NaN/Inf
+        self.verify_reroutes = 0  # re-routes the verifier asked for (a lie caught, a trip not confirmed)
         self.sent: list[Trip] = []  # the trips the session was sent and answered, in order (a verifier replays them)
         # a fraction of trips re-run on a second chain of other peers (client/verifier.py); None: not verifying
         self.verifier: TripVerifier | None = client.verification.start(params)
@@ -106,7 +107,7 @@ class ChainTransport:
             self.sent.append(trip)
         except ChainBroken as exc:
             bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
-            await self._fail_over(trip, exc, bad, exc.stalled)
+            await self._fail_over(trip, exc, bad, exc.stalled, verifying=exc.keep is not None)
             return [None if exc.keep is None else Rewind(exc.keep)]  # a verifier's catch: back to its tokens
         except NonFiniteHidden as exc:
             await self._fail_over(trip, exc, set(), self._non_finite(exc))
@@ -132,14 +133,21 @@ class ChainTransport:
         seen.add(producer)
         return frozenset({producer})
 
-    async def _fail_over(self, trip: Trip, exc: Exception, bad: set[str], stalled: frozenset[str]) -> None:
+    async def _fail_over(self, trip: Trip, exc: Exception, bad: set[str], stalled: frozenset[str], *,
+                         verifying: bool = False) -> None:
         """Re-route around ``bad`` (excluded) or, when nobody is known bad, around ``stalled`` (avoided where a
-        route without them exists), on a chain of the same fingerprint; the loop then replays."""
+        route without them exists), on a chain of the same fingerprint; the loop then replays. ``verifying``: the
+        verifier caught a lie or could not confirm a trip (counted against ``max_verify_reroutes``, not
+        ``max_failovers``: under attack each catch is progress, and the liars boasting the best chain come one by
+        one)."""
         client, config, result, session = self.client, self.client.config, self.result, self.session
         log.info("chain %s broke at trip %d: %s", session.peers, trip.number, exc)
         result.failovers += 1
+        self.verify_reroutes += verifying
         await session.close()
-        if result.failovers > config.max_failovers:
+        if verifying and self.verify_reroutes > config.max_verify_reroutes:
+            raise RouteError(f"gave up after {self.verify_reroutes - 1} re-routes for verification: {exc}") from exc
+        if result.failovers - self.verify_reroutes > config.max_failovers:
             raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
         self.exclude |= bad
         if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
