@@ -117,7 +117,7 @@ class Honest:
         try:
             res = await client.generate(PROMPTS[i], self.tokens, guesses=self.guesses)
         except Exception as exc:  # noqa: BLE001 - every failure of an honest generation is counted and reported
-            return None, f"{type(exc).__name__}: {str(exc)[:160]}", 0, 0
+            return None, f"{type(exc).__name__}: {str(exc)[:1000]}", 0, 0
         self.unverified += res.unverified_trips or 0
         return res.tokens, "", res.failovers, res.unverified_trips or 0
 

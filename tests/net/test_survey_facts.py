@@ -52,6 +52,38 @@ def test_a_survey_reports_who_answered_what_it_found_and_asks_authors_only_when_
     trio.run(main)
 
 
+def test_providers_whose_record_no_server_gave_are_asked_themselves_when_the_caller_says_so() -> None:
+    """Under load the DHT's GET_VALUEs time out: a liar soak's survey found 5 records of 11 providers, and the
+    client routed as if the other 6 did not exist. A caller that dials the providers anyway (the client's survey)
+    asks those it still trusts to answer for their own record; others ask only when no record was found at all."""
+    from sangama_p2p.net.records import record_key
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with swarm(3) as (boot, a, b):
+                for stage, (lo, hi) in ((a, (0, 4)), (b, (4, 8))):
+                    await Announcer(stage).update(ServingOffer("m", lo, hi, 1.0, 1, fingerprint="ab" * 16,
+                                                               num_layers=8))
+                lost = record_key("m", b.peer_id)
+                for node in (boot, a, b):  # every server lost b's record (the lookups of it all time out)
+                    assert node.dht is not None
+                    for key in list(node.dht.value_store.store):
+                        if lost in str(key):
+                            node.dht.value_store.remove(key)
+                async with open_host(config(bootstrap_addrs=(first_addr(boot),)), key_pair=generate_key_pair()) as c:
+                    plain = await find_serving_peers(c, "m")
+                    assert [r.peer_id for r in plain] == [str(a.peer_id)]
+                    asked: list[str] = []
+                    facts = SurveyFacts()
+                    both = await find_serving_peers(c, "m", facts=facts, ask_authors=lambda p: not asked.append(p))
+                    assert [r.peer_id for r in both] == [str(a.peer_id), str(b.peer_id)] and facts.from_authors
+                    assert asked == [str(b.peer_id)]  # only the one whose record was missing
+                    skipped = await find_serving_peers(c, "m", ask_authors=lambda p: False)
+                    assert [r.peer_id for r in skipped] == [str(a.peer_id)]
+
+    trio.run(main)
+
+
 def test_generate_names_the_cause_when_nobody_provides_the_model(tmp_path: Path) -> None:
     async def main(addr_out: list[str], stop: trio.Event) -> None:
         async with swarm(1) as (boot,):

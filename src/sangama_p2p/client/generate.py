@@ -142,8 +142,11 @@ class ChainClient:
     async def _survey(self, exclude: frozenset[str], retry_slow: bool) -> list[RouteCandidate]:
         pool = self._pool()
         facts = SurveyFacts()
-        records = await find_serving_peers(self.node, self.config.model_id,
-                                           include_self=self.local_stage is not None, facts=facts)
+        # providers whose record no DHT server gave are asked for it themselves (this survey dials them next
+        # anyway), unless they were silent or late to their last probe
+        records = await find_serving_peers(
+            self.node, self.config.model_id, include_self=self.local_stage is not None, facts=facts,
+            ask_authors=lambda peer: peer not in self.silent and (retry_slow or not self._still_slow(peer)))
         self.survey_facts = facts
         offers: list[RouteCandidate] = []
 

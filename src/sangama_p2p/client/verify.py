@@ -317,9 +317,11 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
             if all(c == honest for c in controls):
                 lied.append((with_it, control, ans))
         if not lied or len(lied) <= clean:
-            return Verdict(None, f"{liar} {reason}, but answered {_show(honest)} beside {clean} of "
-                           f"{clean + len(lied)} companies of peers outside the disputed chains: its neighbours may "
-                           "lie beside it alone (framing); nobody banned", honest, runs,
+            why = (f"answered {_show(honest)} beside {clean} of {clean + len(lied)} companies of peers outside the "
+                   "disputed chains: its neighbours may lie beside it alone (framing)" if clean else
+                   f"each of the {len(companies)} companies of peers outside the disputed chains tried lied without "
+                   "it too (none to judge it by)")
+            return Verdict(None, f"{liar} {reason}, but {why}; nobody banned", honest, runs,
                            disputed=frozenset(_ids(main)) | frozenset(_ids(alt)), liar_in_main=in_main,
                            suspect=liar, observations=tuple(obs))
         reason += (f", and {_show(lied[0][2])} beside peers outside the disputed chains ({len(lied)} of "

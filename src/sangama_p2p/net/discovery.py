@@ -219,10 +219,14 @@ class SurveyFacts:
 
 
 async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = True,
-                             fingerprint: str | None = None, facts: SurveyFacts | None = None) -> list[ServingRecord]:
+                             fingerprint: str | None = None, facts: SurveyFacts | None = None,
+                             ask_authors: Callable[[str], bool] | None = None) -> list[ServingRecord]:
     """Every live peer serving ``model_id`` with its newest valid record, sorted by layer range then peer id;
     ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with);
-    ``facts``: filled with what the survey found on its way."""
+    ``facts``: filled with what the survey found on its way. ``ask_authors``: which providers whose record no DHT
+    server gave to ask for it themselves even when others' records were found (a caller that dials them next
+    anyway, and knows which ones left: under load the DHT's GET_VALUEs time out, and a liar soak's surveys found 5
+    records of 11 providers); without it they are asked only when no record was found at all."""
     lookup = LookupFacts()
     providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)), facts=lookup)
     if not include_self:
@@ -255,15 +259,21 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     async with trio.open_nursery() as nursery:
         for peer in providers:
             nursery.start_soon(fetch, peer)
-    if providers and not found:
-        # providers but no record anywhere: no DHT server keeps ours (go-libp2p servers keep no /sangama/ values, and
-        # NATed authors are DHT clients that answer no GET_VALUE), so ask each provider for its own signed record.
-        # Not while any record was found: a departed provider would cost every survey a dial timeout.
-        log.info("no DHT server holds a record of the %d provider(s) of %r: asking them directly", len(providers),
-                 model_id)
+    missing = [p for p in providers if p.to_base58() not in found]
+    if missing and found and ask_authors is not None:
+        missing = [p for p in missing if ask_authors(p.to_base58())]
+    elif found:
+        missing = []
+    if missing:
+        # no DHT server gave these records: none keeps ours (go-libp2p servers keep no /sangama/ values, and NATed
+        # authors are DHT clients that answer no GET_VALUE), or the lookups timed out on a busy swarm, so ask each
+        # provider for its own signed record. Without ``ask_authors``, not while any record was found: a departed
+        # provider would cost every survey a dial timeout.
+        log.info("no DHT server gave the record of %d of the %d provider(s) of %r: asking them directly",
+                 len(missing), len(providers), model_id)
         facts.from_authors = True
         async with trio.open_nursery() as nursery:
-            for peer in providers:
+            for peer in missing:
                 nursery.start_soon(from_author, peer)
     facts.records = len(found)
     ours = [r for r in found.values() if fingerprint is None or r.fingerprint == fingerprint]
