@@ -83,3 +83,47 @@ def test_chain_on_cuda_equals_cpu_greedy(checkpoints: dict[str, Path], name: str
         held = [t for st in state.layers.values() for t in vars(st).values() if isinstance(t, torch.Tensor)]
         assert held and all(t.device.type == "cuda" for t in held)
     assert gpu_chain.generate([1, 2, 3, 4], 8).tokens == cpu.tokens
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("guesses", [0, 2])
+def test_sampled_generation_on_cuda_draws_and_repeats_with_its_seed(checkpoints: dict[str, Path],
+                                                                     guesses: int) -> None:
+    """Issue 30, item 3: the draws used a CPU generator on CUDA tensors (a sampled CUDA last stage failed). They are
+    made on the CPU now: a seeded sampled generation on cuda runs, with guesses too, and repeats itself."""
+    from sangama_p2p.model.chain import LocalChain
+    from sangama_p2p.model.checkpoint import open_checkpoint
+    from sangama_p2p.model.sampling import SamplingParams
+    from sangama_p2p.model.spec import parse_stages
+
+    ckpt = open_checkpoint(checkpoints["made-qwen"], need_tokenizer=False)
+    n = ckpt.spec.num_layers
+    chain = LocalChain.load(ckpt, parse_stages(f"0:{n // 2},{n // 2}:{n}", n), device=resolve_device("cuda:0"))
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    first = chain.generate([1, 2, 3, 4], 12, sampling, guesses=guesses).tokens
+    assert len(first) == 12
+    assert chain.generate([1, 2, 3, 4], 12, sampling, guesses=guesses).tokens == first
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_a_cuda_stage_budgets_its_caches_from_the_device_free_memory() -> None:
+    from sangama_p2p.stage.config import CPU_MEMORY_BUDGET, GPU_BUDGET_SHARE, default_memory_budget
+
+    free, _ = torch.cuda.mem_get_info(0)
+    budget = default_memory_budget(resolve_device("cuda:0"))
+    assert budget > CPU_MEMORY_BUDGET and abs(budget - GPU_BUDGET_SHARE * free) < 0.05 * free
+
+
+def test_only_a_cpu_stage_runs_short_steps_on_its_event_loop() -> None:
+    """Issue 30, item 3: a CUDA step ends in a device synchronisation, which blocked the trio thread."""
+    from types import SimpleNamespace
+
+    from sangama_p2p.stage.config import StageConfig
+    from sangama_p2p.stage.server import _inline_max_s
+
+    config = StageConfig("m", 0, 4, inline_step_s=0.01)
+    assert _inline_max_s(SimpleNamespace(device=torch.device("cpu")), config) == 0.01
+    assert _inline_max_s(SimpleNamespace(device=torch.device("cuda", 0)), config) == 0.0
+    assert _inline_max_s(SimpleNamespace(), config) == 0.01

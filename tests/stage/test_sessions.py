@@ -196,3 +196,15 @@ def test_each_peer_is_held_to_its_quota_and_idle_sessions_expire(stages):
     assert t.expire_idle(now + 9.5) == [] and t.sessions
     with pytest.raises(StageError):
         StageConfig(MODEL, 0, 4, session_idle_s=0)
+
+
+def test_an_unset_memory_budget_comes_from_the_device(stages):
+    """Issue 30, item 3: the budget was a fixed 1 GiB, on a 96 GB card too. Unset, a CPU stage keeps 1 GiB and a
+    CUDA stage takes 90% of the device's free memory once its weights are loaded (tests/model/test_device.py)."""
+    from sangama_p2p.stage.config import CPU_MEMORY_BUDGET, default_memory_budget
+
+    first, _ = stages
+    assert SessionTable(first, StageConfig(MODEL, 0, 4)).memory_budget == CPU_MEMORY_BUDGET == default_memory_budget("cpu")
+    assert SessionTable(first, StageConfig(MODEL, 0, 4, memory_budget=12345)).memory_budget == 12345
+    with pytest.raises(StageError, match="memory_budget must be positive"):
+        StageConfig(MODEL, 0, 4, memory_budget=0)

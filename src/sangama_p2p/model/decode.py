@@ -278,7 +278,7 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
             if dec.sampling.greedy:
                 g, q = best[b], None
             else:
-                q = token_probs(lg[b], dec.sampling)
+                q = token_probs(lg[b], dec.sampling).float().cpu()  # drawn on the CPU (its generator's device)
                 g = int(torch.multinomial(q, 1, generator=dec.generator))
             conf = math.exp(float(lg[b, g]) - lse[b]) if lse is not None else 1.0
             if not dec.policy.keep_drafting(len(got[a]), conf):

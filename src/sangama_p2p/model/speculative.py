@@ -48,9 +48,13 @@ def accept_guesses(
         return AcceptResult(n, tuple(guesses[:n]) + (best[n],))
     if k and (draft_probs is None or draft_probs.shape[0] != k):
         raise ModelError("sampling with guesses needs the draft distribution of every guess")
-    p = token_probs(logits, params)  # [k+1, V]
+    # the draws are made on the CPU, with the CPU generator seeded per position (model/sampling.position_seed):
+    # torch draws with a CPU generator on CPU tensors only, so a CUDA last stage sampled nothing; and the same
+    # probabilities then give the same tokens on every device
+    p = token_probs(logits, params).float().cpu()  # [k+1, V]
+    drafts = draft_probs.float().cpu() if k else None  # type: ignore[union-attr]
     for j, g in enumerate(guesses):
-        q = draft_probs[j]  # type: ignore[index]
+        q = drafts[j]  # type: ignore[index]
         ratio = float(p[j, g]) / max(float(q[g]), 1e-30)
         u = float(torch.rand((), generator=generator))
         if u < ratio:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import StageError
 from ..wire.framing import DEFAULT_MAX_FRAME
@@ -19,7 +20,8 @@ class StageConfig:
     ``model_id`` is the swarm-wide name of the model (what clients search the DHT for); ``start``/``end`` the layer
     range ``[start, end)``. ``memory_budget`` bounds the bytes of every session's caches together: an
     ``OpenSession`` that would exceed it (or ``max_sessions``) is refused with ``ErrorCode.CAPACITY`` while running
-    sessions continue. ``max_batch_sessions``/``max_batch_tokens`` bound one batched compute step.
+    sessions continue (None: :func:`default_memory_budget` - on a GPU 90% of what its memory has free once the
+    weights are loaded, on the CPU 1 GiB). ``max_batch_sessions``/``max_batch_tokens`` bound one batched compute step.
     ``wire_dtype`` is the dtype of hidden states sent to the next stage (fp32 keeps tokens identical to the local
     chain; bf16 halves the bytes). ``announce`` publishes a DHT record (layer range, measured throughput, free
     sessions) and refreshes it every ``announce_every`` seconds while the load changes.
@@ -28,7 +30,8 @@ class StageConfig:
     firewall) and use them towards the next stage (set up within ``lane_timeout`` seconds, else libp2p streams).
     ``fused``: repack quantized GGUF weights once at load for fused kernels (False: dequantize them on every use).
     ``inline_step_s``: decode-like steps run on the event loop's thread instead of the compute thread while they
-    take at most this long (smoothed), which saves two thread hand-offs a step (0: always the compute thread).
+    take at most this long (smoothed), which saves two thread hand-offs a step (0: always the compute thread;
+    CPU stages only: a CUDA step ends waiting for the device, which would block the stage's streams).
     Bounds against one peer taking the stage: ``max_sessions_per_peer`` sessions open per peer id (0: a quarter of
     ``max_sessions``, at least 1), ``max_sessions_per_address`` per client IP address whatever its peer ids (0: the
     per-peer quota) and ``max_sessions_per_network`` per /24 (IPv4) or /64 (IPv6) (0: twice that; neither counts
@@ -55,7 +58,7 @@ class StageConfig:
     batch_invariant: bool = False
     fused: bool = True
     max_sessions: int = 64
-    memory_budget: int = 1 << 30
+    memory_budget: int | None = None
     max_session_length: int = 8192
     typical_session_length: int = 1024  # sizes the "free sessions" figure announced to clients
     max_guesses: int = 8
@@ -93,7 +96,7 @@ class StageConfig:
             raise StageError(f"bad layer range [{self.start}, {self.end})")
         for name in ("max_sessions", "memory_budget", "max_session_length", "typical_session_length",
                      "max_batch_sessions", "max_batch_tokens"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise StageError(f"{name} must be positive")
         if not 0 <= self.max_guesses <= MAX_GUESSES:
             raise StageError(f"max_guesses must be in 0..{MAX_GUESSES}")
@@ -141,3 +144,24 @@ class StageConfig:
 
     def replace(self, **changes: object) -> StageConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+CPU_MEMORY_BUDGET = 1 << 30
+"""The sessions' cache budget of a CPU stage when none is configured (RAM is shared with everything else)."""
+
+GPU_BUDGET_SHARE = 0.9
+"""The share of a GPU's free memory (after the weights) a stage gives its sessions' caches when no budget is
+configured; the rest stays for activations of a batched step."""
+
+
+def default_memory_budget(device: Any) -> int:
+    """The sessions' cache budget for a stage whose weights are loaded on ``device``: on CUDA
+    :data:`GPU_BUDGET_SHARE` of the device's free memory (an 82 GB stage on a 96 GB card has ~14 GB for caches, not
+    the fixed 1 GiB it once had), else :data:`CPU_MEMORY_BUDGET`."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return max(1, int(GPU_BUDGET_SHARE * free))
+    return CPU_MEMORY_BUDGET

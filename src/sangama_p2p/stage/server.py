@@ -85,7 +85,7 @@ class StageServer:
         self.table = SessionTable(model, config, identity.fingerprint if identity is not None else None)
         self.scheduler = Scheduler(model, self._deliver, max_batch_sessions=config.max_batch_sessions,
                                    max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
-                                   inline_max_s=config.inline_step_s)
+                                   inline_max_s=_inline_max_s(model, config))
         self._nursery: trio.Nursery | None = None
         self._nursery_cm: Any = None
         self._retired = False  # a successor stage took over the node's handlers (retire)
@@ -438,3 +438,11 @@ class StageServer:
         return await open_stage_stream(self.node, self.lanes, peer, model_id=self.config.model_id,
                                        timeout=self.config.next_hop_timeout, max_frame=self.config.max_frame,
                                        budget=self.input_budget)
+
+
+def _inline_max_s(model: Any, config: StageConfig) -> float:
+    """Short steps run on the event loop's thread on a CPU stage only: a CUDA step ends in a device synchronisation
+    (its tokens or hidden states copied to the host), which would block every stream of the stage meanwhile."""
+    device = getattr(model, "device", None)
+    kind = getattr(device, "type", str(device).split(":")[0]) if device is not None else "cpu"
+    return config.inline_step_s if kind == "cpu" else 0.0

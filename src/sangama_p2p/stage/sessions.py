@@ -30,7 +30,7 @@ from ..model.stage import StageModel
 from ..model.state import SessionState
 from ..positions import is_decode_step, next_start, ring_size
 from ..wire.messages import OpenSession
-from .config import StageConfig
+from .config import StageConfig, default_memory_budget
 
 __all__ = ["SessionTable", "StageSession", "TripClock"]
 
@@ -101,6 +101,9 @@ class SessionTable:
         self.config = config
         self.fingerprint = fingerprint  # this stage's checkpoint (None: not known, sessions' fingerprints unchecked)
         self.sessions: dict[bytes, StageSession] = {}
+        # the sessions' cache budget: configured, or from the device's free memory now that the weights are loaded
+        self.memory_budget = (config.memory_budget if config.memory_budget is not None
+                              else default_memory_budget(getattr(model, "device", None)))
         self.used_bytes = 0
         self.per_peer: dict[str, int] = {}  # owner -> sessions open
         self.per_source: dict[str, int] = {}  # "address A" / "network N" -> sessions open from there
@@ -110,7 +113,7 @@ class SessionTable:
     def free_sessions(self) -> int:
         """Sessions of ``typical_session_length`` positions (no guesses) the stage could still open."""
         per = max(self.model.session_bytes(min(self.config.typical_session_length, self._max_len()), 0), 1)
-        by_memory = (self.config.memory_budget - self.used_bytes) // per
+        by_memory = (self.memory_budget - self.used_bytes) // per
         return max(0, min(self.config.max_sessions - len(self.sessions), by_memory))
 
     def _max_len(self) -> int:
@@ -176,7 +179,7 @@ class SessionTable:
         cfg, model = self.config, self.model
         ring = ring_size(msg.max_guesses)
         need = model.session_bytes(msg.max_length, ring)
-        left = cfg.memory_budget - self.used_bytes
+        left = self.memory_budget - self.used_bytes
         try:
             state = model.new_session(msg.max_length, ring=ring, budget=left)
         except CapacityError as exc:
