@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 12, item 3), for a session that has a CUDA machine: at most ~8 minutes.
 #   1. the CUDA tests (pytest -m cuda; they skip, with the reason, where there is no GPU), among them torch's CUDA
-#      int4 kernel against the dequantized products of every GGUF type, and fused CUDA stages against CPU ones;
+#      int4 kernel against the dequantized products of every GGUF type, fused CUDA stages against CPU ones,
+#      seeded sampled generations on cuda (with guesses) and the sessions' budget from the device's free memory;
 #   2. a 3-stage fleet of the small made Qwen3.5-MoE in GGUF Q4_K on cuda: the int4 kernel across a real chain;
 #   3. a 3-stage fleet (16/16/16 layers) of a made Qwen3.5-MoE (qwen3_5_moe/mid: hidden 2048, 48 layers, 128 experts
 #      top-8, narrow experts; bfloat16 safetensors; set GGUF=Q4_K to make and run the Q4_K file too, through the
