@@ -208,6 +208,11 @@ class ChainClient:
         self.slow[peer] = (trio.current_time() + backoff, backoff)
         log.info("peer %s did not answer its probe within %.1f s: skipped for %.0f s", peer, self._probe_s, backoff)
 
+    @property
+    def late_peers(self) -> int:
+        """How many peers are skipped for now because their last probe was late (said in errors)."""
+        return sum(map(self._still_slow, self.slow))
+
     def _still_slow(self, peer: str) -> bool:
         late = self.slow.get(peer)
         return late is not None and trio.current_time() < late[0]
@@ -278,9 +283,8 @@ class ChainClient:
                     retry_slow = True  # the peers whose probes were late asked again
                     continue
                 if type(exc) is RouteError and self.survey_facts.records > len(offers):
-                    late = sum(map(self._still_slow, self.slow))
                     raise RouteError(f"{exc}; the last survey found {self.survey_facts.records} records, of which "
-                                     f"{len(offers)} peers answered their probes ({late} late)") from exc
+                                     f"{len(offers)} peers answered their probes ({self.late_peers} late)") from exc
                 raise
             session = ChainSession(self._pool(), route, params, open_timeout=self.config.open_timeout,
                                    step_timeout=self.config.step_timeout, stall_factor=self.config.stall_factor,

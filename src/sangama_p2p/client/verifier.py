@@ -166,9 +166,9 @@ class TripVerifier:
             offers = self._chainable(await self.client.survey(max_age=0.0, retry_slow=True), session)
             alt = await self._second_chain(session, offers, banned)
         if alt is None:
-            facts, late = self.client.survey_facts, sum(map(self.client._still_slow, self.client.slow))
             self._not_confirmed(session, f"no second chain of other peers ({len(offers)} chainable offers of "
-                                f"{facts.records} records; {late} peers late to their probes)")
+                                f"{self.client.survey_facts.records} records; {self.client.late_peers} peers late "
+                                "to their probes)")
             return
         while True:
             pos = min(self.alt_pos, start)

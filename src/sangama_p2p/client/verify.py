@@ -283,7 +283,7 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
     reason = (f"answered {', '.join(_show(x) for x in lied)} where {sum(liar not in r for r, _ in obs)} chains "
               f"without it answered {_show(honest)}")
     in_main = liar in _ids(main)
-    lied = []
+    confirmed: list[tuple[Route, Route, Answer]] = []  # (the suspect beside an outside company, its control, the lie)
     if len(main) > 1:  # its neighbours in the disputed chains may be the ones lying, only beside it (framing)
         base = main if in_main else alt
         i = _ids(base).index(liar)
@@ -293,13 +293,12 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
             return Verdict(None, f"{liar} {reason}, but no chain of peers outside the disputed chains can confirm "
                            "it (a ban needs a third peer at every other range): not banned", honest, runs,
                            disputed=frozenset({liar}), liar_in_main=in_main, suspect=liar, observations=tuple(obs))
-        lied: list[tuple[list[RouteCandidate], list[RouteCandidate], Answer]] = []  # (with it, control, its lie)
         clean = 0  # companies beside which it answered honestly every time
         for n, company in enumerate(companies):
             left = len(companies) - n
-            if len(lied) > clean + left or clean >= len(lied) + left:
+            if len(confirmed) > clean + left or clean >= len(confirmed) + left:
                 break  # decided either way
-            with_it = [*company[:i], base[i], *company[i + 1:]]
+            with_it = company  # the suspect at its own position
             ans = None
             for k in range(OUTSIDE_TRIES):  # a noisy liar does not lie visibly every time
                 ans = await observe(with_it, again=k > 0)
@@ -315,21 +314,21 @@ async def find_liar(run: Callable[[Route], Awaitable[Answer]], main: Route, alt:
             control = [*company[:i], stand_in, *company[i + 1:]]
             controls = [await observe(control, again=True) for _ in range(2)]
             if all(c == honest for c in controls):
-                lied.append((with_it, control, ans))
-        if not lied or len(lied) <= clean:
-            why = (f"answered {_show(honest)} beside {clean} of {clean + len(lied)} companies of peers outside the "
+                confirmed.append((with_it, control, ans))
+        if not confirmed or len(confirmed) <= clean:
+            why = (f"answered {_show(honest)} beside {clean} of {clean + len(confirmed)} companies of peers outside the "
                    "disputed chains: its neighbours may lie beside it alone (framing)" if clean else
                    f"each of the {len(companies)} companies of peers outside the disputed chains tried lied without "
                    "it too (none to judge it by)")
             return Verdict(None, f"{liar} {reason}, but {why}; nobody banned", honest, runs,
                            disputed=frozenset(_ids(main)) | frozenset(_ids(alt)), liar_in_main=in_main,
                            suspect=liar, observations=tuple(obs))
-        reason += (f", and {_show(lied[0][2])} beside peers outside the disputed chains ({len(lied)} of "
-                   f"{clean + len(lied)} companies that answer honestly without it)")
+        reason += (f", and {_show(confirmed[0][2])} beside peers outside the disputed chains ({len(confirmed)} of "
+                   f"{clean + len(confirmed)} companies that answer honestly without it)")
     if recheck is not None:  # one position is not enough: honest numerics (another dtype, device) flip near-ties
         by_id = {o.peer_id: o for o in [*offers, *main, *alt]}
-        if lied:  # beside a company shown honest without it: the two chains differ at the suspect alone
-            bad, good = lied[0][0], lied[0][1]
+        if confirmed:  # beside a company shown honest without it: the two chains differ at the suspect alone
+            bad, good = list(confirmed[0][0]), list(confirmed[0][1])
         else:
             bad_route = next(r for r, ans in obs if liar in r and ans != honest)
             good_route = max((r for r, ans in obs if liar not in r and ans == honest),
