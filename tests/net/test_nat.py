@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 from libp2p.peer.id import ID
 
+from sangama_p2p.net.holepunch import PUNCH_RETRY_S
 from sangama_p2p.net.identity import generate_key_pair, save_key_pair
 
 from .netns import LAN_IPS, NAT_WAN_IPS, PUBLIC_IP, RELAY_IP, Agent, NatLab, netns_unavailable_reason
@@ -124,7 +125,7 @@ def test_relayed_link_carries_frames_and_keeps_them_flowing_when_hole_punching_i
     first = c.call("echo", peer_id=dest, count=10, size=4096)
     assert first["link"]["text"] == f"relayed via {relay_id}"
     assert c.call("wait_direct", peer_id=dest, limit=6.0)["link"] is None  # the punch cannot get through
-    assert d.call("info")["punches"] == 1
+    assert 1 <= d.call("info")["punches"] <= 1 + len(PUNCH_RETRY_S)  # tried again while relayed, a bounded number
     again = c.call("echo", peer_id=dest, count=10, size=4096)
     assert again["link"]["text"] == f"relayed via {relay_id}"
     assert d.call("link", peer_id=c.endpoint.peer_id)["link"]["text"] == f"relayed via {relay_id}"

@@ -209,8 +209,7 @@ class ChainClient:
         log.info("peer %s did not answer its probe within %.1f s: skipped for %.0f s", peer, self._probe_s, backoff)
 
     @property
-    def late_peers(self) -> int:
-        """How many peers are skipped for now because their last probe was late (said in errors)."""
+    def late_peers(self) -> int:  # how many peers are skipped for now because their last probe was late
         return sum(map(self._still_slow, self.slow))
 
     def _still_slow(self, peer: str) -> bool:

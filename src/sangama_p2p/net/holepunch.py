@@ -45,6 +45,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+PUNCH_RETRY_S = (2.0, 6.0)
+"""Pauses before a failed hole punch is tried again (so at most three attempts per relayed link accepted). A punch that
+cannot succeed (port-randomising NATs, a firewall) costs the relayed link nothing but these few messages."""
+
 
 @dataclass(frozen=True)
 class LinkInfo:
@@ -161,12 +165,25 @@ class HolePuncher(DCUtRProtocol):
         self._nursery.start_soon(self._punch, peer_id)
 
     async def _punch(self, peer_id: ID) -> None:
-        try:
-            ok = await self.initiate_hole_punch(peer_id)
-        except Exception as exc:  # a failed punch only costs the upgrade; the relayed link stays
-            logger.info("hole punch to %s failed: %s", peer_id, exc)
-            return
-        logger.info("hole punch to %s %s", peer_id, "succeeded" if ok else "failed; staying relayed")
+        """Punch, and punch again after each of :data:`PUNCH_RETRY_S` while the link is still relayed only: the two
+        sides' simultaneous dials are timed by one measured round trip, and on a busy machine one can miss."""
+        for attempt, pause in enumerate((*PUNCH_RETRY_S, None), 1):
+            try:
+                ok = await self.initiate_hole_punch(peer_id)
+                why = "" if ok else "no direct connection"
+            except Exception as exc:  # a failed punch only costs the upgrade; the relayed link stays
+                ok, why = False, str(exc)
+            if ok:
+                logger.info("hole punch to %s succeeded (attempt %d)", peer_id, attempt)
+                return
+            if pause is None:
+                logger.info("hole punch to %s failed (%s); staying relayed after %d attempts", peer_id, why, attempt)
+                return
+            logger.info("hole punch to %s failed (%s); again in %.0f s", peer_id, why, pause)
+            await trio.sleep(pause)
+            info = link_info(self.host, peer_id)
+            if info is None or info.direct:  # gone, or direct after all (the other side's dial got through)
+                return
 
 
 @asynccontextmanager
