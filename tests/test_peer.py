@@ -18,6 +18,7 @@ from sangama_p2p.model.checkpoint import open_checkpoint
 from sangama_p2p.model.make import make_model
 from sangama_p2p.model.spec import LayerRange
 from sangama_p2p.net.config import HostConfig
+from sangama_p2p.net.discovery import find_serving_peers
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 SCHEMA = {"type": "object", "properties": {"id": {"enum": [1, 2, 3]}}, "required": ["id"], "additionalProperties": False}
@@ -120,6 +121,32 @@ def test_auto_and_own_chains_ignore_another_checkpoint_under_the_same_id(tiny: P
     assert seen["mine"] != seen["theirs"] and seen["pinned"] == seen["mine"]
     assert seen["tokens"] == expected and seen["route"] == [seen["b_id"]]
     assert set(seen["left"]) == {seen["a"]} and "differs from the local checkpoint" in seen["left"][seen["a"]].reason
+
+
+def test_auto_at_join_sees_the_gap_a_departed_peer_left_while_its_record_lives_on(tiny: Path, tmp_path: Path) -> None:
+    """The only 3:6 peer leaves; its record stays in the DHT up to its TTL (180 s). A peer joining with ``auto`` right
+    after asks the recorded peers what they serve (as the rebalancer does) and takes the gap, 3:6; before, it counted
+    the departed peer's record and took a spare elsewhere (the lab's churn run: the range that was left stayed empty
+    until a spare moved)."""
+    seen: dict = {}
+
+    async def main() -> None:
+        async with Peer(PeerConfig(host=host(tmp_path, "a"))) as a:
+            assert await a.serve(tiny, "0:3") == (0, 3)
+            boot = (a.addrs[0],)
+            async with Peer(PeerConfig(host=host(tmp_path, "c", boot))) as c:
+                assert await c.serve(tiny, "6:8") == (6, 8)
+                async with Peer(PeerConfig(host=host(tmp_path, "b", boot))) as b:
+                    assert await b.serve(tiny, "3:6") == (3, 6)
+                    seen["b"] = b.peer_id
+                async with Peer(PeerConfig(host=host(tmp_path, "d", boot))) as d:  # b's record is still there
+                    records = await find_serving_peers(d.node, "peer-tiny", include_self=False)
+                    seen["recorded"] = sorted((r.start, r.end) for r in records)
+                    seen["d"] = await d.serve(tiny, "auto")
+
+    trio.run(main)
+    assert seen["recorded"] == [(0, 3), (3, 6), (6, 8)]  # the departed peer's record lives on
+    assert seen["d"] == (3, 6)
 
 
 def test_config_with_model_serves_on_start(tiny: Path, tmp_path: Path) -> None:

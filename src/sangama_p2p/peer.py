@@ -49,11 +49,10 @@ from .net.node import Node
 from .net.traversal import Traversal, TraversalConfig
 from .placement.rebalance import thinnest_range
 from .stage.config import StageConfig
-from .stage.rebalance import Rebalancer
+from .stage.rebalance import Rebalancer, ask_ranges
 from .stage.server import StageServer
 
-# PeerConfig and default_model_id live in sangama_p2p.config; they are named here too because the peer is built on
-# them (``from sangama_p2p.peer import PeerConfig`` keeps working)
+# PeerConfig, default_model_id: from sangama_p2p.config, named here too (``from sangama_p2p.peer import PeerConfig``)
 __all__ = ["Generation", "Peer", "PeerConfig", "choose_layers", "default_model_id"]
 
 log = logging.getLogger(__name__)
@@ -288,7 +287,9 @@ class Peer:
         # only peers of our own checkpoint count: others will never be chained with us
         mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint if ckpt else None
         records = await find_serving_peers(self.node, model_id, include_self=False, fingerprint=mine)
-        return choose_layers([(r.start, r.end) for r in records], num_layers, span, [r.throughput for r in records])
+        live = await ask_ranges(self.node, records, model_id)  # a departed peer's record would hide its gap
+        records = [r for r in records if r.peer_id in live]
+        return choose_layers([live[r.peer_id] for r in records], num_layers, span, [r.throughput for r in records])
 
     @staticmethod
     async def _run_inside(resource: Any,

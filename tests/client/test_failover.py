@@ -114,6 +114,49 @@ def test_a_generation_waits_for_a_peer_to_cover_the_range_its_dead_stage_left(ck
     assert res.failovers == 1 and res.replay_diverged is None
 
 
+def test_a_fresh_request_during_the_gap_waits_for_a_spare_to_cover_it_and_one_without_a_spare_does_not(ckpt):
+    """A request that starts after the only 4:8 stage died, beside two 0:4 stages (the lab's churn run: a generation
+    started in the gap failed at once with 'nobody usable serves a range starting at layer 4' while a spare was about
+    to move): it waits, surveying every ``recover_every_s``, and ends with the tokens of a local run once a peer
+    serves 4:8 again. With 0:4 served once, nobody could move: the request fails at once, naming the gap."""
+    import pytest
+
+    from sangama_p2p.errors import RouteError
+
+    want = local_chain(ckpt, [(0, 4), (4, 8)]).generate(PROMPT, 12).tokens
+
+    async def main():
+        with trio.fail_after(90):
+            async with fleet(ckpt, [(0, 4), (0, 4), (4, 8)]) as f:
+                config = ClientConfig(MODEL, step_timeout=10, recover_s=30, recover_every_s=0.5)
+                async with ChainClient(f.clients[0], config) as client, trio.open_nursery() as nursery:
+                    await client.generate(PROMPT, 2)  # the client has surveyed the whole fleet
+                    f.kill(2)
+                    await trio.sleep(0.5)
+
+                    async def cover_later():
+                        await trio.sleep(3)
+                        await f.add_stage(4, 8)
+
+                    nursery.start_soon(cover_later)
+                    t0 = trio.current_time()
+                    res = await client.generate(PROMPT, 12)
+                    waited = trio.current_time() - t0
+                f.kill(0)  # 0:4 once now: nobody could leave it for a gap
+                f.kill(3)
+                async with ChainClient(f.clients[0], config) as client:
+                    t0 = trio.current_time()
+                    with pytest.raises(RouteError, match="layer 4"):
+                        await client.generate(PROMPT, 12)
+                    gave_up = trio.current_time() - t0
+        return res, waited, gave_up
+
+    res, waited, gave_up = trio.run(main)
+    assert res.tokens == want and res.failovers == 0
+    assert waited >= 2.5, waited  # it waited for the cover (3 s after the kill), not a stale record
+    assert gave_up < 10, gave_up
+
+
 def test_cancelled_generations_leave_the_shared_streams_healthy(ckpt):
     want = local_chain(ckpt, SPLIT).generate(PROMPT, 12, guesses=2).tokens
 

@@ -39,6 +39,7 @@ class ChainOpener(Protocol):
     peer_id: str
     active: dict[int, ChainSession]
     verification: Verification
+    offers: Sequence[RouteCandidate]  # the last survey's candidates
 
     async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float, pin: str | None = None,
                          avoid: frozenset[str] = frozenset()) -> ChainSession: ...
@@ -69,16 +70,19 @@ class ChainTransport:
     async def open(cls, client: ChainOpener, result: GenerationResult, max_new: int, temperature: float,
                    top_p: float, seed: int, max_guesses: int, adaptive: bool,
                    top_logprobs: int | None = None, grammar: str | None = None) -> ChainTransport:
-        """Route and open a session for ``result``'s request; raises RouteError or StageRefused."""
+        """Route and open a session for ``result``'s request; raises RouteError or StageRefused. When no chain
+        covers the model while some layer is served twice (the only peer of a range left and a spare may move there),
+        it waits for one as a failover does (:meth:`_reopen`)."""
         config, prompt = client.config, result.prompt_ids
         exclude: set[str] = set()  # open_chain adds the peers it had to leave out
+        deadline, max_age = trio.current_time() + config.recover_s, config.survey_max_age
         while True:
             params = SessionParams(config.model_id, client.peer_id,
                                    session_length(len(prompt), max_new, max_guesses),
                                    temperature, top_p, seed, max_guesses, adaptive, top_logprobs, grammar,
                                    len(prompt) if grammar is not None else 0)
             try:
-                session = await client.open_chain(params, exclude, config.survey_max_age)
+                session = await client.open_chain(params, exclude, max_age)
                 return cls(client, result, params, session, exclude)
             except StageRefused as exc:
                 if exc.code == ErrorCode.TOO_MANY_GUESSES and adaptive and max_guesses:
@@ -94,6 +98,12 @@ class ChainTransport:
                         f"{len(prompt)} tokens + {max_new} new tokens + {max_guesses} guesses + 1)", exc.code,
                         exc.peer) from exc
                 raise
+            except RouteError as exc:
+                if not _may_be_covered(client, exclude, exc, deadline):
+                    raise
+                log.info("no chain yet (%s): surveying again in %g s", exc, config.recover_every_s)
+                await trio.sleep(config.recover_every_s)
+                max_age = 0.0  # a fresh survey: the move shows in the mover's new record
 
     async def run(self, trips: Sequence[Trip]) -> list[Answer | Rewind | None]:
         """Carry the request's trip (one request per transport); ``[None]`` after a failover, ``[Rewind]`` after one
@@ -172,8 +182,7 @@ class ChainTransport:
                 return await client.open_chain(self.params, self.exclude, 0.0 if config.rediscover else math.inf,
                                                pin=fingerprint, avoid=self.avoid)
             except RouteError as exc:
-                live = [o for o in client.offers if o.peer_id not in self.exclude]
-                if trio.current_time() + config.recover_every_s > deadline or not _has_spare(live):
+                if not _may_be_covered(client, self.exclude, exc, deadline):
                     raise  # nobody could move to the range that was left: say so at once
                 log.info("no chain to continue on (%s): surveying again in %g s", exc, config.recover_every_s)
                 await trio.sleep(config.recover_every_s)
@@ -192,6 +201,14 @@ class ChainTransport:
                 await self.verifier.aclose()
         finally:
             await self.session.close()
+
+
+def _may_be_covered(client: ChainOpener, exclude: set[str], exc: RouteError, deadline: float) -> bool:
+    """Whether a request that found no chain (``exc``, a plain RouteError) should survey again: time is left before
+    ``deadline`` and some layer is served twice among the live peers, so a spare may move into the gap."""
+    live = [o for o in client.offers if o.peer_id not in exclude]
+    return (type(exc) is RouteError and trio.current_time() + client.config.recover_every_s <= deadline
+            and _has_spare(live))
 
 
 def _has_spare(offers: Sequence[RouteCandidate]) -> bool:

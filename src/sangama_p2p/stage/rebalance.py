@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from ..net.stage_stream import open_stage_stream
 from ..placement.rebalance import choose_move, first_mover
 from ..wire.messages import InfoRequest, InfoResponse
 
-__all__ = ["Move", "Rebalancer"]
+__all__ = ["Move", "Rebalancer", "ask_ranges"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,41 @@ class Move:
     new: Range
     reason: str
     at: float
+
+
+async def ask_ranges(node: Any, records: Sequence[Any], model_id: str, timeout: float = 5.0,
+                     lanes: LaneDialer | None = None) -> dict[str, Range]:
+    """Peer id -> the range each of ``records``' peers says it serves now (``InfoRequest`` over its stage stream, all
+    at once); a peer that does not answer within ``timeout`` is left out: a record outlives its peer by up to its
+    TTL. Used by the rebalancer's looks and by ``--layers auto`` at join (a range whose only peer just left must look
+    empty to a peer joining then)."""
+    found: dict[str, Range] = {}
+    lanes = lanes or LaneDialer(node, enabled=False)  # a probe is one frame each way: a libp2p stream will do
+
+    async def probe(rec: Any) -> None:
+        with trio.move_on_after(timeout):
+            try:
+                fs = await open_stage_stream(node, lanes, rec.peer_id, timeout=timeout, addrs=tuple(rec.addrs))
+            except SangamaError as exc:
+                log.debug("%s does not answer: %s", rec.peer_id, exc)
+                return
+            try:
+                await fs.send(InfoRequest())
+                info = await fs.recv()
+            except (SangamaError, trio.BrokenResourceError) as exc:
+                log.debug("%s did not say what it serves: %s", rec.peer_id, exc)
+                return
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await fs.aclose()
+            if (isinstance(info, InfoResponse) and info.peer == rec.peer_id and info.model_id == model_id
+                    and 0 <= info.start < info.end):
+                found[rec.peer_id] = (info.start, info.end)
+
+    async with trio.open_nursery() as nursery:
+        for rec in records:
+            nursery.start_soon(probe, rec)
+    return dict(sorted(found.items()))
 
 
 class Rebalancer:
@@ -84,33 +119,7 @@ class Rebalancer:
         """Peer id -> the range each other live peer of our fingerprint serves now (as it answers, not as
         recorded)."""
         records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint)
-        found: dict[str, Range] = {}
-
-        async def probe(rec: Any) -> None:
-            with trio.move_on_after(self.probe_timeout):
-                try:
-                    fs = await open_stage_stream(self.node, self._lanes, rec.peer_id, timeout=self.probe_timeout,
-                                                 addrs=tuple(rec.addrs))
-                except SangamaError as exc:
-                    log.debug("rebalance: %s does not answer: %s", rec.peer_id, exc)
-                    return
-                try:
-                    await fs.send(InfoRequest())
-                    info = await fs.recv()
-                except (SangamaError, trio.BrokenResourceError) as exc:
-                    log.debug("rebalance: %s did not say what it serves: %s", rec.peer_id, exc)
-                    return
-                finally:
-                    with trio.CancelScope(shield=True), trio.move_on_after(1):
-                        await fs.aclose()
-                if (isinstance(info, InfoResponse) and info.peer == rec.peer_id and info.model_id == self.model_id
-                        and 0 <= info.start < info.end):
-                    found[rec.peer_id] = (info.start, info.end)
-
-        async with trio.open_nursery() as nursery:
-            for rec in records:
-                nursery.start_soon(probe, rec)
-        return dict(sorted(found.items()))
+        return await ask_ranges(self.node, records, self.model_id, self.probe_timeout, self._lanes)
 
     async def check(self) -> Range | None:
         """The range to move to now, or None (one look at the swarm)."""
