@@ -103,13 +103,15 @@ class _Lines:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
+        self.seen: list[str] = []  # every line so far
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self._q.put(line.rstrip("\n"))
+            self.seen.append(line.rstrip("\n"))
+            self._q.put(self.seen[-1])
         self._q.put(None)
 
     def wait(self, prefix: str, timeout: float) -> str:
@@ -396,6 +398,169 @@ def part_recover(runs: int, tokens: int) -> dict[str, Any]:
     return out
 
 
+# -- part 4: a leave and a join under running generations, across the delay lab ------------------------------------
+CHURN_HOSTS = {"boot": "A", "client": "A", "p0": "A", "p1": "B", "p2": "C", "p3": "B", "p4": "C"}
+CHURN_RTT = {("A", "A"): 2, ("B", "B"): 2, ("C", "C"): 2, ("A", "B"): 20, ("A", "C"): 40, ("B", "C"): 20}
+
+
+def _churn(lab: Any, tiny: Path, expected: list[int], config: Path, tokens: int, t0: float,
+           gens: list[dict[str, Any]], events: dict[str, Any], group: Path) -> dict[str, str]:
+    """:func:`part_churn`'s run inside ``lab``: fills ``gens`` and ``events``, returns the ranges the peers joined."""
+    tmp = config.parent
+
+    def start(host: str, *args: str) -> _Lines:
+        err = (tmp / f"{host}.err").open("w")
+        return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=err, text=True))
+
+    boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "boot.key"))
+    boot = ""
+    while lab.ip["boot"] not in boot:
+        boot = boot_p.wait("  --bootstrap ", 60).split()[1]
+
+    def join(host: str) -> tuple[_Lines, str, str]:
+        p = start(host, "join", "--model", str(tiny), "--layers", "auto", "--config", str(config), "--bootstrap",
+                  boot, "--listen", "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{host}.key"), "--no-lanes",
+                  "--threads", "1")
+        ready = p.wait("ready ", 240).split()
+        return p, ready[1], ready[3]
+
+    peers = {h: join(h) for h in ("p0", "p1", "p2", "p3")}  # one after the other: each sees the ones before
+    ranges = {h: r for h, (_, _, r) in peers.items()}
+    spare_range = ranges["p3"]
+    victim = next(h for h in ("p0", "p1", "p2") if ranges[h] != spare_range)
+    stop = threading.Event()
+
+    streamed = [0]  # tokens the running generation has streamed so far
+
+    def generations() -> None:
+        while not stop.is_set():
+            a = time.monotonic() - t0
+            streamed[0] = 0
+            g = subprocess.Popen(["ip", "netns", "exec", lab.ns["client"], *CLI, "generate", "--model", tiny.name,
+                                  "--tokenizer", str(tiny), "--bootstrap", boot, "--prompt-ids", PROMPT,
+                                  "--max-new-tokens", str(tokens), "--ignore-eos", "--guesses", "0", "--jsonl"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            lines = []
+            for line in g.stdout:  # type: ignore[union-attr]
+                lines.append(line)
+                streamed[0] += line.startswith('{"token"')
+            err = g.stderr.read()  # type: ignore[union-attr]
+            g.wait(timeout=60)
+            r = json.loads(lines[-1]) if g.returncode == 0 and lines else {}
+            gens.append({"started_s": a, "ended_s": time.monotonic() - t0, "ok": g.returncode == 0,
+                         "tokens_equal_local": r.get("tokens") == expected, "failovers": r.get("failovers"),
+                         "route": r.get("route"), "error": err.strip().splitlines()[-1:] if g.returncode
+                         else None})
+
+    def wait_good(n: int, after: float, limit: float = 240) -> None:
+        end = time.monotonic() + limit
+        while sum(g["ok"] and g["started_s"] > after for g in gens) < n and time.monotonic() < end:
+            time.sleep(0.2)
+
+    runner = threading.Thread(target=generations, daemon=True)
+    runner.start()
+    wait_good(2, 0)
+    while streamed[0] < tokens // 4:  # the victim dies a quarter into a generation's decode
+        time.sleep(0.01)
+    kill_s = time.monotonic() - t0
+    os.kill(peers[victim][0].proc.pid, signal.SIGKILL)
+    peers[victim][0].proc.wait(timeout=10)
+    moved = None
+    while moved is None and time.monotonic() - t0 < kill_s + 120:
+        moved = next(((h, x) for h, (p, _, _) in peers.items() for x in p.seen if x.startswith("moved ")), None)
+        time.sleep(0.2)
+    events["leave"] = {"victim": victim, "range": ranges[victim], "kill_s": kill_s,
+                       "moved_s": (time.monotonic() - t0 - kill_s) if moved else None,
+                       "mover": moved[0] if moved else None, "moved_line": moved[1] if moved else None}
+    after_move = time.monotonic() - t0
+    wait_good(2, after_move)
+
+    def served_by_range() -> dict[str, float]:
+        status = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *CLI, "status", "--bootstrap", boot,
+                                 "--model", tiny.name, "--json", "--timeout", "10"], capture_output=True,
+                                text=True, timeout=120)
+        served: dict[str, float] = {}
+        for peer in _last_json(status.stdout)["peers"] if status.returncode == 0 else []:
+            for rec in peer.get("records") or []:
+                key = f"{rec['start']}:{rec['end']}"
+                served[key] = served.get(key, 0.0) + float(rec.get("throughput") or 0.0)
+        return served
+
+    # a bottleneck: the one peer of 6:8 (every range has one now) held to 5 % of a core, until its record says it
+    # serves under a third of the others' steps/s (join counts speeds within 2x as equal: they are noisy)
+    now = {h: r for h, r in ranges.items() if h != victim}
+    if moved:
+        now[moved[0]] = moved[1].split()[3]
+    slow = next(h for h, r in now.items() if r == "6:8")
+    group.mkdir()
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text("5000")
+    (group / "cgroup.procs").write_text(str(peers[slow][0].proc.pid))
+    slowed_s = time.monotonic() - t0
+    served = served_by_range()
+    while not (len(served) == 3 and 3 * served["6:8"] < min(v for k, v in served.items() if k != "6:8")):
+        if time.monotonic() - t0 > slowed_s + 180:
+            raise RuntimeError(f"the held 6:8 peer's record did not fall under a third of the others': {served}")
+        time.sleep(2)
+        served = served_by_range()
+    join_s = time.monotonic() - t0
+    p4 = join("p4")
+    events["join"] = {"range": p4[2], "served_steps_per_s_before": served, "slowed": slow, "slowed_s": slowed_s,
+                      "join_s": join_s, "ready_s": time.monotonic() - t0,
+                      "bottleneck": min(served, key=served.__getitem__) if served else None}
+    wait_good(3, time.monotonic() - t0)
+    stop.set()
+    runner.join(timeout=300)
+    return ranges
+
+
+def part_churn(tokens: int, every: float) -> dict[str, Any]:
+    """Four ``--layers auto`` peers across three regions (they take 0:3, 3:6, 6:8 and a spare), a client generating
+    back to back; ``kill -9`` of the only peer of a range that is not the spare's, mid-generation (a spare's twin must
+    move into the gap); once two generations passed after the move, the one peer of 6:8 is held to 5 % of a core
+    (cgroup v1 cpu quota) and, once its record announces under a third of the others' steps/s, a fifth ``--layers auto``
+    peer joins (it should take 6:8, the bottleneck); three more generations. Every generation must succeed with the
+    tokens of ``generate --local``."""
+    from delaylab import DelayLab, delaylab_unavailable_reason
+
+    if (reason := delaylab_unavailable_reason()) is not None:
+        raise SystemExit(f"cannot run the delay lab: {reason}")
+    tmp = Path(tempfile.mkdtemp(prefix="sangama-spread-churn-"))
+    tiny, expected = make_tiny(tmp, tokens, "0:3,3:6,6:8")
+    config = tmp / "peer.toml"
+    config.write_text(f'[stage]\nmodel = "{tiny}"\nrebalance_every = {every}\nrebalance_drain_s = 10\n')
+    load0, t0 = _load(), time.monotonic()
+    gens: list[dict[str, Any]] = []
+    events: dict[str, Any] = {}
+    group = Path("/sys/fs/cgroup/cpu") / f"sangama-churn-{os.getpid()}"
+    try:
+        with DelayLab(CHURN_HOSTS, rtt_ms=CHURN_RTT) as lab:
+            ranges = _churn(lab, tiny, expected, config, tokens, t0, gens, events, group)
+    finally:
+        if group.exists():
+            group.rmdir()
+    load1 = _load()
+
+    across = [g for g in gens if g["started_s"] <= events["leave"]["kill_s"] <= g["ended_s"]]
+    out = {"machine": platform.node(), "when": _now(), "load": [load0, load1], "seconds": time.monotonic() - t0,
+           "tokens": tokens, "rebalance_every_s": every, "configured_rtt_ms": {f"{a}-{b}": v for (a, b), v in
+                                                                              CHURN_RTT.items()},
+           "regions": CHURN_HOSTS, "ranges": ranges, "events": events, "generations": gens,
+           "failed": sum(not g["ok"] for g in gens), "wrong": sum(g["ok"] and not g["tokens_equal_local"] for g in gens),
+           "across_the_leave": across}
+    lv, jn = events["leave"], events["join"]
+    print(f"\na leave and a join under running generations across the delay lab (regions A-B 20, B-C 20, A-C 40 ms), "
+          f"{tokens}-token generates back to back, rebalance_every {every:g} s; load {load0} -> {load1}")
+    print(f"  joined: {ranges}; killed {lv['victim']} ({lv['range']}) {lv['kill_s']:.1f} s in; "
+          f"{lv['mover']} moved {lv['moved_s'] or -1:.1f} s later ({lv['moved_line']})")
+    print(f"  then p4 joined with --layers auto: took {jn['range']} (served steps/s by range before: "
+          f"{ {k: round(v, 1) for k, v in jn['served_steps_per_s_before'].items()} }, fewest: {jn['bottleneck']})")
+    print(f"  generations: {len(gens)}, failed {out['failed']}, wrong tokens {out['wrong']}; the one across the "
+          f"kill: {[(g['ok'], g['tokens_equal_local'], g['failovers'], round(g['ended_s'] - g['started_s'], 1)) for g in across]}")
+    _write("spread_churn.json", out)
+    return out
+
+
 def _write(name: str, data: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / name).write_text(json.dumps(data, indent=1) + "\n")
@@ -407,13 +572,15 @@ def main() -> int:
     ap.add_argument("--lab", action="store_true", help="predicted vs measured tokens/s in the delay lab (root)")
     ap.add_argument("--placement", action="store_true", help="placement vs the exact optimum")
     ap.add_argument("--recover", action="store_true", help="time to re-cover a range after a kill -9")
+    ap.add_argument("--churn", action="store_true", help="a leave and a join under running generations (root)")
+    ap.add_argument("--every", type=float, default=5.0, help="--churn: the peers' rebalance_every, s")
     ap.add_argument("--runs", type=int, default=3, help="generates per topology")
     ap.add_argument("--recover-runs", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--topology", action="append", choices=list(TOPOLOGIES), help="only these (repeatable)")
     args = ap.parse_args()
-    every = not (args.lab or args.placement or args.recover)
+    every = not (args.lab or args.placement or args.recover or args.churn)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     if args.lab or every:
@@ -422,6 +589,8 @@ def main() -> int:
         part_placement(args.seeds)
     if args.recover or every:
         part_recover(args.recover_runs, args.tokens)
+    if args.churn or every:
+        part_churn(max(args.tokens, 160), args.every)
     print(f"\n{time.monotonic() - t0:.0f} s in all")
     return 0
 
