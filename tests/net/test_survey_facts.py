@@ -52,6 +52,41 @@ def test_a_survey_reports_who_answered_what_it_found_and_asks_authors_only_when_
     trio.run(main)
 
 
+def test_a_lookup_that_no_dht_server_answered_is_made_again(monkeypatch) -> None:
+    """The distance benchmark's client once failed a whole generation with 'no DHT server answered the lookup' (its
+    one bootstrap, on a busy machine; the per-query retry had failed too). A lookup nobody answered is made again
+    after 0.5 and 2 s: three more failed queries are ridden out; with the server gone for good it still says so."""
+    from sangama_p2p.net import dht
+
+    real = dht.get_providers
+    fails = [4]  # more than one lookup's two tries
+
+    async def flaky(*args, **kwargs):
+        if fails[0] > 0:
+            fails[0] -= 1
+            raise OSError("fail to read from multiselect communicator")
+        return await real(*args, **kwargs)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with swarm(2) as (boot, stage):
+                await Announcer(stage).update(ServingOffer("m", 0, 4, 1.0, 1, fingerprint="ab" * 16, num_layers=8))
+                cfg = config(bootstrap_addrs=(first_addr(boot),))
+                async with open_host(cfg, key_pair=generate_key_pair()) as client:
+                    monkeypatch.setattr(dht, "get_providers", flaky)
+                    found = SurveyFacts()
+                    records = await find_serving_peers(client, "m", facts=found)
+                    assert [r.peer_id for r in records] == [str(stage.peer_id)], found
+                    assert fails == [0]
+                    fails[0] = 100  # gone for good: three lookups, then the cause
+                    t0 = trio.current_time()
+                    gone = SurveyFacts()
+                    assert await find_serving_peers(client, "m", facts=gone) == []
+                    assert "no DHT server answered" in gone.explain("m") and trio.current_time() - t0 >= 2.5
+
+    trio.run(main)
+
+
 def test_providers_whose_record_no_server_gave_are_asked_themselves_when_the_caller_says_so() -> None:
     """Under load the DHT's GET_VALUEs time out: a liar soak's survey found 5 records of 11 providers, and the
     client routed as if the other 6 did not exist. A caller that dials the providers anyway (the client's survey)

@@ -30,6 +30,7 @@ __all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "SurveyFacts", "fetc
 
 RECORDS_PROTOCOL = "/sangama/records/1"  # request: nothing; response: msgpack list of signed record values
 AUTHOR_TIMEOUT_S = 5.0  # how long a survey asks a provider itself for its record, once no DHT server had it
+NO_ANSWER_RETRY_S = (0.5, 2.0)  # pauses before a provider lookup that no DHT server answered is made again
 MAX_RESPONSE = 1 << 20  # bytes a peer may answer a records (or links) request with
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,14 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     records of 11 providers); without it they are asked only when no record was found at all."""
     lookup = LookupFacts()
     providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)), facts=lookup)
+    for pause in NO_ANSWER_RETRY_S:  # nobody answered (a busy bootstrap, a failed negotiation): not the swarm's answer
+        if lookup.answered or not lookup.asked:
+            break
+        log.info("no DHT server answered the lookup for %r (asked %d): again in %g s", model_id, len(lookup.asked),
+                 pause)
+        await trio.sleep(pause)
+        lookup = LookupFacts()
+        providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)), facts=lookup)
     if not include_self:
         providers.discard(node.peer_id)
     facts = facts if facts is not None else SurveyFacts()
