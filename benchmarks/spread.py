@@ -1,9 +1,10 @@
 """Spread fleets (issue 24): predicted against measured tokens/s across the delay lab, placement against the exact
-optimum, and the time to re-cover a range after its only peer leaves.
+optimum, the time to re-cover a range after its only peer leaves, and a leave and a join under running generations.
 
-    sudo python benchmarks/spread.py [--lab] [--placement] [--recover] [--runs 3] [--recover-runs 2] [--tokens 48]
+    sudo python benchmarks/spread.py [--lab] [--placement] [--recover] [--churn] [--runs 3] [--recover-runs 2]
+                                     [--tokens 48] [--every 5]
 
-No flag: all three parts (6-8 minutes on 2 busy cores). Each writes benchmarks/results/spread_<part>.json.
+No flag: all four parts (12-15 minutes on 2 busy cores). Each writes benchmarks/results/spread_<part>.json.
 
 ``--lab`` (root, the delay lab ``tests/net/delaylab.py``): the tiny made model (``qwen3_5_moe/tiny``, 8 layers),
 stages started through the CLI with ``join --no-lanes --threads 1``, a bootstrap and the client in region A.
@@ -26,6 +27,9 @@ measured: the result's ``decode_tokens_per_s`` (median of the runs). The result'
 6:8, a spare on 0:3; the default ``rebalance_every``, 20 s), ``kill -9`` of the only 3:6 peer, then (i) seconds until
 a peer prints ``moved ... 3:6`` (polled every 0.2 s) and (ii) seconds until a fresh ``generate`` (started right after
 the kill, again after each failure) succeeds with the tokens of ``generate --local``.
+
+``--churn`` (root, the delay lab): a leave and a join under generations that keep running (:func:`part_churn`);
+every generation must succeed with the tokens of ``generate --local``.
 """
 
 from __future__ import annotations
