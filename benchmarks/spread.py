@@ -1,10 +1,10 @@
 """Spread fleets (issue 24): predicted against measured tokens/s across the delay lab, placement against the exact
 optimum, the time to re-cover a range after its only peer leaves, and a leave and a join under running generations.
 
-    sudo python benchmarks/spread.py [--lab] [--placement] [--recover] [--churn] [--runs 3] [--recover-runs 2]
-                                     [--tokens 48] [--every 5]
+    sudo python benchmarks/spread.py [--lab] [--best] [--placement] [--recover] [--churn] [--runs 3]
+                                     [--recover-runs 2] [--tokens 48] [--every 5]
 
-No flag: all four parts (12-15 minutes on 2 busy cores). Each writes benchmarks/results/spread_<part>.json.
+No flag: all five parts (15-18 minutes on 2 busy cores). Each writes benchmarks/results/spread_<part>.json.
 
 ``--lab`` (root, the delay lab ``tests/net/delaylab.py``): the tiny made model (``qwen3_5_moe/tiny``, 8 layers),
 stages started through the CLI with ``join --no-lanes --threads 1``, a bootstrap and the client in region A.
@@ -27,6 +27,10 @@ measured: the result's ``decode_tokens_per_s`` (median of the runs). The result'
 6:8, a spare on 0:3; the default ``rebalance_every``, 20 s), ``kill -9`` of the only 3:6 peer, then (i) seconds until
 a peer prints ``moved ... 3:6`` (polled every 0.2 s) and (ii) seconds until a fresh ``generate`` (started right after
 the kill, again after each failure) succeeds with the tokens of ``generate --local``.
+
+``--best`` (root, the delay lab): the chain the client picks against the best one alone (:func:`best_case`): the
+near/far topology, and two 4:8 peers one of which is held to 10% of a core; the median tokens/s with every peer up
+over that with the alternative stopped.
 
 ``--churn`` (root, the delay lab): a leave and a join under generations that keep running (:func:`part_churn`);
 every generation must succeed with the tokens of ``generate --local``.
@@ -271,6 +275,100 @@ def part_lab(runs: int, tokens: int, only: list[str] | None) -> dict[str, Any]:
     out = {"machine": platform.node(), "when": _now(), "load": [load0, load1], "seconds": time.monotonic() - t0,
            "tokens": tokens, "runs": runs, "topologies": rows}
     _write("spread_lab.json", out)
+    return out
+
+
+# -- part 1b: the chosen chain against the best one ---------------------------------------------------------------
+BEST_CASES: dict[str, dict[str, Any]] = {
+    # the near/far topology; then the far 4:8 stops: the chain the client is left with is the one it should pick
+    "near/far": {**TOPOLOGIES["near/far"], "drop": "far", "slow": None},
+    # uneven speeds: two 4:8 peers in C, one held to 10% of a core; then the slow one stops
+    "uneven": {"hosts": {"boot": "A", "client": "A", "s0": "B", "fast": "C", "slow": "C"},
+               "rtt": {("A", "A"): 2, ("B", "B"): 2, ("C", "C"): 2, ("A", "B"): 20, ("A", "C"): 20, ("B", "C"): 20},
+               "stages": [("s0", "0:4"), ("fast", "4:8"), ("slow", "4:8")], "drop": "slow", "slow": "slow"},
+}
+
+
+def best_case(name: str, case: dict[str, Any], tiny: Path, expected: list[int], tmp: Path, runs: int,
+              tokens: int) -> dict[str, Any]:
+    """``runs`` generates with every peer up, then ``runs`` with ``case["drop"]`` stopped (the chain the client
+    should have picked is then the only one); the first's median tokens/s over the second's."""
+    from delaylab import DelayLab
+
+    group = Path("/sys/fs/cgroup/cpu") / f"sangama-best-{os.getpid()}"
+    try:
+        with DelayLab(case["hosts"], rtt_ms=case["rtt"]) as lab:
+            def start(host: str, *args: str) -> _Lines:
+                err = (tmp / f"best-{host}.err").open("w")
+                return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=err, text=True))
+
+            def generate() -> dict[str, Any]:
+                out = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *CLI, "generate", "--model", tiny.name,
+                                      "--tokenizer", str(tiny), "--bootstrap", boot, "--prompt-ids", PROMPT,
+                                      "--max-new-tokens", str(tokens), "--ignore-eos", "--guesses", "0", "--json"],
+                                     capture_output=True, text=True, timeout=300)
+                if out.returncode != 0:
+                    raise RuntimeError(f"generate failed: {out.stderr[-3000:]}")
+                r = _last_json(out.stdout)
+                return {"tps": r["decode_tokens_per_s"], "route": [host_of.get(p, p) for p in r["route"]],
+                        "tokens_equal_local": r["tokens"] == expected}
+
+            boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "b.key"))
+            boot = ""
+            while lab.ip["boot"] not in boot:
+                boot = boot_p.wait("  --bootstrap ", 60).split()[1]
+            procs = {}
+            for h, layers in case["stages"]:
+                procs[h] = start(h, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                                 "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{name}-{h}.key"), "--no-lanes",
+                                 "--threads", "1")
+                if h == case["slow"]:  # before its model loads: the step it measures at start runs under the quota
+                    group.mkdir()
+                    (group / "cpu.cfs_period_us").write_text("100000")
+                    (group / "cpu.cfs_quota_us").write_text("10000")
+                    (group / "cgroup.procs").write_text(str(procs[h].proc.pid))
+            ids = {h: p.wait("ready ", 240).split()[1] for h, p in procs.items()}
+            host_of = {v: k for k, v in ids.items()}
+            time.sleep(15)  # the first stage measures its links to both 4:8 peers and publishes them (every 10 s)
+            generate()  # warm-up
+            both = [generate() for _ in range(runs)]
+            victim = procs[case["drop"]].proc
+            victim.terminate()
+            victim.wait(timeout=30)
+            time.sleep(2)
+            alone = [generate() for _ in range(runs)]
+    finally:
+        if group.exists():
+            group.rmdir()
+    m_both = statistics.median(r["tps"] for r in both)
+    m_alone = statistics.median(r["tps"] for r in alone)
+    return {"case": name, "hosts": case["hosts"], "dropped": case["drop"], "with_all": both, "best_alone": alone,
+            "median_with_all": m_both, "median_best_alone": m_alone, "ratio": m_both / m_alone,
+            "tokens_equal_local": all(r["tokens_equal_local"] for r in both + alone)}
+
+
+def part_best(runs: int, tokens: int) -> dict[str, Any]:
+    from delaylab import delaylab_unavailable_reason
+
+    if (reason := delaylab_unavailable_reason()) is not None:
+        raise SystemExit(f"cannot run the delay lab: {reason}")
+    tmp = Path(tempfile.mkdtemp(prefix="sangama-spread-best-"))
+    tiny, expected = make_tiny(tmp, tokens)
+    load0, t0 = _load(), time.monotonic()
+    rows = [best_case(n, c, tiny, expected, tmp, runs, tokens) for n, c in BEST_CASES.items()]
+    load1 = _load()
+    print(f"\nthe chain chosen against the best one alone: qwen3_5_moe/tiny, {tokens} tokens, --guesses 0, median of "
+          f"{runs} runs each way; load {load0} -> {load1}")
+    print("| case | routes with every peer | tok/s | routes with the other stopped | tok/s | ratio | tokens = local |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ra = sorted({" -> ".join(x["route"]) for x in r["with_all"]})
+        rb = sorted({" -> ".join(x["route"]) for x in r["best_alone"]})
+        print(f"| {r['case']} | {', '.join(ra)} | {r['median_with_all']:.2f} | {', '.join(rb)} "
+              f"| {r['median_best_alone']:.2f} | {r['ratio']:.2f} | {r['tokens_equal_local']} |")
+    out = {"machine": platform.node(), "when": _now(), "load": [load0, load1], "seconds": time.monotonic() - t0,
+           "tokens": tokens, "runs": runs, "cases": rows}
+    _write("spread_best.json", out)
     return out
 
 
@@ -577,6 +675,7 @@ def main() -> int:
     ap.add_argument("--placement", action="store_true", help="placement vs the exact optimum")
     ap.add_argument("--recover", action="store_true", help="time to re-cover a range after a kill -9")
     ap.add_argument("--churn", action="store_true", help="a leave and a join under running generations (root)")
+    ap.add_argument("--best", action="store_true", help="the chosen chain against the best one alone (root)")
     ap.add_argument("--every", type=float, default=5.0, help="--churn: the peers' rebalance_every, s")
     ap.add_argument("--runs", type=int, default=3, help="generates per topology")
     ap.add_argument("--recover-runs", type=int, default=2)
@@ -584,11 +683,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--topology", action="append", choices=list(TOPOLOGIES), help="only these (repeatable)")
     args = ap.parse_args()
-    every = not (args.lab or args.placement or args.recover or args.churn)
+    every = not (args.lab or args.placement or args.recover or args.churn or args.best)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.monotonic()
     if args.lab or every:
         part_lab(args.runs, args.tokens, args.topology)
+    if args.best or every:
+        part_best(args.runs, args.tokens)
     if args.placement or every:
         part_placement(args.seeds)
     if args.recover or every:
