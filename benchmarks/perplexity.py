@@ -44,8 +44,8 @@ def ours(path: Path, text: Path, ctx: int, chunks: int | None, threads: int) -> 
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
-def llama_perplexity(tree: Path, path: Path, text: Path, ctx: int, chunks: int | None, threads: int) -> dict:
-    cmd = [str(tree / "build" / "bin" / "llama-perplexity"), "-m", str(path), "-f", str(text), "-c", str(ctx),
+def llama_perplexity(bin_dir: Path, path: Path, text: Path, ctx: int, chunks: int | None, threads: int) -> dict:
+    cmd = [str(bin_dir / "llama-perplexity"), "-m", str(path), "-f", str(text), "-c", str(ctx),
            "-t", str(threads)] + (["--chunks", str(chunks)] if chunks else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -57,14 +57,14 @@ def llama_perplexity(tree: Path, path: Path, text: Path, ctx: int, chunks: int |
             "chunk_ppl": [float(v) for _, v in _CHUNK.findall(out)], "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def llama_ids(tree: Path, path: Path, text: str) -> list[int]:
+def llama_ids(bin_dir: Path, path: Path, text: str) -> list[int]:
     """``text``'s ids from llama-tokenize: it reads a file verbatim (no newline dropped) and, unless told
     ``--no-escape``, turns ``\\"`` and the like into the characters (llama-perplexity does neither: it sets
     ``params.escape = false``), so it is given exactly the text llama-perplexity tokenizes, unescaped."""
     with tempfile.NamedTemporaryFile("wb", suffix=".txt") as f:
         f.write(text.encode())
         f.flush()
-        cmd = [str(tree / "build" / "bin" / "llama-tokenize"), "-m", str(path), "-f", f.name, "--ids",
+        cmd = [str(bin_dir / "llama-tokenize"), "-m", str(path), "-f", f.name, "--ids",
                "--no-parse-special", "--no-escape", "--log-disable"]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return list(ast.literal_eval(out.strip().splitlines()[-1]))
@@ -118,12 +118,12 @@ def main() -> None:
     if args.ours_only:
         Path(args.ours_only).write_text(json.dumps({"settings": settings, "ours": mine_all}, indent=1) + "\n")
         return
-    tree = find_or_build_llama_cpp(args.llama_cpp, ("llama-perplexity", "llama-tokenize"))
+    bin_dir = find_or_build_llama_cpp(args.llama_cpp, ("llama-perplexity", "llama-tokenize"))
     rows = []
     for label, path in files.items():
         mine = mine_all[label]
-        theirs = llama_perplexity(tree, path, text_file, args.ctx, args.chunks, args.threads)
-        a, b = our_ids(path, text), llama_ids(tree, path, text)
+        theirs = llama_perplexity(bin_dir, path, text_file, args.ctx, args.chunks, args.threads)
+        a, b = our_ids(path, text), llama_ids(bin_dir, path, text)
         diff = first_difference(a, b)
         rows.append({"file": label, "ours": round(mine["ppl"], 4), "llama_cpp": theirs["ppl"],
                      "rel_diff": round(mine["ppl"] / theirs["ppl"] - 1, 5),
@@ -142,7 +142,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg": os.getloadavg(),
            "text": os.path.relpath(args.text, Path(__file__).resolve().parents[1]), "ctx": args.ctx,
-           "chunks": args.chunks, "threads": args.threads, "llama_cpp": str(tree), "rows": rows}
+           "chunks": args.chunks, "threads": args.threads, "llama_cpp": str(bin_dir), "rows": rows}
     (RESULTS / "perplexity.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 

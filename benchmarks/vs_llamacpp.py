@@ -1,12 +1,16 @@
 """Our decode and prefill against llama.cpp's, on the same GGUF files with the same thread counts, alternating.
 
-    python benchmarks/vs_llamacpp.py [--llama-cpp DIR] [--threads 1,2] [--rounds 3] [--files LABEL=PATH ...]
+    python benchmarks/vs_llamacpp.py [--llama-cpp DIR] [--build native|portable] [--mid] [--threads 1,2]
+                                     [--rounds 3] [--files LABEL=PATH ...]
 
 llama.cpp: DIR is a llama.cpp source tree with a CPU build in DIR/build/bin (or set LLAMA_CPP_DIR). Without one,
 the script builds it from the `llama-cpp-python` sdist on PyPI, which vendors llama.cpp (~6 min on 2 cores) into
-~/.cache/sangama-bench/. Files: by default the SmolLM2-135M-Instruct set in ${SANGAMA_TEST_MODELS:-~/.cache/
-sangama-test} (Q4_1 as shipped; F16, Q8_0 and Q4_K_M re-quantized from it by our writer when present) and a made
-Qwen3.5-MoE Q4_K_M.
+~/.cache/sangama-bench/: natively by default (``-DGGML_NATIVE=ON``, what a user's own build is; AMX off where the
+CPU reports it, :func:`build_flags`), or ``--build portable`` (``-DGGML_NATIVE=OFF``). The build compared with is
+printed and kept in the JSON (``llama_cpp_build``, ``llama_cpp_flags``). Files: by default the SmolLM2-135M-Instruct
+set in ${SANGAMA_TEST_MODELS:-~/.cache/sangama-test} (Q4_1 as shipped; F16, Q8_0 and Q4_K_M re-quantized from it by
+our writer when present) and a made Qwen3.5-MoE (small) in Q4_K and Q4_K_M; ``--mid`` adds the mid-size made
+Qwen3.5-MoE (``make-model --preset mid``, 2.4-2.7 GB) in both.
 
 Each round runs, per file and thread count, llama-bench then ours, each in a fresh process: decode tokens/s (64
 tokens after a 4-token prompt; llama-bench `-p 0 -n 64`), prefill tokens/s (512 tokens; `-p 512 -n 0`) and the
@@ -34,8 +38,25 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 SDIST = "llama-cpp-python==0.3.36"
-CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+CMAKE_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DCMAKE_BUILD_TYPE=Release"]
+AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_flags(kind: str) -> list[str]:
+    """CMake flags of a ``native`` build (what a user's own build is: ``-DGGML_NATIVE=ON``, i.e. ``-march=native``)
+    or a ``portable`` one (``-DGGML_NATIVE=OFF``: AVX2 at most, ~1.2x slower decode here). Where the CPU reports AMX,
+    the native build switches it off (:data:`AMX_OFF`; GCC's explicit ``-mno-*`` flags win over ``-march=native``
+    whatever their order, and ggml's own AMX code is off too): a VM may report AMX that it does not let programs use,
+    and such a build died with ``Illegal instruction`` in batched quantized products (prefill, perplexity)."""
+    if kind == "portable":
+        return ["-DGGML_NATIVE=OFF", *CMAKE_FLAGS]
+    flags = ["-DGGML_NATIVE=ON", *CMAKE_FLAGS]
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and " amx_" in cpuinfo.read_text():
+        flags += [f"-DCMAKE_C_FLAGS={AMX_OFF}", f"-DCMAKE_CXX_FLAGS={AMX_OFF}", "-DGGML_AMX_TILE=OFF",
+                  "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return flags
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, float, float]:
@@ -51,29 +72,30 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[str, float, f
         return out.read().decode(), usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
-def find_or_build_llama_cpp(given: str | None, targets: tuple[str, ...] = ("llama-bench",)) -> Path:
-    """A llama.cpp tree whose build/bin holds ``targets`` (DIR, $LLAMA_CPP_DIR, or built from the sdist into
-    ~/.cache/sangama-bench; a cached build that lacks a target builds just that one)."""
-    def has(tree: Path) -> bool:
-        return all((tree / "build" / "bin" / t).exists() for t in targets)
-
+def find_or_build_llama_cpp(given: str | None, targets: tuple[str, ...] = ("llama-bench",),
+                            kind: str = "native") -> Path:
+    """The ``bin`` folder of a llama.cpp build that holds ``targets``: DIR/build/bin of a tree given (DIR or
+    $LLAMA_CPP_DIR, built as its owner chose), else the sdist's tree in ~/.cache/sangama-bench built into
+    ``build-native`` or ``build`` (portable) with :func:`build_flags` (a cached build that lacks a target builds
+    just that one)."""
     for cand in (given, os.environ.get("LLAMA_CPP_DIR")):
-        if cand and has(Path(cand)):
-            return Path(cand)
+        if cand and all((Path(cand) / "build" / "bin" / t).exists() for t in targets):
+            return Path(cand) / "build" / "bin"
     root = Path.home() / ".cache" / "sangama-bench"
     tree = root / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
-    if not has(tree):
+    build = "build-native" if kind == "native" else "build"
+    if not all((tree / build / "bin" / t).exists() for t in targets):
         if not tree.exists():
             root.mkdir(parents=True, exist_ok=True)
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:", SDIST,
                             "-d", str(root)], check=True)
             with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as t:
                 t.extractall(root, filter="data")
-        if not (tree / "build" / "CMakeCache.txt").exists():
-            subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=tree, check=True)
-        subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", *targets], cwd=tree,
+        if not (tree / build / "CMakeCache.txt").exists():
+            subprocess.run(["cmake", "-B", build, *build_flags(kind)], cwd=tree, check=True)
+        subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count()}", "--target", *targets], cwd=tree,
                        check=True)
-    return tree
+    return tree / build / "bin"
 
 
 def default_files() -> dict[str, Path]:
@@ -84,15 +106,16 @@ def default_files() -> dict[str, Path]:
     return {k: v for k, v in files.items() if v.exists()}
 
 
-def made_qwen_moe(out_dir: Path) -> dict[str, Path]:
-    """A made Qwen3.5-MoE (make-model's `small` preset) - the reference deployment's architecture - in GGUF Q4_K (the
-    converter's one type) and Q4_K_M (llama-quantize's per-tensor mix, re-quantized from an F16 file: Q4_K with
-    Q6_K for attn_v/ffn_down on the layers llama.cpp picks, and the head)."""
-    path = out_dir / "qwen35moe-small"
+def made_qwen_moe(out_dir: Path, preset: str = "small") -> dict[str, Path]:
+    """A made Qwen3.5-MoE (make-model's ``preset``: ``small``, or ``mid`` - the routing shape of Qwen3.5-35B-A3B, 4e9
+    parameters) - the reference deployment's architecture - in GGUF Q4_K (the converter's one type) and Q4_K_M
+    (llama-quantize's per-tensor mix, re-quantized from an F16 file: Q4_K with Q6_K for attn_v/ffn_down on the layers
+    llama.cpp picks, and the head). The mid F16 file (8 GB) is deleted once the Q4_K_M one is written."""
+    path = out_dir / f"qwen35moe-{preset}"
     q4k, f16, q4km = path / "model-Q4_K.gguf", path / "model-F16.gguf", path / "model-Q4_K_M.gguf"
     cli = [sys.executable, "-m", "sangama_p2p.cli.main"]
     if not q4k.exists():
-        subprocess.run([*cli, "make-model", str(path), "--arch", "qwen3_5_moe", "--preset", "small", "--gguf", "Q4_K"],
+        subprocess.run([*cli, "make-model", str(path), "--arch", "qwen3_5_moe", "--preset", preset, "--gguf", "Q4_K"],
                        check=True, stdout=subprocess.DEVNULL)
     if not q4km.exists():
         if not f16.exists():
@@ -100,16 +123,19 @@ def made_qwen_moe(out_dir: Path) -> dict[str, Path]:
 
             write_gguf(path, f16, "F16")
         subprocess.run([*cli, "requantize", str(f16), str(q4km), "Q4_K_M"], check=True, stdout=subprocess.DEVNULL)
-    return {"made Qwen3.5-MoE Q4_K": q4k, "made Qwen3.5-MoE Q4_K_M": q4km}
+        if preset != "small":
+            f16.unlink()
+    name = "made Qwen3.5-MoE" if preset == "small" else f"made Qwen3.5-MoE {preset}"
+    return {f"{name} Q4_K": q4k, f"{name} Q4_K_M": q4km}
 
 
-def llama_bench_cmd(tree: Path, path: Path, threads: int, *, prompt: int, gen: int) -> list[str]:
-    return [str(tree / "build" / "bin" / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
+def llama_bench_cmd(bin_dir: Path, path: Path, threads: int, *, prompt: int, gen: int) -> list[str]:
+    return [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
             "-n", str(gen), "-r", "1", "-o", "json"]
 
 
-def llama_bench(tree: Path, path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, float]:
-    out, rss, _ = run_measured(llama_bench_cmd(tree, path, threads, prompt=prompt, gen=gen))
+def llama_bench(bin_dir: Path, path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, float]:
+    out, rss, _ = run_measured(llama_bench_cmd(bin_dir, path, threads, prompt=prompt, gen=gen))
     return float(json.loads(out)[0]["avg_ts"]), rss
 
 
@@ -147,7 +173,7 @@ def baseline_rss() -> float:
     return rss
 
 
-def cpu_per_token(tree: Path, files: dict[str, Path], rounds: int) -> list[dict]:
+def cpu_per_token(bin_dir: Path, files: dict[str, Path], rounds: int) -> list[dict]:
     """CPU ms per decode token of both programs at one thread, from whole processes in turn (ours, llama.cpp, ...):
     (median CPU seconds at 256 generated tokens - at 16) / 240, which cancels start-up, loading and prefill; steadier
     than tokens/s on a shared machine, where a process's CPU time counts only the time it ran."""
@@ -160,7 +186,7 @@ def cpu_per_token(tree: Path, files: dict[str, Path], rounds: int) -> list[dict]
         return run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1"))[2]
 
     def llama_cpu(path: Path, n: int) -> float:
-        return run_measured(llama_bench_cmd(tree, path, 1, prompt=0, gen=n))[2]
+        return run_measured(llama_bench_cmd(bin_dir, path, 1, prompt=0, gen=n))[2]
 
     rows = []
     for label, path in files.items():
@@ -185,6 +211,9 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-cpp", default=None)
+    ap.add_argument("--build", choices=("native", "portable"), default="native",
+                    help="the llama.cpp build made from the sdist (default native: -march=native, AMX off)")
+    ap.add_argument("--mid", action="store_true", help="also the mid-size made Qwen3.5-MoE (2.7 GB, slow to make)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-prefill", action="store_true")
@@ -192,20 +221,27 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: CPU ms per decode token of both programs at one thread (cpu_per_token)")
     args = ap.parse_args()
-    tree = find_or_build_llama_cpp(args.llama_cpp)
+    bin_dir = find_or_build_llama_cpp(args.llama_cpp, kind=args.build)
+    build = ("given" if args.llama_cpp or os.environ.get("LLAMA_CPP_DIR") else args.build,
+             (bin_dir.parent / "CMakeCache.txt").read_text() if (bin_dir.parent / "CMakeCache.txt").exists() else "")
+    flags = [line for line in build[1].splitlines() if line.split(":")[0] in
+             ("GGML_NATIVE", "CMAKE_C_FLAGS", "GGML_AMX_TILE", "GGML_AVX512")]
+    print(f"llama.cpp: {bin_dir} ({build[0]} build: {', '.join(flags) or 'flags unknown'})", file=sys.stderr)
     files = dict(f.split("=", 1) for f in args.files) if args.files else default_files()
     files = {k: Path(v) for k, v in files.items()}
     if not args.files:
         files.update(made_qwen_moe(Path.home() / ".cache" / "sangama-bench"))
+        if args.mid:
+            files.update(made_qwen_moe(Path.home() / ".cache" / "sangama-bench", "mid"))
     if args.cpu_time:
-        rows = cpu_per_token(tree, files, args.rounds)
+        rows = cpu_per_token(bin_dir, files, args.rounds)
         print(f"{'file':<24} {'ours CPU ms/token':>18} {'llama.cpp CPU ms/token':>23} {'ratio':>6}")
         for row in rows:
             print(f"{row['file']:<24} {row['ours_cpu_ms_per_token']:>18.2f} {row['llama_cpp_cpu_ms_per_token']:>23.2f} "
                   f"{row['ratio']:>6.2f}")
         RESULTS.mkdir(exist_ok=True)
         doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg": os.getloadavg(),
-               "rounds": args.rounds, "llama_cpp": str(tree), "rows": rows}
+               "rounds": args.rounds, "llama_cpp": str(bin_dir), "llama_cpp_build": build[0], "llama_cpp_flags": flags, "rows": rows}
         (RESULTS / "vs_llamacpp_cpu.json").write_text(json.dumps(doc, indent=1) + "\n")
         return
     threads = [int(t) for t in args.threads.split(",")]
@@ -215,7 +251,7 @@ def main() -> None:
         for label, path in files.items():
             for t in threads:
                 for kind, prompt, gen in kinds:
-                    a = llama_bench(tree, path, t, prompt=prompt if kind == "prefill" else 0,
+                    a = llama_bench(bin_dir, path, t, prompt=prompt if kind == "prefill" else 0,
                                     gen=gen if kind == "decode" else 0)
                     b = ours(path, t, prompt=prompt, gen=gen)
                     samples.setdefault((label, t, kind), []).append((a, b))
@@ -243,7 +279,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
            platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": args.rounds,
-           "baseline_rss_mib": round(base, 1), "llama_cpp": str(tree), "rows": rows}
+           "baseline_rss_mib": round(base, 1), "llama_cpp": str(bin_dir), "llama_cpp_build": build[0], "llama_cpp_flags": flags, "rows": rows}
     (RESULTS / "vs_llamacpp.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
