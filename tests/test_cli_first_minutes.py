@@ -73,6 +73,41 @@ def test_a_range_on_the_swarms_boundaries_or_a_first_peer_gets_no_warning(mine):
     assert chain_warning(mine, [], 30) is None
 
 
+def test_a_range_that_only_meets_nobody_yet_is_said_only_if_it_still_cannot_chain_later(monkeypatch, capsys):
+    """Eight stages started together (the distance benchmark) each warned that its range did not line up, from the
+    few peers up at that moment. A boundary that crosses another range is a mistake, said at once; one that no range
+    reaches yet is looked at again ``SETTLE_S`` later and said only if it still cannot chain."""
+    import trio
+
+    from sangama_p2p.cli import join_checks
+    from sangama_p2p.cli.join_checks import Checked, crosses, warn_if_unchainable
+
+    assert crosses((1, 3), [(0, 2), (2, 4)]) and crosses((5, 15), [(0, 10)])
+    assert not crosses((3, 6), [(0, 3)]) and not crosses((25, 30), [(0, 10), (10, 20)])
+    views: list[list[tuple[int, int]]] = []
+
+    async def served(node, model_id, checked):
+        return views.pop(0)
+
+    monkeypatch.setattr(join_checks, "_served", served)
+    monkeypatch.setattr(join_checks, "SETTLE_S", 0.01)
+    checked = Checked(8, "ab" * 16, (3, 6))
+
+    async def main(first, then):
+        views[:] = [first, then]
+        async with trio.open_nursery() as later:
+            now = await warn_if_unchainable(None, "m", checked, later)
+        return now
+
+    assert trio.run(main, [(0, 3)], [(0, 3), (6, 8)]) is None  # 6:8 came up meanwhile: nothing to say
+    assert "warning" not in capsys.readouterr().err
+    assert trio.run(main, [(0, 3)], [(0, 3)]) is None
+    assert "warning: layers 3:6 do not line up with the ranges the swarm serves (0:3): none starts at 6" in (
+        capsys.readouterr().err)
+    crossing = trio.run(main, [(0, 4), (4, 8)], [])  # a mistake: said at once, nothing deferred
+    assert crossing is not None and "no range ends at 3" in capsys.readouterr().err
+
+
 @pytest.fixture
 def never_dial(monkeypatch: pytest.MonkeyPatch):
     """Fail the test if join starts a host (dials the swarm) or, with ``loads``, opens a checkpoint."""

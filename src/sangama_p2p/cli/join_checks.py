@@ -16,15 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import trio
+
 from ..errors import SangamaError
 from ..model.spec import parse_auto_span, parse_layer_range
 
 # torch, libp2p and the model's modules are imported in the functions (cli/main.py imports every command module,
 # and this one with peer_cmds, to build its parser)
 
-__all__ = ["Checked", "chain_warning", "check_checkpoint", "hold_key", "warn_if_unchainable"]
+__all__ = ["Checked", "chain_warning", "check_checkpoint", "crosses", "hold_key", "warn_if_unchainable"]
 
 log = logging.getLogger(__name__)
+
+SETTLE_S = 20.0  # a range that meets nobody yet is looked at again this much later before a warning is said
 
 
 def hold_key(key_path: Path | None) -> tuple[Any, IO[str]]:
@@ -97,20 +101,45 @@ def chain_warning(mine: tuple[int, int], others: Sequence[tuple[int, int]], num_
             f"{bounds} (e.g. --layers A:B with A and B among them)")
 
 
-async def warn_if_unchainable(node: Any, model_id: str, checked: Checked) -> str | None:
-    """Look up the peers serving ``model_id`` (of this very checkpoint) and print :func:`chain_warning` on stderr;
-    returns it. Nothing when the range was auto (chosen from the swarm) or nobody else serves."""
-    from ..net.discovery import find_serving_peers
+def crosses(mine: tuple[int, int], others: Sequence[tuple[int, int]]) -> bool:
+    """Whether a boundary of ``mine`` falls strictly inside a range ``others`` serve (``1:3`` beside ``0:2, 2:4``): a
+    mistake no later peer mends. A boundary that no range reaches (the next range not served yet) is not one."""
+    return any(s < b < e for b in mine for s, e in others)
 
+
+async def warn_if_unchainable(node: Any, model_id: str, checked: Checked, later: Any = None) -> str | None:
+    """Look up the peers serving ``model_id`` (of this very checkpoint) and print :func:`chain_warning` on stderr;
+    returns it. Nothing when the range was auto (chosen from the swarm) or nobody else serves. A range that only meets
+    nobody yet (no other range :func:`crosses` it: the stages of a fleet started together see each other come up
+    one by one) is looked at again :data:`SETTLE_S` later in the nursery ``later`` and said only if it still cannot
+    chain (without ``later``: not said)."""
     if checked.layers is None:
         return None
+    spans = await _served(node, model_id, checked)
+    warning = chain_warning(checked.layers, spans, checked.num_layers) if spans is not None else None
+    if warning is not None and not crosses(checked.layers, spans or ()):
+        if later is not None:
+            later.start_soon(_warn_later, node, model_id, checked)
+        return None
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return warning
+
+
+async def _warn_later(node: Any, model_id: str, checked: Checked) -> None:
+    await trio.sleep(SETTLE_S)
+    spans = await _served(node, model_id, checked)
+    warning = chain_warning(checked.layers, spans, checked.num_layers) if spans and checked.layers else None
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+async def _served(node: Any, model_id: str, checked: Checked) -> list[tuple[int, int]] | None:
+    from ..net.discovery import find_serving_peers
+
     try:
         records = await find_serving_peers(node, model_id, include_self=False, fingerprint=checked.fingerprint)
     except SangamaError as exc:  # a look-up for a warning never stops the stage
         log.debug("looking up the ranges of %s: %s", model_id, exc)
         return None
-    spans = [(r.start, r.end) for r in records]
-    warning = chain_warning(checked.layers, spans, checked.num_layers)
-    if warning is not None:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return warning
+    return [(r.start, r.end) for r in records]

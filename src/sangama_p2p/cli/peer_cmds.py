@@ -164,7 +164,7 @@ def _join_holding(args: argparse.Namespace, config: Any, model: Any, layers: str
                                          args.metrics_host, args.metrics_port)
         mid = model_id or (config.stage.model_id if config.stage is not None else default_model_id(model))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(warn_if_unchainable, peer.node, mid, checked)  # while the layers load
+            nursery.start_soon(warn_if_unchainable, peer.node, mid, checked, extras)  # while the layers load
             with progress(f"loading {what} of {Path(model).name}", show=show):
                 start, end = await peer.serve(model, layers, model_id=model_id, tokenizer=False, **options)
             # a lookup still under way gets a few seconds more, not the stage's readiness
