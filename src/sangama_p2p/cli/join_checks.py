@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import trio
-
 from ..errors import SangamaError
 from ..model.spec import parse_auto_span, parse_layer_range
 
@@ -127,6 +125,8 @@ async def warn_if_unchainable(node: Any, model_id: str, checked: Checked, later:
 
 
 async def _warn_later(node: Any, model_id: str, checked: Checked) -> None:
+    import trio  # here: the CLI's parser imports this module and must stay light (tests/test_house.py)
+
     await trio.sleep(SETTLE_S)
     spans = await _served(node, model_id, checked)
     warning = chain_warning(checked.layers, spans, checked.num_layers) if spans and checked.layers else None
