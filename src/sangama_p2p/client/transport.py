@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -26,6 +26,9 @@ from .routing import RouteCandidate, hop_latencies
 from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
 from .timing import trip_timing
 from .verifier import TripVerifier, Verification
+
+if TYPE_CHECKING:
+    from ..net.discovery import SurveyFacts
 
 __all__ = ["ChainOpener", "ChainTransport"]
 
@@ -40,6 +43,7 @@ class ChainOpener(Protocol):
     active: dict[int, ChainSession]
     verification: Verification
     offers: Sequence[RouteCandidate]  # the last survey's candidates
+    survey_facts: SurveyFacts  # what it found on its way (records, of which ``offers`` answered)
 
     async def open_chain(self, params: SessionParams, exclude: set[str], max_age: float, pin: str | None = None,
                          avoid: frozenset[str] = frozenset()) -> ChainSession: ...
@@ -72,7 +76,7 @@ class ChainTransport:
                    top_logprobs: int | None = None, grammar: str | None = None) -> ChainTransport:
         """Route and open a session for ``result``'s request; raises RouteError or StageRefused. When no chain
         covers the model while some layer is served twice (the only peer of a range left and a spare may move there),
-        it waits for one as a failover does (:meth:`_reopen`)."""
+        it waits for one as a failover does (:meth:`_reopen`), if a recorded peer did not answer its probe."""
         config, prompt = client.config, result.prompt_ids
         exclude: set[str] = set()  # open_chain adds the peers it had to leave out
         deadline, max_age = trio.current_time() + config.recover_s, config.survey_max_age
@@ -99,7 +103,10 @@ class ChainTransport:
                         exc.peer) from exc
                 raise
             except RouteError as exc:
-                if not _may_be_covered(client, exclude, exc, deadline):
+                # only after a leave: a recorded peer did not answer (the depth liars' test: every peer answered,
+                # the chain was refused for their claims, and nobody will move)
+                if client.survey_facts.records <= len(client.offers) or not _may_be_covered(client, exclude, exc,
+                                                                                             deadline):
                     raise
                 log.info("no chain yet (%s): surveying again in %g s", exc, config.recover_every_s)
                 await trio.sleep(config.recover_every_s)
