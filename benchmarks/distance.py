@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[0] / "tests" / "net"))
 
 from speculative import PROMPTS  # the code and prose prompts of the guesses benchmark
-from spread import CLI, _Lines, _last_json, _load, _now, _write
+from spread import CLI, _Lines, _last_json, _load, _now, _write, lab_bootstrap, lab_cli, lab_start
 
 REGIONS = {"boot": "A", "client": "A", "a0": "A", "a1": "A", "a2": "A", "b0": "B", "b1": "B", "b2": "B", "c0": "C",
            "c1": "C"}
@@ -67,21 +67,13 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
 
     with DelayLab(REGIONS, rtt_ms=rtts(between)) as lab:
         def start(host: str, *args: str) -> _Lines:
-            err = (tmp / f"{host}-{between:g}.err").open("w")  # kept for a look when a peer ends early
-            return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=err, text=True))
+            return lab_start(lab, host, *args, err=tmp / f"{host}-{between:g}.err")
 
-        def cli(*args: str, timeout: float = 300) -> dict[str, Any]:
-            out = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *CLI, *args], capture_output=True,
-                                 text=True, timeout=timeout)
-            if out.returncode != 0:
-                raise RuntimeError(f"{args[0]} failed: {out.stderr[-3000:]}")
-            return _last_json(out.stdout)
+        def cli(*args: str) -> dict[str, Any]:
+            return lab_cli(lab, "client", *args, timeout=300)
 
         t0 = time.monotonic()
-        boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "boot.key"))
-        boot = ""
-        while lab.ip["boot"] not in boot:
-            boot = boot_p.wait("  --bootstrap ", 60).split()[1]
+        _, boot = lab_bootstrap(lab, tmp / "boot.key", tmp / f"boot-{between:g}.err")
         peers = {h: start(h, "join", "--model", str(model), "--layers", LAYERS[h[0]], "--bootstrap", boot, "--listen",
                           "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{h}.key"), "--no-lanes", "--threads", "1")
                  for h in STAGES}

@@ -130,6 +130,31 @@ class _Lines:
         raise RuntimeError(f"the process ended before a {prefix!r} line")
 
 
+def lab_start(lab: Any, host: str, *args: str, err: Path | None = None) -> _Lines:
+    """A CLI process in ``host``'s namespace of ``lab``, its stdout read by lines; its stderr to ``err`` (kept for
+    a look when it ends early) or nowhere."""
+    sink = err.open("w") if err is not None else subprocess.DEVNULL
+    return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=sink, text=True))
+
+
+def lab_cli(lab: Any, host: str, *args: str, timeout: float = 240) -> dict[str, Any]:
+    """One CLI command in ``host``'s namespace, its JSON answer; RuntimeError with its stderr when it fails."""
+    out = subprocess.run(["ip", "netns", "exec", lab.ns[host], *CLI, *args], capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed: {out.stderr[-3000:]}")
+    return _last_json(out.stdout)
+
+
+def lab_bootstrap(lab: Any, key: Path, err: Path | None = None) -> tuple[_Lines, str]:
+    """A bootstrap node in host ``boot``, and its address that the lab's hosts reach."""
+    proc = lab_start(lab, "boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(key), err=err)
+    addr = ""
+    while lab.ip["boot"] not in addr:
+        addr = proc.wait("  --bootstrap ", 60).split()[1]
+    return proc, addr
+
+
 # -- part 1: the delay lab ---------------------------------------------------------------------------------------
 def lab_topology(name: str, topo: dict[str, Any], tiny: Path, expected: list[int], tmp: Path, runs: int,
                  tokens: int) -> dict[str, Any]:
@@ -137,20 +162,13 @@ def lab_topology(name: str, topo: dict[str, Any], tiny: Path, expected: list[int
 
     with DelayLab(topo["hosts"], rtt_ms=topo["rtt"]) as lab:
         def start(host: str, *args: str) -> _Lines:
-            return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+            return lab_start(lab, host, *args)
 
-        def cli(host: str, *args: str, timeout: float = 240) -> dict[str, Any]:
-            out = subprocess.run(["ip", "netns", "exec", lab.ns[host], *CLI, *args], capture_output=True, text=True,
-                                 timeout=timeout)
-            if out.returncode != 0:
-                raise RuntimeError(f"{args[0]} failed: {out.stderr[-3000:]}")
-            return _last_json(out.stdout)
+        def cli(host: str, *args: str) -> dict[str, Any]:
+            return lab_cli(lab, host, *args)
 
         t0 = time.monotonic()
-        boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "b.key"))
-        boot = ""
-        while lab.ip["boot"] not in boot:
-            boot = boot_p.wait("  --bootstrap ", 60).split()[1]
+        _, boot = lab_bootstrap(lab, tmp / "b.key")
         procs = {h: start(h, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
                           "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{name}-{h}.key"), "--no-lanes", "--threads",
                           "1")
@@ -299,24 +317,16 @@ def best_case(name: str, case: dict[str, Any], tiny: Path, expected: list[int], 
     try:
         with DelayLab(case["hosts"], rtt_ms=case["rtt"]) as lab:
             def start(host: str, *args: str) -> _Lines:
-                err = (tmp / f"best-{host}.err").open("w")
-                return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=err, text=True))
+                return lab_start(lab, host, *args, err=tmp / f"best-{host}.err")
 
             def generate() -> dict[str, Any]:
-                out = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *CLI, "generate", "--model", tiny.name,
-                                      "--tokenizer", str(tiny), "--bootstrap", boot, "--prompt-ids", PROMPT,
-                                      "--max-new-tokens", str(tokens), "--ignore-eos", "--guesses", "0", "--json"],
-                                     capture_output=True, text=True, timeout=300)
-                if out.returncode != 0:
-                    raise RuntimeError(f"generate failed: {out.stderr[-3000:]}")
-                r = _last_json(out.stdout)
+                r = lab_cli(lab, "client", "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap",
+                            boot, "--prompt-ids", PROMPT, "--max-new-tokens", str(tokens), "--ignore-eos",
+                            "--guesses", "0", "--json", timeout=300)
                 return {"tps": r["decode_tokens_per_s"], "route": [host_of.get(p, p) for p in r["route"]],
                         "tokens_equal_local": r["tokens"] == expected}
 
-            boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "b.key"))
-            boot = ""
-            while lab.ip["boot"] not in boot:
-                boot = boot_p.wait("  --bootstrap ", 60).split()[1]
+            _, boot = lab_bootstrap(lab, tmp / "b.key", tmp / "best-boot.err")
             procs = {}
             for h, layers in case["stages"]:
                 procs[h] = start(h, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
@@ -510,19 +520,12 @@ def _churn(lab: Any, tiny: Path, expected: list[int], config: Path, tokens: int,
     """:func:`part_churn`'s run inside ``lab``: fills ``gens`` and ``events``, returns the ranges the peers joined."""
     tmp = config.parent
 
-    def start(host: str, *args: str) -> _Lines:
-        err = (tmp / f"{host}.err").open("w")
-        return _Lines(lab.popen(host, *CLI, *args, stdout=subprocess.PIPE, stderr=err, text=True))
-
-    boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp / "boot.key"))
-    boot = ""
-    while lab.ip["boot"] not in boot:
-        boot = boot_p.wait("  --bootstrap ", 60).split()[1]
+    _, boot = lab_bootstrap(lab, tmp / "boot.key", tmp / "boot.err")
 
     def join(host: str) -> tuple[_Lines, str, str]:
-        p = start(host, "join", "--model", str(tiny), "--layers", "auto", "--config", str(config), "--bootstrap",
+        p = lab_start(lab, host, "join", "--model", str(tiny), "--layers", "auto", "--config", str(config), "--bootstrap",
                   boot, "--listen", "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{host}.key"), "--no-lanes",
-                  "--threads", "1")
+                  "--threads", "1", err=tmp / f"{host}.err")
         ready = p.wait("ready ", 240).split()
         return p, ready[1], ready[3]
 

@@ -114,13 +114,13 @@ async def warn_if_unchainable(node: Any, model_id: str, checked: Checked, later:
     if checked.layers is None:
         return None
     spans = await _served(node, model_id, checked)
-    warning = chain_warning(checked.layers, spans, checked.num_layers) if spans is not None else None
-    if warning is not None and not crosses(checked.layers, spans or ()):
+    if (warning := chain_warning(checked.layers, spans, checked.num_layers)) is None:
+        return None
+    if not crosses(checked.layers, spans):
         if later is not None:
             later.start_soon(_warn_later, node, model_id, checked)
         return None
-    if warning is not None:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
     return warning
 
 
@@ -129,17 +129,17 @@ async def _warn_later(node: Any, model_id: str, checked: Checked) -> None:
 
     await trio.sleep(SETTLE_S)
     spans = await _served(node, model_id, checked)
-    warning = chain_warning(checked.layers, spans, checked.num_layers) if spans and checked.layers else None
-    if warning is not None:
+    if checked.layers is not None and (warning := chain_warning(checked.layers, spans, checked.num_layers)):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
-async def _served(node: Any, model_id: str, checked: Checked) -> list[tuple[int, int]] | None:
+async def _served(node: Any, model_id: str, checked: Checked) -> list[tuple[int, int]]:
+    """The ranges the other peers of ``checked``'s checkpoint serve; none when the look-up fails."""
     from ..net.discovery import find_serving_peers
 
     try:
         records = await find_serving_peers(node, model_id, include_self=False, fingerprint=checked.fingerprint)
     except SangamaError as exc:  # a look-up for a warning never stops the stage
         log.debug("looking up the ranges of %s: %s", model_id, exc)
-        return None
+        return []
     return [(r.start, r.end) for r in records]

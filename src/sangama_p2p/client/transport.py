@@ -103,10 +103,10 @@ class ChainTransport:
                         exc.peer) from exc
                 raise
             except RouteError as exc:
-                # only after a leave: a recorded peer did not answer (the depth liars' test: every peer answered,
-                # the chain was refused for their claims, and nobody will move)
-                if client.survey_facts.records <= len(client.offers) or not _may_be_covered(client, exclude, exc,
-                                                                                             deadline):
+                # only after a leave, a recorded peer that did not answer (the depth liars' test: every peer
+                # answered, the chain was refused for their claims, and nobody will move)
+                left = client.survey_facts.records > len(client.offers)
+                if not (left and _may_be_covered(client, exclude, exc, deadline)):
                     raise
                 log.info("no chain yet (%s): surveying again in %g s", exc, config.recover_every_s)
                 await trio.sleep(config.recover_every_s)

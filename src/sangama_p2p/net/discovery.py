@@ -228,8 +228,8 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     server gave to ask for it themselves even when others' records were found (a caller that dials them next
     anyway, and knows which ones left: under load the DHT's GET_VALUEs time out, and a liar soak's surveys found 5
     records of 11 providers); without it they are asked only when no record was found at all."""
-    lookup = LookupFacts()
-    providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)), facts=lookup)
+    key, lookup = bytes.fromhex(provider_key(model_id)), LookupFacts()
+    providers = await providers_from_network(node, key, facts=lookup)
     for pause in NO_ANSWER_RETRY_S:  # nobody answered (a busy bootstrap, a failed negotiation): not the swarm's answer
         if lookup.answered or not lookup.asked:
             break
@@ -237,7 +237,7 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
                  pause)
         await trio.sleep(pause)
         lookup = LookupFacts()
-        providers = await providers_from_network(node, bytes.fromhex(provider_key(model_id)), facts=lookup)
+        providers = await providers_from_network(node, key, facts=lookup)
     if not include_self:
         providers.discard(node.peer_id)
     facts = facts if facts is not None else SurveyFacts()
