@@ -2,6 +2,7 @@
 three regions of the delay lab, at 0, 20, 40 and 80 ms between regions - the reference report's table, at a distance.
 
     sudo python benchmarks/distance.py --model DIR [--rtt 0 20 40 80] [--guesses 0 2 4 6] [--repeats 2] [--tokens 64]
+        [--ring on off] [--client-apart] [--out distance.json]
 
 ``--model``: a trained checkpoint with an MTP layer that guesses well (guesses of a random model are all rejected):
 the trained tiny model and its drafter (docs/operations.md; ``benchmarks/train_tiny.py`` then
@@ -18,7 +19,12 @@ Stages: ``join --no-lanes --threads 1``. Once every 0:3 and 3:6 peer's record na
 range, each (repeat, prompt, guesses) runs one ``generate --json --ignore-eos`` (interleaved: all guesses of a prompt
 one after the other, then again); the table gives the median ``decode_tokens_per_s`` and the ratio to no guesses, the
 tokens per trip, and whether the tokens equal ``generate --local``'s (greedy: they must, in every run). Results in
-``benchmarks/results/distance.json``.
+``benchmarks/results/distance.json`` (``--out``).
+
+Issue 29's comparison: ``--ring on off`` runs every (prompt, guesses) with the ring closed at the first stage (the
+default) and through the client (``generate --no-ring``), one right after the other; ``--client-apart`` puts the client
+in a fourth region D, ``--rtt`` from every other (the issue's "20 ms between every pair, three stages and the client":
+through the client a trip then crosses four such links, closed at the first stage three).
 """
 
 from __future__ import annotations
@@ -47,10 +53,10 @@ LAYERS = {"a": "0:3", "b": "3:6", "c": "6:8"}
 STAGES = [h for h in REGIONS if h not in ("boot", "client")]
 
 
-def rtts(between: float) -> dict[tuple[str, str], float]:
+def rtts(between: float, regions: str = "ABC") -> dict[tuple[str, str], float]:
     inside = 2.0 if between > 0 else 0.0
-    out = {(r, r): inside for r in "ABC"}
-    out.update({("A", "B"): between, ("A", "C"): between, ("B", "C"): between})
+    out = {(r, r): inside for r in regions}
+    out.update({(a, b): between for i, a in enumerate(regions) for b in regions[i + 1:]})
     return out
 
 
@@ -62,10 +68,11 @@ def local_tokens(model: Path, prompt: str, tokens: int) -> list[int]:
 
 
 def one_distance(between: float, model: Path, expected: dict[str, list[int]], guesses: list[int], repeats: int,
-                 tokens: int, tmp: Path) -> dict[str, Any]:
+                 tokens: int, tmp: Path, rings: list[str], apart: bool) -> dict[str, Any]:
     from delaylab import DelayLab
 
-    with DelayLab(REGIONS, rtt_ms=rtts(between)) as lab:
+    regions = {**REGIONS, "client": "D"} if apart else REGIONS
+    with DelayLab(regions, rtt_ms=rtts(between, "ABCD" if apart else "ABC")) as lab:
         def start(host: str, *args: str) -> _Lines:
             return lab_start(lab, host, *args, err=tmp / f"{host}-{between:g}.err")
 
@@ -101,12 +108,12 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
         runs = []
         for rep in range(repeats):
             for name, text in PROMPTS.items():
-                for k in guesses:
+                for k, ring in [(k, ring) for k in guesses for ring in rings]:
                     r = cli("generate", "--model", model.name, "--tokenizer", str(model), "--bootstrap", boot,
                             "--prompt", text, "--max-new-tokens", str(tokens), "--ignore-eos", "--guesses", str(k),
-                            "--json")
+                            "--json", *(["--no-ring"] if ring == "off" else []))
                     runs.append({
-                        "repeat": rep, "prompt": name, "guesses": k, "tps": r["decode_tokens_per_s"],
+                        "repeat": rep, "prompt": name, "guesses": k, "ring": ring, "tps": r["decode_tokens_per_s"],
                         "steps": r["steps"], "tokens_per_trip": len(r["tokens"]) / max(1, r["steps"]),
                         "route": [host_of.get(p, p) for p in r["route"]], "failovers": r["failovers"],
                         "tokens_equal_local": r["tokens"] == expected[name],
@@ -114,10 +121,11 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
                                   "ms": h["ms"], "measured": h["measured"]} for h in r["hops"]],
                         "where_the_time_goes": r.get("where_the_time_goes"),
                     })
-                    print(f"  rtt {between:g} ms, {name}, {k} guesses: {r['decode_tokens_per_s']:.1f} tok/s, "
+                    print(f"  rtt {between:g} ms, {name}, {k} guesses, ring {ring}: {r['decode_tokens_per_s']:.1f} tok/s, "
                           f"{runs[-1]['tokens_per_trip']:.2f} tokens/trip, route {' -> '.join(runs[-1]['route'])}, "
                           f"equal to local: {runs[-1]['tokens_equal_local']}", flush=True)
-    return {"rtt_ms": between, "configured": {f"{a}-{b}": v for (a, b), v in rtts(between).items()},
+    return {"rtt_ms": between, "configured": {f"{a}-{b}": v for (a, b), v in rtts(between, "ABCD" if apart else
+                                                                                   "ABC").items()},
             "start_to_ready_s": ready_s, "start_to_links_s": links_s, "runs": runs}
 
 
@@ -128,6 +136,10 @@ def main() -> int:
     ap.add_argument("--guesses", type=int, nargs="+", default=[0, 2, 4, 6])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ring", nargs="+", choices=["on", "off"], default=["on"],
+                    help="the ring closed at the first stage (on, the default) and/or every trip through the client")
+    ap.add_argument("--client-apart", action="store_true", help="the client in a region of its own (D)")
+    ap.add_argument("--out", default="distance.json", help="results file under benchmarks/results")
     args = ap.parse_args()
     from delaylab import delaylab_unavailable_reason
 
@@ -138,27 +150,31 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="sangama-distance-"))
     expected = {name: local_tokens(model, text, args.tokens) for name, text in PROMPTS.items()}
     load0, t0 = _load(), time.monotonic()
-    rows = [one_distance(d, model, expected, args.guesses, args.repeats, args.tokens, tmp) for d in args.rtt]
+    rows = [one_distance(d, model, expected, args.guesses, args.repeats, args.tokens, tmp, args.ring,
+                         args.client_apart) for d in args.rtt]
     load1 = _load()
-    print(f"\none request across 8 peers in three regions (0:3 x3 in A with the client, 3:6 x3 in B, 6:8 x2 in C), "
+    where = "in D, apart" if args.client_apart else "in A with 0:3"
+    print(f"\none request across 8 peers in three regions (0:3 x3 in A, 3:6 x3 in B, 6:8 x2 in C, the client {where}), "
           f"{model.name}, {args.tokens} tokens, median of {args.repeats}; load {load0} -> {load1}")
     heads = " | ".join(f"{k} guesses" for k in args.guesses)
-    print(f"| RTT between regions ms | prompt | {heads} | tokens/trip at {max(args.guesses)} | tokens = local |")
-    print("|---|---|" + "---|" * len(args.guesses) + "---|---|")
+    print(f"| RTT between regions ms | prompt | ring | {heads} | tokens/trip at {max(args.guesses)} | tokens = local |")
+    print("|---|---|---|" + "---|" * len(args.guesses) + "---|---|")
+    base_of: dict[tuple[float, str], float] = {}  # the first ring setting's tokens/s without guesses: the baseline
     for row in rows:
         for name in PROMPTS:
-            med = {k: statistics.median(r["tps"] for r in row["runs"] if r["prompt"] == name and r["guesses"] == k)
-                   for k in args.guesses}
-            base = med.get(0)
-            cells = [f"{med[k]:.1f}" + (f" ({med[k] / base:.2f}x)" if base and k else "") for k in args.guesses]
-            tpt = statistics.median(r["tokens_per_trip"] for r in row["runs"]
-                                    if r["prompt"] == name and r["guesses"] == max(args.guesses))
-            same = all(r["tokens_equal_local"] for r in row["runs"] if r["prompt"] == name)
-            print(f"| {row['rtt_ms']:g} | {name} | {' | '.join(cells)} | {tpt:.2f} | {same} |")
+            for ring in args.ring:
+                mine = [r for r in row["runs"] if r["prompt"] == name and r.get("ring", "on") == ring]
+                med = {k: statistics.median(r["tps"] for r in mine if r["guesses"] == k) for k in args.guesses}
+                base = base_of.setdefault((row["rtt_ms"], name), med.get(0) or 0.0)
+                cells = [f"{med[k]:.1f}" + (f" ({med[k] / base:.2f}x)" if base and (k or ring != args.ring[0])
+                                            else "") for k in args.guesses]
+                tpt = statistics.median(r["tokens_per_trip"] for r in mine if r["guesses"] == max(args.guesses))
+                same = all(r["tokens_equal_local"] for r in mine)
+                print(f"| {row['rtt_ms']:g} | {name} | {ring} | {' | '.join(cells)} | {tpt:.2f} | {same} |")
     out = {"machine": platform.node(), "when": _now(), "load": [load0, load1], "seconds": time.monotonic() - t0,
            "model": str(model), "tokens": args.tokens, "repeats": args.repeats, "guesses": args.guesses,
-           "prompts": PROMPTS, "distances": rows}
-    _write("distance.json", out)
+           "rings": args.ring, "client_apart": args.client_apart, "prompts": PROMPTS, "distances": rows}
+    _write(args.out, out)
     return 0 if all(r["tokens_equal_local"] for row in rows for r in row["runs"]) else 1
 
 

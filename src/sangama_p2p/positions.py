@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .errors import CapacityError, SessionStateError
 
 __all__ = [
-    "SessionPositions", "guess_room", "is_decode_step", "kept", "mtp_keep", "next_start", "ring_size",
+    "SessionPositions", "guess_room", "is_decode_step", "kept", "mtp_keep", "next_start", "ring_next", "ring_size",
     "session_length", "step_guesses",
 ]
 
@@ -58,6 +58,19 @@ def kept(length: int, n_guesses: int, accepted: int) -> int:
 def next_start(start: int, length: int, n_guesses: int, accepted: int) -> int:
     """Where the step after this one starts: after its kept positions (its first token is the new one)."""
     return start + kept(length, n_guesses, accepted)
+
+
+def ring_next(start: int, length: int, n_guesses: int, tokens: Sequence[int], guesses: Sequence[int], until: int,
+              stop: frozenset[int] | set[int]) -> tuple[int, tuple[int, ...]] | None:
+    """The trip after one from ``start`` of ``length`` tokens (the last ``n_guesses`` guesses) answered with
+    ``tokens`` (accepted guesses + the new token) and next ``guesses``: its start and tokens, as the generation loop
+    would send them; None where the request ends there - the new token is the last one allowed (its position + 1
+    reaches ``until``: the prompt's length + the most new tokens) or an answered token is a stop token. The last
+    stage of a ring hands this trip on itself (wire ``Step.ring``), the client expects it."""
+    begin = next_start(start, length, n_guesses, len(tokens) - 1)
+    if begin + 1 >= until or any(t in stop for t in tokens):
+        return None
+    return begin, (tokens[-1], *guesses)
 
 
 def guess_room(capacity: int, position: int) -> int:

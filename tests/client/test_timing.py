@@ -27,11 +27,12 @@ def test_trip_timing_from_stamps_on_separate_clocks():
 
 
 def test_stage_times_and_network_add_up_to_the_measured_trip(ckpt):
+    """Every trip through the client (no ring): the client times each from its send to the answer."""
     async def main():
         with trio.fail_after(60):
             async with fleet(ckpt, SPLIT) as f:
                 peers = [n.peer_id.to_base58() for n, _, _ in f.stages]
-                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=False)) as client:
                     return peers, await client.generate([1, 2, 3, 4], 12, guesses=2)
 
     peers, res = trio.run(main)
@@ -45,3 +46,19 @@ def test_stage_times_and_network_add_up_to_the_measured_trip(ckpt):
         assert 0 < t.network_s < t.trip_s
     table = summarize_trips(res.trips)
     assert len(table["stages"]) == 3 and table["trip_ms"] > table["network_ms"] > 0
+
+
+def test_with_the_ring_a_trip_is_the_time_between_two_answers(ckpt):
+    """The ring hands each trip on without the client, so a trip's time is from the answer before to its own: the
+    decode trips' times add up to the decode time, and every trip still has one stamp per stage."""
+    async def main():
+        with trio.fail_after(60):
+            async with fleet(ckpt, SPLIT) as f:
+                peers = [n.peer_id.to_base58() for n, _, _ in f.stages]
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    return peers, await client.generate([1, 2, 3, 4], 12, guesses=2)
+
+    peers, res = trio.run(main)
+    assert all([s.peer for s in t.stages] == peers for t in res.trips)
+    decode = sum(t.trip_s for t in res.trips[1:])
+    assert abs(decode - res.decode_s) <= 0.05 * res.decode_s + 0.002, (decode, res.decode_s)

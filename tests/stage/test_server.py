@@ -166,7 +166,7 @@ def test_a_bad_field_fails_only_its_session_and_garbage_closes_only_that_stream(
                 await sa.send(_open(sid, a.peer_id.to_base58(), 0, 8, None))
                 assert isinstance(await sa.recv(), SessionOpened)
                 # a Step whose guess is out of range: the session and step are readable, so only it fails
-                await sa.send_frame(encode_frame(payload(3, [sid, 4, 0, [1, 2], None, [2**31], []])))
+                await sa.send_frame(encode_frame(payload(3, [sid, 4, 0, [1, 2], None, [2**31], [], False])))
                 err = await sa.recv()
                 assert err.code == ErrorCode.BAD_FRAME and err.session_id == sid and err.step == 4
                 await sa.send(Step(sid, 5, 0, (1, 2), None, (), ()))  # the stream and the session still work

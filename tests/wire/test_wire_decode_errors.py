@@ -17,7 +17,7 @@ from sangama_p2p.errors import (
 from sangama_p2p.wire import WIRE_VERSION, CloseSession, FrameDecoder, Step, Tensor, TraceStamp, decode, encode
 
 SID = b"S" * 16
-STEP_FIELDS = [SID, 1, 0, [], ["bf16", [2, 4]], [7], [["peer", 1, 2, 3, 4, 1]]]
+STEP_FIELDS = [SID, 1, 0, [], ["bf16", [2, 4]], [7], [["peer", 1, 2, 3, 4, 1]], False]
 HIDDEN = bytes(16)
 
 
@@ -57,7 +57,7 @@ def test_a_version_1_open_session_is_refused_by_its_version_byte() -> None:
     v1 = [SID, "m", 4, 8, None, "client", 64, 0.0, 1.0, 0, 0, False]
     with pytest.raises(UnsupportedVersionError, match="version 1"):
         decode(payload(1, v1, version=1))
-    with pytest.raises(MalformedFrameError, match="17 fields"):
+    with pytest.raises(MalformedFrameError, match="20 fields"):
         decode(payload(1, v1))
 
 
@@ -67,7 +67,7 @@ def test_a_version_3_open_session_is_refused_by_its_version_byte() -> None:
     v3 = [SID, "m", 4, 8, None, None, "client", 64, 0.0, 1.0, 0, 0, False, None]
     with pytest.raises(UnsupportedVersionError, match="version 3"):
         decode(payload(1, v3, version=3))
-    with pytest.raises(MalformedFrameError, match="17 fields"):
+    with pytest.raises(MalformedFrameError, match="20 fields"):
         decode(payload(1, v3))
 
 
@@ -76,8 +76,18 @@ def test_a_version_4_open_session_is_refused_by_its_version_byte() -> None:
     v4 = [SID, "m", 4, 8, None, None, "client", 64, 0.0, 1.0, 0, 0, False, None, None, 0]
     with pytest.raises(UnsupportedVersionError, match="version 4"):
         decode(payload(1, v4, version=4))
-    with pytest.raises(MalformedFrameError, match="17 fields"):
+    with pytest.raises(MalformedFrameError, match="20 fields"):
         decode(payload(1, v4))
+
+
+def test_a_version_5_step_is_refused_by_its_version_byte() -> None:
+    """Version 5's Step had no ring flag (7 fields), its OpenSession no ring (17): a stage of version 5 would answer
+    the client where the ring hands the trip on, so the versions never talk."""
+    v5 = STEP_FIELDS[:7]
+    with pytest.raises(UnsupportedVersionError, match="version 5"):
+        decode(payload(3, v5, HIDDEN, version=5))
+    with pytest.raises(MalformedFrameError, match="8 fields"):
+        decode(payload(3, v5, HIDDEN))
 
 
 def test_a_version_2_step_result_is_refused_by_its_version_byte() -> None:

@@ -57,6 +57,9 @@ SAMPLES = [
     InfoRequest(),
     InfoResponse("12D3KooWA", "Qwen/Qwen3.5-35B-A3B", 0, 20, 41.5, 3, 2, "0.1.0"),
     LaneOffer(65535, bytes(range(16)), bytes(range(32))),
+    OpenSession(SID, "m", 20, 40, None, "12D3KooWPrev", "c", 9, 0.0, 1.0, 0, 2, False, ring="12D3KooWFirst",
+                ring_until=9, ring_stop=(2, 151645)),
+    Step(SID, 6, 20, (7, 8), None, (8,), (), ring=True),
 ]
 
 
@@ -111,24 +114,24 @@ def test_type_tags_are_pinned() -> None:
         "InfoResponse": 17,
         "LaneOffer": 18,
     }
-    assert WIRE_VERSION == 5
-    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/5", "/sangama/info/5", "/sangama/lane/6")
+    assert WIRE_VERSION == 6
+    assert (STAGE_PROTOCOL, INFO_PROTOCOL, LANE_PROTOCOL) == ("/sangama/stage/6", "/sangama/info/6", "/sangama/lane/7")
 
 
 def test_payload_layout_is_pinned() -> None:
     header = msgpack.packb((SID,), use_bin_type=True)
-    assert encode(CloseSession(SID)) == bytes([5, 5]) + struct.pack(">I", len(header)) + header
+    assert encode(CloseSession(SID)) == bytes([6, 5]) + struct.pack(">I", len(header)) + header
     step = encode(Step(SID, 1, 2, (), Tensor("fp16", (2,), b"\x01\x02\x03\x04"), (), ()))
     assert step.endswith(b"\x01\x02\x03\x04")
     (hlen,) = struct.unpack(">I", step[2:6])
-    assert msgpack.unpackb(step[6 : 6 + hlen]) == [SID, 1, 2, [], ["fp16", [2]], [], []]
+    assert msgpack.unpackb(step[6 : 6 + hlen]) == [SID, 1, 2, [], ["fp16", [2]], [], [], False]
 
 
 def test_info_response_bytes_are_pinned() -> None:
     # Field names never travel: renaming ``throughput_tps`` to ``throughput`` changed no byte (bytes from before it;
-    # only the version byte moved, 2 -> 3 -> 4 -> 5).
+    # only the version byte moved, 2 -> 3 -> 4 -> 5 -> 6).
     msg = InfoResponse("12D3KooWA", "m", 0, 20, 41.5, 3, 2, "0.1.0")
-    assert encode(msg).hex() == "05110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
+    assert encode(msg).hex() == "06110000002098a9313244334b6f6f5741a16d0014cb4044c000000000000302a5302e312e30"
     assert [f.name for f in dataclasses.fields(InfoResponse)] == [
         "peer", "model_id", "start", "end", "throughput", "free_sessions", "queue", "version"]
 
@@ -163,7 +166,7 @@ def _replace(msg: object, **changes: object) -> object:
     return dataclasses.replace(msg, **changes)  # type: ignore[type-var]
 
 
-OPEN, STEP, RESULT, INFO, LANE = SAMPLES[0], SAMPLES[4], SAMPLES[7], SAMPLES[-2], SAMPLES[-1]
+OPEN, STEP, RESULT, INFO, LANE = SAMPLES[0], SAMPLES[4], SAMPLES[7], SAMPLES[13], SAMPLES[14]
 BAD_FIELDS = [
     (OPEN, {"session_id": bytes(15)}),
     (OPEN, {"session_id": "0" * 16}),
@@ -195,6 +198,11 @@ BAD_FIELDS = [
     (STEP, {"hidden": b"raw"}),
     (STEP, {"trace": (("p", 1, 2, 3, 4, 5),)}),
     (STEP, {"trace": (TRACE[0],) * 65}),
+    (STEP, {"ring": 1}),
+    (OPEN, {"ring": ""}),
+    (OPEN, {"ring_until": -1}),
+    (OPEN, {"ring_stop": tuple(range(65))}),
+    (OPEN, {"ring_stop": (-1,)}),
     (RESULT, {"tokens": tuple(range(66))}),
     (INFO, {"throughput": -1.0}),
     (INFO, {"version": b"0.1"}),

@@ -76,6 +76,9 @@ def add_verify_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", type=fraction, default=None, metavar="FRACTION",
                    help="re-run this fraction of trips on a second chain of other peers and ban a peer caught lying "
                    "(default: 0.05 in a public swarm, 0 with --fleet-secret-file); bans: ~/.sangama/bans.json")
+    p.add_argument("--no-ring", action="store_true",
+                   help="send every trip through this client (default: the last stage hands each next trip on to "
+                   "the first stage itself, and this client only checks the answers)")
 
 
 def host_config(args: argparse.Namespace, *, serving: bool) -> HostConfig:
@@ -128,7 +131,8 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig
     host = host_config(args, serving=False)
     require_pin(chosen, model_id, private=host.fleet_secret is not None)
     client = ClientConfig(model_id=model_id, fingerprint=chosen.fingerprint, num_layers=chosen.num_layers,
-                          verify=getattr(args, "verify", None), bans_file=default_bans_path())
+                          verify=getattr(args, "verify", None), bans_file=default_bans_path(),
+                          ring=not getattr(args, "no_ring", False))
     config = PeerConfig(host=host, client=client, tokenizer_path=tokenizer)
     return config, model_id
 

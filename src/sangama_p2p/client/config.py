@@ -48,6 +48,10 @@ class ClientConfig:
     range left), how long the generation waits for one, surveying again every ``recover_every_s`` seconds (peers
     that joined with ``--layers auto`` move to cover a range nobody serves, within about 25 s); a generation's
     first route never waits (0: give up at once).
+    ``ring``: the ring closes at the first stage - the last stage hands each next trip on to the first stage itself
+    (and a copy of its answer to the client), so a decode trip crosses the stages only, not the client; the client
+    stays the owner (it checks every answer and the first stage's echo of every trip handed on, fails over, verifies,
+    and closes the session to stop). False: every trip goes through the client.
     """
 
     model_id: str
@@ -72,6 +76,7 @@ class ClientConfig:
     ban_s: float = 24 * 3600.0
     recover_s: float = 60.0
     recover_every_s: float = 2.0
+    ring: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_id:

@@ -416,7 +416,7 @@ class ChainClient:
             max_guesses, adaptive = 0, False
         try:
             transport = await ChainTransport.open(self, result, max_new, temperature, top_p, seed, max_guesses,
-                                                  adaptive, top_logprobs, grammar)
+                                                  adaptive, top_logprobs, grammar, stop_tokens)
         except Exception:
             self.stats.add(result, failed=True)
             raise

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import trio
 
 from ..errors import ChainBroken, ErrorCode, NonFiniteHidden, SangamaError, StageRefused
-from ..positions import is_decode_step, step_guesses
+from ..positions import is_decode_step, ring_next, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
 from ..net.stage_stream import describe_stage_stream
 from .links import Delivery, Link, LinkLost, LinkPool
@@ -66,6 +66,11 @@ class SessionParams:
     # the last stage samples only what this grammar (llguidance's JSON form) allows from position grammar_start on
     grammar: str | None = None
     grammar_start: int = 0
+    # the ring (0: none): the last stage hands each next trip of a step sent with ``ring`` on to the first stage
+    # itself while the new token's position + 1 < ring_until (the prompt + the most new tokens) and no answered
+    # token is in ring_stop; the first stage echoes each to the client (what enters the chain)
+    ring_until: int = 0
+    ring_stop: tuple[int, ...] = ()
 
 
 class ChainSession:
@@ -87,6 +92,11 @@ class ChainSession:
         self.links: list[Link] = []
         self.fingerprint: str | None = None  # the checkpoint fingerprint the route was chosen for
         self._send, self._recv = trio.open_memory_channel[Delivery](math.inf)
+        # the ring: the trip its last stage hands on next (number, start, tokens, guesses), the first stage's
+        # echoes of what it was handed (by step number), and when the last answer came
+        self.ring_trip: tuple[int, int, tuple[int, ...], tuple[int, ...]] | None = None
+        self._echoes: dict[int, Step] = {}
+        self._answered_at = 0.0
 
     @property
     def peers(self) -> list[str]:
@@ -114,10 +124,15 @@ class ChainSession:
         for i, (offer, link) in enumerate(zip(self.route, self.links)):
             nxt = self.route[i + 1].peer_id if i + 1 < len(self.route) else None
             prev = self.route[i - 1].peer_id if i else None
+            ring = None  # the first stage hears from the last, the last hands on to the first
+            if p.ring_until and (nxt is None or prev is None):
+                ring = self.route[0 if nxt is None else -1].peer_id
+            last = nxt is None
             msg = OpenSession(self.session_id, p.model_id, offer.start, offer.end, nxt, prev, p.client_id,
                               p.max_length, float(p.temperature), float(p.top_p), p.seed, p.max_guesses,
-                              p.adaptive_guesses, p.top_logprobs, p.grammar if nxt is None else None,
-                              p.grammar_start if nxt is None else 0, self.fingerprint or None)
+                              p.adaptive_guesses, p.top_logprobs, p.grammar if last else None,
+                              p.grammar_start if last else 0, self.fingerprint or None, ring,
+                              p.ring_until if last and ring else 0, p.ring_stop if last and ring else ())
             await self._send_to(link, msg)
         waiting = set(self.peers)
         with trio.move_on_after(self.open_timeout):
@@ -130,17 +145,41 @@ class ChainSession:
         if waiting:
             raise ChainBroken(f"no answer to OpenSession from {sorted(waiting)}")
 
-    async def step(self, step: int, start: int, token_ids: Sequence[int], n_guesses: int) -> tuple[StepResult, float]:
-        """One trip; returns the last stage's result and the trip time in seconds on this clock."""
+    async def step(self, step: int, start: int, token_ids: Sequence[int], n_guesses: int,
+                   ring: bool = False) -> tuple[StepResult, float]:
+        """One trip; returns the last stage's result and the trip time in seconds on this clock. ``ring``: the last
+        stage hands the trip after this one on to the first stage itself (the session's ``ring_until`` must be set);
+        that trip, and each after it, is then only waited for here - it must be the very one the ring hands on (the
+        generation loop's next trip), whose echo from the first stage must show what was handed on."""
         guesses = step_guesses(token_ids, n_guesses)
-        msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, ())
-        t0 = time.perf_counter()
-        await self._send_to(self.links[0], msg)
+        want = (step, start, tuple(token_ids), guesses)
+        handed = self.ring_trip
+        if handed is not None and handed != want:
+            raise ChainBroken(f"trip {step} is not the one the ring hands on ({handed[0]} from {handed[1]}): the "
+                              "session cannot take it")
+        self.ring_trip = None
+        ring = ring or handed is not None  # a trip the ring handed on is one too: the ring goes on after it
+        if handed is None:
+            msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, (), ring=ring)
+            t0 = time.perf_counter()
+            await self._send_to(self.links[0], msg)
+        else:
+            t0 = self._answered_at  # the ring went on when the last answer left the last stage
+        echo = handed is None  # a trip the ring hands on is taken once the first stage showed it was handed on
         decode = is_decode_step(len(token_ids), n_guesses)
         limit = self.trip_deadline(decode)
+        got_result: StepResult | None = None
         with trio.move_on_after(limit):
             while True:
+                if echo or step in self._echoes:
+                    echo = echo or self._echoed(step, want)
+                    if got_result is not None:
+                        return self._answered(got_result, step, start, token_ids, n_guesses, ring, decode, t0)
                 peer, got = await self._recv.receive()
+                if isinstance(got, Step) and got.ring and peer == self.route[0].peer_id:
+                    if got.step >= step:
+                        self._echoes[got.step] = got
+                    continue
                 if isinstance(got, StepResult):
                     if got.step == step:
                         if peer != self.route[-1].peer_id:
@@ -155,20 +194,50 @@ class ChainSession:
                         if len(got.guesses) > self.params.max_guesses:
                             raise ChainBroken(f"{peer} drafted {len(got.guesses)} guesses",
                                               misbehaving=frozenset({peer}))
-                        trip_s = time.perf_counter() - t0
-                        if decode:
-                            self._decode_trips += 1
-                            old = self.decode_trip_s
-                            self.decode_trip_s = trip_s if old is None else 0.7 * old + 0.3 * trip_s
-                        return got, trip_s
-                    continue  # a late answer to an earlier trip
+                        got_result = got
+                        if echo:
+                            return self._answered(got, step, start, token_ids, n_guesses, ring, decode, t0)
+                    continue  # a late answer to an earlier trip, or one waiting for its echo
                 if isinstance(got, ErrorMessage) and got.step not in (None, step):
                     continue
                 self._fail(peer, got)
+        if got_result is not None:
+            raise ChainBroken(f"the first stage {self.route[0].peer_id} did not show trip {step}, which the ring "
+                              f"handed on, in {limit:.2f} s", misbehaving=frozenset({self.route[0].peer_id}))
         if limit < self.step_timeout:
             raise ChainBroken(f"trip {step} stalled: no answer in {limit:.2f} s (decode trips take "
                               f"{self.decode_trip_s:.3f} s here)", stalled=frozenset(self.peers))
         raise ChainBroken(f"trip {step} took over {self.step_timeout} s")
+
+    def _echoed(self, step: int, want: tuple[int, int, tuple[int, ...], tuple[int, ...]]) -> bool:
+        """The first stage's echo of trip ``step``, handed on by the ring, must be the trip the loop wants: else
+        the last stage handed on another (or the first stage says so falsely) - both are left out."""
+        got = self._echoes.pop(step)
+        for old in [n for n in self._echoes if n < step]:
+            del self._echoes[old]
+        if (got.step, got.start_pos, got.token_ids, got.guesses) != want:
+            first, last = self.route[0].peer_id, self.route[-1].peer_id
+            raise ChainBroken(f"the ring handed on tokens {list(got.token_ids)} from {got.start_pos} for trip {step} "
+                              f"where the answers lead to {list(want[2])} from {want[1]} ({last} handed it on to "
+                              f"{first})", misbehaving=frozenset({first, last}))
+        return True
+
+    def _answered(self, got: StepResult, step: int, start: int, token_ids: Sequence[int], n_guesses: int, ring: bool,
+                  decode: bool, t0: float) -> tuple[StepResult, float]:
+        """A trip's checked answer: its time, and the trip the ring hands on after it (if any)."""
+        now = time.perf_counter()
+        trip_s, self._answered_at = now - t0, now
+        if decode:
+            self._decode_trips += 1
+            old = self.decode_trip_s
+            self.decode_trip_s = trip_s if old is None else 0.7 * old + 0.3 * trip_s
+        p = self.params
+        if ring:
+            nxt = ring_next(start, len(token_ids), n_guesses, got.tokens, got.guesses, p.ring_until,
+                            frozenset(p.ring_stop))
+            if nxt is not None:
+                self.ring_trip = (step + 1, nxt[0], nxt[1], tuple(got.guesses))
+        return got, trip_s
 
     def link_kinds(self) -> list[str]:
         """What carries the stream to each stage of the route, in order (``net.stage_stream.describe_stage_stream``:

@@ -21,6 +21,7 @@ import trio
 from ..errors import ErrorCode, RouteError
 from ..generation import Answer, GenerationResult, Rewind, Trip
 from ..positions import session_length
+from ..wire.limits import MAX_RING_STOP
 from .config import ClientConfig
 from .routing import RouteCandidate, hop_latencies
 from .session import ChainBroken, ChainSession, NonFiniteHidden, SessionParams, StageRefused
@@ -73,7 +74,8 @@ class ChainTransport:
     @classmethod
     async def open(cls, client: ChainOpener, result: GenerationResult, max_new: int, temperature: float,
                    top_p: float, seed: int, max_guesses: int, adaptive: bool,
-                   top_logprobs: int | None = None, grammar: str | None = None) -> ChainTransport:
+                   top_logprobs: int | None = None, grammar: str | None = None,
+                   stop: Sequence[int] = ()) -> ChainTransport:
         """Route and open a session for ``result``'s request; raises RouteError or StageRefused. When no chain
         covers the model while some layer is served twice (the only peer of a range left and a spare may move there),
         it waits for one as a failover does (:meth:`_reopen`), if a recorded peer did not answer its probe."""
@@ -84,7 +86,8 @@ class ChainTransport:
             params = SessionParams(config.model_id, client.peer_id,
                                    session_length(len(prompt), max_new, max_guesses),
                                    temperature, top_p, seed, max_guesses, adaptive, top_logprobs, grammar,
-                                   len(prompt) if grammar is not None else 0)
+                                   len(prompt) if grammar is not None else 0,
+                                   len(prompt) + max_new if config.ring else 0, tuple(stop)[:MAX_RING_STOP])
             try:
                 session = await client.open_chain(params, exclude, max_age)
                 return cls(client, result, params, session, exclude)
@@ -117,7 +120,8 @@ class ChainTransport:
         that a verifier's catch caused."""
         (trip,) = trips
         try:
-            res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses)
+            ring = self.params.ring_until > 0 and not trip.chunk and not trip.replay
+            res, trip_s = await self.session.step(trip.number, trip.start, trip.tokens, trip.n_guesses, ring)
             if self.verifier is not None and not trip.chunk and not trip.replay:  # raises ChainBroken at a liar
                 await self.verifier.check(self.session, trip.start, trip.tokens, trip.n_guesses, res.tokens,
                                           self.result.prompt_ids, self.result.tokens, self.sent)

@@ -61,6 +61,7 @@ from .links import SMALL_ITEM, Item, NextHops, Outbox, OutboxBudget, tensor_byte
 from .neighbours import LinkMeter
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
+from .steps import check_step, ring_step
 
 __all__ = ["StageServer"]
 
@@ -351,36 +352,18 @@ class StageServer:
         except StageError as exc:
             outbox.put(ErrorMessage(msg.session_id, msg.step, exc.code, str(exc)))
             return
+        self._take_step(session, peer, msg, recv_ns, alone)
+
+    def _take_step(self, session: StageSession, peer: str, msg: Step, recv_ns: int, alone: bool = False) -> None:
         try:
-            self._check_step(session, msg)
+            check_step(self.model, session, msg)
         except StageError as exc:
             self._to_owner(session, ErrorMessage(msg.session_id, msg.step, exc.code, str(exc)))
             return
+        if msg.ring and self.model.is_first:  # the owner sees what enters the chain (the ring may have handed it on)
+            self._to_owner(session, Step(msg.session_id, msg.step, msg.start_pos, msg.token_ids, None, msg.guesses,
+                                         (), ring=True))
         self.scheduler.submit(Job(session, msg, recv_ns), alone=alone)
-
-    def _check_step(self, session: StageSession, msg: Step) -> None:
-        """Everything about a step that does not depend on the session's position (checked in the worker)."""
-        model, n = self.model, len(msg.token_ids)
-        if n == 0:
-            raise StageError("a step needs at least one token id", ErrorCode.BAD_FRAME)
-        k = len(msg.guesses)
-        if k > session.max_guesses:
-            raise StageError(f"{k} guesses, the session allows {session.max_guesses}", ErrorCode.TOO_MANY_GUESSES)
-        if k and (k >= n or tuple(msg.token_ids[n - k:]) != msg.guesses):
-            raise StageError("the step's token ids must end with its guesses", ErrorCode.BAD_FRAME)
-        if model.is_first:
-            if msg.hidden is not None:
-                raise StageError("the first stage takes token ids, not hidden states", ErrorCode.BAD_FRAME)
-            try:
-                model.check_token_ids(msg.token_ids)
-            except SangamaError as exc:
-                raise StageError(str(exc), ErrorCode.BAD_FRAME) from exc
-        else:
-            h = msg.hidden
-            if h is None or h.shape != (n, model.spec.hidden_size):
-                shape = None if h is None else list(h.shape)
-                raise StageError(f"hidden states must be [{n}, {model.spec.hidden_size}], got {shape}",
-                                 ErrorCode.BAD_FRAME)
 
     # ---- results -------------------------------------------------------------------------------------------
     def _deliver(self, job: Job, out: Outcome) -> None:
@@ -401,19 +384,29 @@ class StageServer:
             scores = tuple(TokenLogprobs(*s) for s in res.logprobs)
             self._to_owner(session, lambda: StepResult(m.session_id, m.step, res.tokens, res.guesses,
                                                         (*m.trace, stamp()), scores))
+            nxt = ring_step(session, m, res.tokens, res.guesses) if m.ring else None
+            if nxt is not None and session.ring == self.peer_id:  # a one-stage chain closes the ring on itself
+                self._take_step(session, self.peer_id, nxt, time.monotonic_ns())
+            elif nxt is not None and session.ring is not None:
+                self._send_on(session, m, session.ring, lambda: nxt, SMALL_ITEM, "the ring's first stage")
             return
         hidden = out.hidden
         item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731
-                            (*m.trace, stamp()))
-        link = self.next_hops.get(session.next_hop or "")
-        if not link.put(item, SMALL_ITEM + tensor_bytes(hidden)):
+                            (*m.trace, stamp()), m.ring)
+        self._send_on(session, m, session.next_hop or "", item, SMALL_ITEM + tensor_bytes(hidden), "next hop")
+
+    def _send_on(self, session: StageSession, m: Step, peer: str, item: Item, nbytes: int, what: str) -> None:
+        """Queue ``item`` for the stage ``peer`` (the next hop, or the ring's first stage); the owner hears of a
+        link that does not take it."""
+        link = self.next_hops.get(peer)
+        if not link.put(item, nbytes):
             # alive but not draining, or failed for holding the most of the outbox budget: OVERLOADED, else INTERNAL
             stuck = link.failed is None and link.congested
             why = f"does not take its frames ({link.queued_bytes} bytes queued)" if stuck else "is unreachable"
             if isinstance(link.failed, OutboxFull):
                 stuck, why = True, f"does not take its frames ({link.failed})"
             code = ErrorCode.OVERLOADED if stuck else ErrorCode.INTERNAL
-            self._to_owner(session, ErrorMessage(m.session_id, m.step, code, f"next hop {session.next_hop} {why}"))
+            self._to_owner(session, ErrorMessage(m.session_id, m.step, code, f"{what} {peer} {why}"))
 
     def _to_owner(self, session: StageSession, item: Item) -> None:
         session.reply.put(item)

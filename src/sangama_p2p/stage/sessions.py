@@ -2,8 +2,9 @@
 
 Ownership: a session belongs to the peer that opened it (its authenticated libp2p peer id, which must equal the
 ``client_id`` it claims). Steps are accepted from the owner, and from the one upstream stage the owner named in
-``OpenSession.prev_hop``; any other peer is refused with ``NOT_OWNER``, even one that learnt the session id (every
-stage of the chain knows it). The first stage of a chain (its range starts at layer 0) takes token ids from the
+``OpenSession.prev_hop`` (on the first stage: the last stage named in ``OpenSession.ring``, which hands each next
+trip on itself); any other peer is refused with ``NOT_OWNER``, even one that learnt the session id (every stage of
+the chain knows it). The first stage of a chain (its range starts at layer 0) takes token ids from the
 client only, so it refuses an ``OpenSession`` that names a ``prev_hop``.
 
 Memory: every session's caches are preallocated at open and counted against ``StageConfig.memory_budget``; a
@@ -87,6 +88,12 @@ class StageSession:
     max_guesses: int
     nbytes: int
     upstream: str | None = None  # the peer the owner named to feed this session (OpenSession.prev_hop)
+    # the ring (OpenSession.ring): on the first stage, the last stage, which may step it too; on the last stage, the
+    # first stage, to which it hands each next trip of a Step marked ring while the trip is below ring_until and
+    # no answered token is in ring_stop
+    ring: str | None = None
+    ring_until: int = 0
+    ring_stop: frozenset[int] = frozenset()
     source: tuple[str, ...] = ()  # the owner's address and network (net.addrs.source_keys), counted like its id
     closed: bool = False
     last_active: float = field(default_factory=time.monotonic)  # opened or last stepped (monotonic s)
@@ -158,6 +165,9 @@ class SessionTable:
         if msg.grammar is not None and not model.is_last:
             raise StageError("only the last stage holds output to a grammar (grammar must be empty)",
                              ErrorCode.BAD_FRAME)
+        if msg.ring is not None and not (model.is_first or model.is_last):
+            raise StageError("only the first and the last stage close the ring (ring must be empty)",
+                             ErrorCode.BAD_FRAME)
         if msg.max_guesses > cfg.max_guesses:
             raise StageError(f"at most {cfg.max_guesses} guesses per step here", ErrorCode.TOO_MANY_GUESSES)
         if msg.max_guesses and model.is_last and model.mtp is None:
@@ -176,7 +186,7 @@ class SessionTable:
 
     def _allocate(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None,
                   source: tuple[str, ...]) -> StageSession:
-        cfg, model = self.config, self.model
+        model = self.model
         ring = ring_size(msg.max_guesses)
         need = model.session_bytes(msg.max_length, ring)
         left = self.memory_budget - self.used_bytes
@@ -190,7 +200,8 @@ class SessionTable:
             decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses),
                               top_logprobs=msg.top_logprobs, constraint=constraint)
         session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need,
-                               upstream=msg.prev_hop, source=source)
+                               upstream=msg.prev_hop, source=source, ring=msg.ring, ring_until=msg.ring_until,
+                               ring_stop=frozenset(msg.ring_stop))
         self.sessions[msg.session_id] = session
         self.used_bytes += need
         self._count(session, +1)
@@ -207,10 +218,10 @@ class SessionTable:
         return session
 
     def authorize_step(self, session_id: bytes, peer: str) -> StageSession:
-        """The session if ``peer`` may step it (owner, or the upstream stage the owner named); raises
-        NOT_OWNER/UNKNOWN_SESSION."""
+        """The session if ``peer`` may step it (owner, the upstream stage the owner named, or on the first stage the
+        last stage that closes the ring); raises NOT_OWNER/UNKNOWN_SESSION."""
         session = self.lookup(session_id)
-        if peer == session.owner or peer == session.upstream:
+        if peer == session.owner or peer == session.upstream or (peer == session.ring and self.model.is_first):
             session.last_active = time.monotonic()
             return session
         if session.upstream is None:

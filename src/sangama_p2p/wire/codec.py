@@ -65,7 +65,7 @@ def _no_blob(blob: Blob) -> None:
 def _step_out(m: Step) -> tuple[Header, bytes | memoryview]:
     h = m.hidden
     desc, blob = (None, _EMPTY) if h is None else ((h.dtype, h.shape), h.data)
-    return (m.session_id, m.step, m.start_pos, m.token_ids, desc, m.guesses, _trace_out(m.trace)), blob
+    return (m.session_id, m.step, m.start_pos, m.token_ids, desc, m.guesses, _trace_out(m.trace), m.ring), blob
 
 
 def _step_in(f: Header, blob: Blob) -> Step:
@@ -77,7 +77,7 @@ def _step_in(f: Header, blob: Blob) -> Step:
         hidden = Tensor(desc[0], desc[1], bytes(blob))
     else:
         raise InvalidMessageError("hidden must be nil or an array [dtype, shape]")
-    return Step(f[0], f[1], f[2], f[3], hidden, f[5], _trace_in(f[6]))
+    return Step(f[0], f[1], f[2], f[3], hidden, f[5], _trace_in(f[6]), f[7])
 
 
 def _result_out(m: StepResult) -> tuple[Header, bytes]:

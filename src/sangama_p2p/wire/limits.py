@@ -15,6 +15,7 @@ __all__ = [
     "MAX_GUESSES",
     "MAX_ID_BYTES",
     "MAX_INDEX",
+    "MAX_RING_STOP",
     "MAX_TEXT_BYTES",
     "MAX_TOKENS",
     "MAX_TOKEN_ID",
@@ -37,6 +38,8 @@ MAX_GUESSES: Final = 8
 ``max_guesses`` obey too (``sangama_p2p.guesses`` takes it from here)."""
 MAX_TOP_LOGPROBS: Final = 20
 """Alternatives a session may ask the last stage to score per token (OpenAI's ``top_logprobs`` limit)."""
+MAX_RING_STOP: Final = 64
+"""Stop tokens in ``OpenSession.ring_stop`` (where the last stage stops handing trips on)."""
 MAX_GRAMMAR_BYTES: Final = 64 * 1024
 """A session's grammar (``OpenSession.grammar``: llguidance's JSON grammar, compiled from a JSON schema)."""
 MAX_TRACE: Final = 64

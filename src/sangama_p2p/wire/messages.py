@@ -1,4 +1,4 @@
-"""The typed messages of ``/sangama/stage/5`` and ``/sangama/info/5`` (and the ``LaneOffer`` of ``/sangama/lane/6``).
+"""The typed messages of ``/sangama/stage/6`` and ``/sangama/info/6`` (and the ``LaneOffer`` of ``/sangama/lane/7``).
 
 Each message is a frozen dataclass with explicit fields and a stable numeric ``TAG`` (the class name never travels).
 Constructors validate every field (see :mod:`sangama_p2p.wire.limits`), so a message that exists is one a peer may
@@ -17,6 +17,7 @@ from typing import ClassVar, Final, TypeAlias
 from sangama_p2p.errors import ErrorCode, InvalidMessageError
 from sangama_p2p.wire.limits import (
     MAX_GUESSES,
+    MAX_RING_STOP,
     MAX_TEXT_BYTES,
     MAX_TOKENS,
     MAX_GRAMMAR_BYTES,
@@ -107,6 +108,14 @@ class OpenSession:
     # the checkpoint fingerprint the client chose this chain for (32 lowercase hex digits): a stage of another
     # checkpoint refuses with WRONG_MODEL (a record that lies or went stale); None: not checked
     fingerprint: str | None = None
+    # the ring (wire version 6): on the first stage, the last stage, which may step the session too; on the last
+    # stage, the first stage, to which it hands each next trip of a Step marked ``ring`` itself (a one-stage chain
+    # names itself). None: every trip comes from the client.
+    ring: str | None = None
+    # the last stage hands a trip on only while the new token's position + 1 < ring_until (the prompt's length +
+    # the most new tokens) and no token of the answer is in ring_stop (the request's stop tokens)
+    ring_until: int = 0
+    ring_stop: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -136,6 +145,9 @@ class OpenSession:
             raise InvalidMessageError(f"fingerprint must be 32 lowercase hex digits, got {self.fingerprint!r}")
         if self.grammar is not None and self.max_guesses:
             raise InvalidMessageError("a session held to a grammar drafts no guesses (max_guesses must be 0)")
+        check_opt_text("ring", self.ring)
+        check_uint("ring_until", self.ring_until)
+        _set(self, "ring_stop", check_tokens("ring_stop", self.ring_stop, MAX_RING_STOP))
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +179,9 @@ class Step:
     hidden: Tensor | None
     guesses: tuple[int, ...]
     trace: tuple[TraceStamp, ...]
+    # the last stage hands the next trip on to the first stage itself (OpenSession.ring), and the first stage
+    # echoes it (no hidden states) to the session's owner
+    ring: bool = False
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -177,6 +192,7 @@ class Step:
             raise InvalidMessageError(f"hidden must be a Tensor or None, got {type(self.hidden).__name__}")
         _set(self, "guesses", check_tokens("guesses", self.guesses, MAX_GUESSES))
         _set(self, "trace", check_tuple_of("trace", self.trace, TraceStamp, MAX_TRACE))
+        check_bool("ring", self.ring)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,151 @@
+"""The ring closes at the first stage (issue 29): the last stage hands each next trip on to the first stage itself, the
+client sends only the first trip, checks every answer and the first stage's echo of every trip handed on, and gets
+the tokens it would get with every trip through it (and those of the local chain)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import trio
+
+from sangama_p2p.client import ChainClient, ClientConfig
+from sangama_p2p.client.session import ChainSession
+from sangama_p2p.wire.messages import Step
+
+from .fleet import MODEL, fleet, local_chain
+
+SPLIT = [(0, 3), (3, 5), (5, 8)]
+PROMPT = [1, 5, 9, 2, 7, 3]
+
+
+def _count_client_steps(monkeypatch: Any) -> list[Step]:
+    """Every Step the client sends (its own trips, on every chain)."""
+    sent: list[Step] = []
+    real = ChainSession._send_to
+
+    async def send_to(self: ChainSession, link: Any, msg: object) -> None:
+        if isinstance(msg, Step):
+            sent.append(msg)
+        await real(self, link, msg)
+
+    monkeypatch.setattr(ChainSession, "_send_to", send_to)
+    return sent
+
+
+def _generate(ckpt: Any, split: list[tuple[int, int]], runs: list[dict[str, Any]], **config: Any) -> list[Any]:
+    async def main() -> list[Any]:
+        out = []
+        with trio.fail_after(120):
+            async with fleet(ckpt, split) as f:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, **config)) as client:
+                    for kw in runs:
+                        out.append(await client.generate(PROMPT, **kw))
+        return out
+
+    return trio.run(main)
+
+
+def test_the_ring_gives_the_tokens_of_the_local_chain_with_one_trip_sent(ckpt, monkeypatch):
+    chain = local_chain(ckpt, SPLIT)
+    runs = [{"max_new_tokens": 16}, {"max_new_tokens": 16, "guesses": 2}, {"max_new_tokens": 16, "guesses": "auto"}]
+    want = [chain.generate(PROMPT, r["max_new_tokens"], guesses=r.get("guesses", 0)) for r in runs]
+    sent = _count_client_steps(monkeypatch)
+    got = _generate(ckpt, SPLIT, runs)
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens and g.failovers == 0
+        assert g.steps == w.steps and g.guesses_accepted == w.guesses_accepted
+        assert [len(t.stages) for t in g.trips] == [3] * len(g.trips)
+    assert got[1].guesses_accepted > 0
+    assert len(sent) == len(runs) and all(s.ring for s in sent)  # one trip per generation: the prompt's
+
+
+def test_without_the_ring_every_trip_goes_through_the_client(ckpt, monkeypatch):
+    chain = local_chain(ckpt, SPLIT)
+    want = chain.generate(PROMPT, 12, guesses=2)
+    sent = _count_client_steps(monkeypatch)
+    (got,) = _generate(ckpt, SPLIT, [{"max_new_tokens": 12, "guesses": 2}], ring=False)
+    assert got.tokens == want.tokens
+    assert len(sent) == got.steps + 1 and not any(s.ring for s in sent)
+
+
+def test_the_ring_stops_at_a_stop_token_and_at_max_new(ckpt, monkeypatch):
+    """The last stage hands nothing on past the request's end, so no stage computes a trip nobody wants."""
+    chain = local_chain(ckpt, SPLIT)
+    full = chain.generate(PROMPT, 20, guesses=2).tokens
+    stop = full[7]
+    want = chain.generate(PROMPT, 20, guesses=2, stop_tokens=[stop]).tokens
+    assert want[-1] == stop and len(want) < 20
+
+    async def main() -> tuple[Any, Any, int]:
+        with trio.fail_after(120):
+            async with fleet(ckpt, SPLIT) as f:
+                first = f.stages[0][1]
+                steps: list[int] = []
+                real = first.scheduler.submit
+                first.scheduler.submit = lambda job, **k: steps.append(job.msg.step) or real(job, **k)
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    a = await client.generate(PROMPT, 20, guesses=2, stop_tokens=[stop])
+                    n_a = len(steps)
+                    await trio.sleep(0.3)  # a trip handed on past the end would reach the first stage by now
+                    assert len(steps) == n_a
+                    b = await client.generate(PROMPT, 9, guesses=2)
+                    await trio.sleep(0.3)
+        return a, b, len(steps) - n_a
+
+    a, b, n_b = trio.run(main)
+    assert a.tokens == want
+    assert b.tokens == chain.generate(PROMPT, 9, guesses=2).tokens
+    assert n_b == b.steps + 1  # the first stage computed exactly the generation's trips
+
+
+def test_seeded_sampling_is_the_same_with_and_without_the_ring(ckpt):
+    runs = [{"max_new_tokens": 14, "temperature": 0.9, "seed": 7, "guesses": 2}]
+    (ring,) = _generate(ckpt, SPLIT, runs)
+    (plain,) = _generate(ckpt, SPLIT, runs, ring=False)
+    assert ring.tokens == plain.tokens and len(ring.tokens) == 14
+
+
+def test_a_one_stage_chain_closes_the_ring_on_itself(ckpt, monkeypatch):
+    want = local_chain(ckpt, [(0, 8)]).generate(PROMPT, 10, guesses=2)
+    sent = _count_client_steps(monkeypatch)
+    (got,) = _generate(ckpt, [(0, 8)], [{"max_new_tokens": 10, "guesses": 2}])
+    assert got.tokens == want.tokens and len(sent) == 1
+
+
+def test_a_last_stage_that_hands_on_other_tokens_than_it_answers_is_left_out(ckpt):
+    """A last stage that answers the right tokens but hands other ones on to the first stage would poison every later
+    trip's context where the client cannot see it: the first stage's echo shows it, and the client re-routes around
+    both ends of that ring and replays, with the local chain's tokens."""
+    chain = local_chain(ckpt, SPLIT)
+    want = chain.generate(PROMPT, 12, guesses=2).tokens
+
+    async def main() -> tuple[Any, str, int]:
+        with trio.fail_after(120):
+            async with fleet(ckpt, SPLIT) as f:
+                liar = f.stages[-1][1]
+                await f.add_stage(5, 8)  # an honest spare of the last range
+                await f.add_stage(0, 3)  # and of the first: the client leaves out both ends of the poisoned ring
+                from .liars import _attractive
+
+                _attractive(liar)
+                poisoned = []
+                real = liar._send_on
+
+                def send_on(session: Any, m: Any, peer: str, item: Any, nbytes: int, what: str) -> None:
+                    if what.startswith("the ring"):
+                        step = item()
+                        bad = dataclasses.replace(step, token_ids=(1, *step.token_ids[1:]))
+                        if bad != step:
+                            poisoned.append(step.step)
+                        item = lambda: bad  # noqa: E731
+                    real(session, m, peer, item, nbytes, what)
+
+                liar._send_on = send_on
+                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                    res = await client.generate(PROMPT, 12, guesses=2)
+        return res, liar.peer_id, len(poisoned)
+
+    res, liar_id, poisoned = trio.run(main)
+    assert poisoned >= 1
+    assert res.tokens == want and res.failovers >= 1 and liar_id not in res.route
