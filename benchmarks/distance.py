@@ -2,7 +2,7 @@
 three regions of the delay lab, at 0, 20, 40 and 80 ms between regions - the reference report's table, at a distance.
 
     sudo python benchmarks/distance.py --model DIR [--rtt 0 20 40 80] [--guesses 0 2 4 6] [--repeats 2] [--tokens 64]
-        [--ring on off] [--client-apart] [--out distance.json]
+        [--ring on off] [--client-apart] [--single] [--out distance.json]
 
 ``--model``: a trained checkpoint with an MTP layer that guesses well (guesses of a random model are all rejected):
 the trained tiny model and its drafter (docs/operations.md; ``benchmarks/train_tiny.py`` then
@@ -24,7 +24,8 @@ tokens per trip, and whether the tokens equal ``generate --local``'s (greedy: th
 Issue 29's comparison: ``--ring on off`` runs every (prompt, guesses) with the ring closed at the first stage (the
 default) and through the client (``generate --no-ring``), one right after the other; ``--client-apart`` puts the client
 in a fourth region D, ``--rtt`` from every other (the issue's "20 ms between every pair, three stages and the client":
-through the client a trip then crosses four such links, closed at the first stage three).
+through the client a trip then crosses four such links, closed at the first stage three); ``--single`` keeps one peer
+per range (a0, b0, c0), so every run takes the same chain and no run pays for opening a link.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def local_tokens(model: Path, prompt: str, tokens: int) -> list[int]:
 
 
 def one_distance(between: float, model: Path, expected: dict[str, list[int]], guesses: list[int], repeats: int,
-                 tokens: int, tmp: Path, rings: list[str], apart: bool) -> dict[str, Any]:
+                 tokens: int, tmp: Path, rings: list[str], apart: bool, single: bool = False) -> dict[str, Any]:
     from delaylab import DelayLab
 
-    regions = {**REGIONS, "client": "D"} if apart else REGIONS
+    regions = {**REGIONS, "client": "D"} if apart else dict(REGIONS)
+    if single:  # one peer per range: every run takes the same chain, whose links the warm-up opened
+        regions = {h: r for h, r in regions.items() if h in ("boot", "client") or h.endswith("0")}
     with DelayLab(regions, rtt_ms=rtts(between, "ABCD" if apart else "ABC")) as lab:
         def start(host: str, *args: str) -> _Lines:
             return lab_start(lab, host, *args, err=tmp / f"{host}-{between:g}.err")
@@ -83,7 +86,7 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
         _, boot = lab_bootstrap(lab, tmp / "boot.key", tmp / f"boot-{between:g}.err")
         peers = {h: start(h, "join", "--model", str(model), "--layers", LAYERS[h[0]], "--bootstrap", boot, "--listen",
                           "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp / f"{h}.key"), "--no-lanes", "--threads", "1")
-                 for h in STAGES}
+                 for h in STAGES if h in regions}
         try:
             ids = {h: p.wait("ready ", 240).split()[1] for h, p in peers.items()}
         except RuntimeError as exc:
@@ -103,8 +106,10 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
                 raise RuntimeError(f"links not measured within 180 s by {sorted(missing)}")
             time.sleep(1)
         links_s = time.monotonic() - t0
-        cli("generate", "--model", model.name, "--tokenizer", str(model), "--bootstrap", boot, "--prompt",
-            PROMPTS["code"], "--max-new-tokens", "8", "--guesses", "2", "--json")  # warm-up: streams, first steps
+        for ring in rings:  # warm-up: streams (the ring's too), first steps
+            cli("generate", "--model", model.name, "--tokenizer", str(model), "--bootstrap", boot, "--prompt",
+                PROMPTS["code"], "--max-new-tokens", "8", "--guesses", "2", "--json",
+                *(["--no-ring"] if ring == "off" else []))
         runs = []
         for rep in range(repeats):
             for name, text in PROMPTS.items():
@@ -139,6 +144,7 @@ def main() -> int:
     ap.add_argument("--ring", nargs="+", choices=["on", "off"], default=["on"],
                     help="the ring closed at the first stage (on, the default) and/or every trip through the client")
     ap.add_argument("--client-apart", action="store_true", help="the client in a region of its own (D)")
+    ap.add_argument("--single", action="store_true", help="one peer per range (a0, b0, c0): three stages")
     ap.add_argument("--out", default="distance.json", help="results file under benchmarks/results")
     args = ap.parse_args()
     from delaylab import delaylab_unavailable_reason
@@ -151,10 +157,11 @@ def main() -> int:
     expected = {name: local_tokens(model, text, args.tokens) for name, text in PROMPTS.items()}
     load0, t0 = _load(), time.monotonic()
     rows = [one_distance(d, model, expected, args.guesses, args.repeats, args.tokens, tmp, args.ring,
-                         args.client_apart) for d in args.rtt]
+                         args.client_apart, args.single) for d in args.rtt]
     load1 = _load()
     where = "in D, apart" if args.client_apart else "in A with 0:3"
-    print(f"\none request across 8 peers in three regions (0:3 x3 in A, 3:6 x3 in B, 6:8 x2 in C, the client {where}), "
+    fleet = "3 peers (0:3 in A, 3:6 in B, 6:8 in C" if args.single else "8 peers (0:3 x3 in A, 3:6 x3 in B, 6:8 x2 in C"
+    print(f"\none request across {fleet}, the client {where}), "
           f"{model.name}, {args.tokens} tokens, median of {args.repeats}; load {load0} -> {load1}")
     heads = " | ".join(f"{k} guesses" for k in args.guesses)
     print(f"| RTT between regions ms | prompt | ring | {heads} | tokens/trip at {max(args.guesses)} | tokens = local |")
@@ -173,7 +180,7 @@ def main() -> int:
                 print(f"| {row['rtt_ms']:g} | {name} | {ring} | {' | '.join(cells)} | {tpt:.2f} | {same} |")
     out = {"machine": platform.node(), "when": _now(), "load": [load0, load1], "seconds": time.monotonic() - t0,
            "model": str(model), "tokens": args.tokens, "repeats": args.repeats, "guesses": args.guesses,
-           "rings": args.ring, "client_apart": args.client_apart, "prompts": PROMPTS, "distances": rows}
+           "rings": args.ring, "client_apart": args.client_apart, "single": args.single, "prompts": PROMPTS, "distances": rows}
     _write(args.out, out)
     return 0 if all(r["tokens_equal_local"] for row in rows for r in row["runs"]) else 1
 

@@ -122,10 +122,63 @@ def test_a_fleet_across_the_lab_gives_local_tokens_at_the_chains_distance(tmp_pa
             for proc in procs:
                 proc.stop()
     assert result["tokens"] == expected
-    # a trip: client -> s0 (1 ms) -> s1 (20 ms) -> client (20 ms), one way each
-    trip_ms = (lab.rtt_ms("client", "s0") + lab.rtt_ms("s0", "s1") + lab.rtt_ms("s1", "client")) / 2
+    # a trip with the ring (the default): s0 -> s1 (20 ms) -> s0 (20 ms), one way each
+    trip_ms = (lab.rtt_ms("s0", "s1") + lab.rtt_ms("s1", "s0")) / 2
     per_token = result["decode_ms"] / max(1, result["steps"])
     assert per_token >= trip_ms, (per_token, trip_ms, result)
     print(f"\n{TOKENS} tokens across the lab in {took:.2f} s (client process included); decode {per_token:.1f} ms per "
           f"token against a configured trip of {trip_ms:.0f} ms")
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_lab(tmp_path: Path) -> None:
+    """Issue 29: stages and the client each in a region of their own, 20 ms apart. With the ring (the default) and
+    with ``--no-ring``, with and without guesses, the tokens are ``generate --local``'s, and no trip beats the wire
+    it must cross (the ring: s0 -> s1 -> s0; through the client: client -> s0 -> s1 -> client).
+    Speed: ``benchmarks/distance.py --ring off on --client-apart``."""
+    from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny, _Proc
+
+    tiny = _make_tiny(tmp_path / "tiny")
+    expected = _local_tokens(tiny, TOKENS)
+    hosts = {"boot": "c", "client": "c", "s0": "a", "s1": "b"}
+    rtt = {("a", "a"): 2, ("b", "b"): 2, ("c", "c"): 2, ("a", "b"): 20, ("a", "c"): 20, ("b", "c"): 20}
+    results = {}
+    with DelayLab(hosts, rtt_ms=rtt) as lab:
+        procs: list[_Proc] = []
+
+        def start(host: str, *args: str) -> _Proc:
+            proc = _Proc(["ip", "netns", "exec", lab.ns[host], *_fleet_cli(*args)])
+            procs.append(proc)
+            return proc
+
+        try:
+            boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "b.key"))
+            boot_p.wait_for("  --bootstrap ", 60)
+            boot = next(x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and lab.ip["boot"] in x)
+            stages = [start(host, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                            "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{host}.key"), "--no-lanes",
+                            "--threads", "1")
+                      for host, layers in (("s0", "0:4"), ("s1", "4:8"))]
+            for stage in stages:
+                stage.wait_for("ready ", 120)
+            for ring in ("on", "off"):
+                for guesses in ("0", "2"):
+                    gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
+                        "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
+                        "--prompt-ids", PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos", "--guesses", guesses,
+                        "--json", *(["--no-ring"] if ring == "off" else []))], capture_output=True, text=True,
+                        timeout=180)
+                    assert gen.returncode == 0, gen.stderr[-3000:]
+                    results[ring, guesses] = json.loads(gen.stdout.strip().splitlines()[-1])
+        finally:
+            for proc in procs:
+                proc.stop()
+    floor = {"on": 20.0, "off": 30.0}  # one-way ms a trip crosses: 2 links of 10 ms, or 3
+    for (ring, guesses), result in results.items():
+        assert result["tokens"] == expected, (ring, guesses)
+        per_trip = result["decode_ms"] / max(1, result["steps"])
+        assert per_trip >= floor[ring], (ring, guesses, per_trip)
+        print(f"\nring {ring}, {guesses} guesses: {per_trip:.1f} ms per trip (floor {floor[ring]:.0f})")
 

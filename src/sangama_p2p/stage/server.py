@@ -327,11 +327,13 @@ class StageServer:
             self._spawn(self._open_constrained, outbox, msg, fs)  # the client steps it only once it is open
         elif isinstance(msg, OpenSession):
             try:
-                self.table.open(msg, peer, outbox, source=fs.source)  # counted per address too (Sybils)
+                session = self.table.open(msg, peer, outbox, source=fs.source)  # counted per address too (Sybils)
             except StageError as exc:
                 outbox.put(ErrorMessage(msg.session_id, None, exc.code, str(exc)))
                 return
             outbox.put(SessionOpened(msg.session_id, self.free_sessions))
+            if self.model.is_last and session.ring not in (None, self.peer_id):
+                self.next_hops.get(session.ring)  # dialled now: the ring's first hand-on does not wait for it
         elif isinstance(msg, CloseSession):
             try:
                 self.table.close(msg.session_id, peer)
@@ -360,10 +362,10 @@ class StageServer:
         except StageError as exc:
             self._to_owner(session, ErrorMessage(msg.session_id, msg.step, exc.code, str(exc)))
             return
-        if msg.ring and self.model.is_first:  # the owner sees what enters the chain (the ring may have handed it on)
+        self.scheduler.submit(Job(session, msg, recv_ns), alone=alone)
+        if msg.ring and self.model.is_first:  # the owner sees what entered the chain (the ring may have handed it on)
             self._to_owner(session, Step(msg.session_id, msg.step, msg.start_pos, msg.token_ids, None, msg.guesses,
                                          (), ring=True))
-        self.scheduler.submit(Job(session, msg, recv_ns), alone=alone)
 
     # ---- results -------------------------------------------------------------------------------------------
     def _deliver(self, job: Job, out: Outcome) -> None:
@@ -382,13 +384,16 @@ class StageServer:
         if out.last is not None:
             res = out.last
             scores = tuple(TokenLogprobs(*s) for s in res.logprobs)
-            self._to_owner(session, lambda: StepResult(m.session_id, m.step, res.tokens, res.guesses,
-                                                        (*m.trace, stamp()), scores))
+            answer = lambda: StepResult(m.session_id, m.step, res.tokens, res.guesses,  # noqa: E731
+                                        (*m.trace, stamp()), scores)
             nxt = ring_step(session, m, res.tokens, res.guesses) if m.ring else None
             if nxt is not None and session.ring == self.peer_id:  # a one-stage chain closes the ring on itself
+                self._to_owner(session, answer)
                 self._take_step(session, self.peer_id, nxt, time.monotonic_ns())
-            elif nxt is not None and session.ring is not None:
+                return
+            if nxt is not None and session.ring is not None:  # the next trip first: it is the one on the way
                 self._send_on(session, m, session.ring, lambda: nxt, SMALL_ITEM, "the ring's first stage")
+            self._to_owner(session, answer)
             return
         hidden = out.hidden
         item = lambda: Step(m.session_id, m.step, m.start_pos, m.token_ids, hidden, m.guesses,  # noqa: E731
