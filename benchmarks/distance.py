@@ -126,7 +126,8 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
                                   "ms": h["ms"], "measured": h["measured"]} for h in r["hops"]],
                         "where_the_time_goes": r.get("where_the_time_goes"),
                     })
-                    print(f"  rtt {between:g} ms, {name}, {k} guesses, ring {ring}: {r['decode_tokens_per_s']:.1f} tok/s, "
+                    print(f"  rtt {between:g} ms, {name}, {k} guesses, ring {ring}: "
+                          f"{r['decode_tokens_per_s']:.1f} tok/s, "
                           f"{runs[-1]['tokens_per_trip']:.2f} tokens/trip, route {' -> '.join(runs[-1]['route'])}, "
                           f"equal to local: {runs[-1]['tokens_equal_local']}", flush=True)
     return {"rtt_ms": between, "configured": {f"{a}-{b}": v for (a, b), v in rtts(between, "ABCD" if apart else
@@ -180,7 +181,8 @@ def main() -> int:
                 print(f"| {row['rtt_ms']:g} | {name} | {ring} | {' | '.join(cells)} | {tpt:.2f} | {same} |")
     out = {"machine": platform.node(), "when": _now(), "load": [load0, load1], "seconds": time.monotonic() - t0,
            "model": str(model), "tokens": args.tokens, "repeats": args.repeats, "guesses": args.guesses,
-           "rings": args.ring, "client_apart": args.client_apart, "single": args.single, "prompts": PROMPTS, "distances": rows}
+           "rings": args.ring, "client_apart": args.client_apart, "single": args.single, "prompts": PROMPTS,
+           "distances": rows}
     _write(args.out, out)
     return 0 if all(r["tokens_equal_local"] for row in rows for r in row["runs"]) else 1
 
