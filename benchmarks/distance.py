@@ -2,7 +2,7 @@
 three regions of the delay lab, at 0, 20, 40 and 80 ms between regions - the reference report's table, at a distance.
 
     sudo python benchmarks/distance.py --model DIR [--rtt 0 20 40 80] [--guesses 0 2 4 6] [--repeats 2] [--tokens 64]
-        [--ring on off] [--client-apart] [--single] [--out distance.json]
+        [--ring off on w2] [--client-apart] [--single] [--out distance.json]
 
 ``--model``: a trained checkpoint with an MTP layer that guesses well (guesses of a random model are all rejected):
 the trained tiny model and its drafter (docs/operations.md; ``benchmarks/train_tiny.py`` then
@@ -21,8 +21,9 @@ one after the other, then again); the table gives the median ``decode_tokens_per
 tokens per trip, and whether the tokens equal ``generate --local``'s (greedy: they must, in every run). Results in
 ``benchmarks/results/distance.json`` (``--out``).
 
-Issue 29's comparison: ``--ring on off`` runs every (prompt, guesses) with the ring closed at the first stage (the
-default) and through the client (``generate --no-ring``), one right after the other; ``--client-apart`` puts the client
+Issue 29's comparison: ``--ring off on w2`` runs every (prompt, guesses) through the client (``generate
+--no-ring``), with the ring closed at the first stage (the default) and with up to 2 guess windows in flight
+(``--windows 2``), one right after the other; ``--client-apart`` puts the client
 in a fourth region D, ``--rtt`` from every other (the issue's "20 ms between every pair, three stages and the client":
 through the client a trip then crosses four such links, closed at the first stage three); ``--single`` keeps one peer
 per range (a0, b0, c0), so every run takes the same chain and no run pays for opening a link.
@@ -59,6 +60,14 @@ def rtts(between: float, regions: str = "ABC") -> dict[tuple[str, str], float]:
     out = {(r, r): inside for r in regions}
     out.update({(a, b): between for i, a in enumerate(regions) for b in regions[i + 1:]})
     return out
+
+
+def _ring_args(mode: str) -> list[str]:
+    """``generate``'s flags for a ``--ring`` mode: off (every trip through the client), on (the ring, one window),
+    wN (the ring, up to N guess windows in flight)."""
+    if mode == "off":
+        return ["--no-ring"]
+    return ["--windows", mode[1:]] if mode.startswith("w") else []
 
 
 def local_tokens(model: Path, prompt: str, tokens: int) -> list[int]:
@@ -108,15 +117,14 @@ def one_distance(between: float, model: Path, expected: dict[str, list[int]], gu
         links_s = time.monotonic() - t0
         for ring in rings:  # warm-up: streams (the ring's too), first steps
             cli("generate", "--model", model.name, "--tokenizer", str(model), "--bootstrap", boot, "--prompt",
-                PROMPTS["code"], "--max-new-tokens", "8", "--guesses", "2", "--json",
-                *(["--no-ring"] if ring == "off" else []))
+                PROMPTS["code"], "--max-new-tokens", "8", "--guesses", "2", "--json", *_ring_args(ring))
         runs = []
         for rep in range(repeats):
             for name, text in PROMPTS.items():
                 for k, ring in [(k, ring) for k in guesses for ring in rings]:
                     r = cli("generate", "--model", model.name, "--tokenizer", str(model), "--bootstrap", boot,
                             "--prompt", text, "--max-new-tokens", str(tokens), "--ignore-eos", "--guesses", str(k),
-                            "--json", *(["--no-ring"] if ring == "off" else []))
+                            "--json", *_ring_args(ring))
                     runs.append({
                         "repeat": rep, "prompt": name, "guesses": k, "ring": ring, "tps": r["decode_tokens_per_s"],
                         "steps": r["steps"], "tokens_per_trip": len(r["tokens"]) / max(1, r["steps"]),
@@ -142,8 +150,9 @@ def main() -> int:
     ap.add_argument("--guesses", type=int, nargs="+", default=[0, 2, 4, 6])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--ring", nargs="+", choices=["on", "off"], default=["on"],
-                    help="the ring closed at the first stage (on, the default) and/or every trip through the client")
+    ap.add_argument("--ring", nargs="+", choices=["on", "off", "w2", "w3", "w4"], default=["on"],
+                    help="the ring closed at the first stage (on, the default), every trip through the client (off), "
+                    "the ring with up to N guess windows in flight (wN)")
     ap.add_argument("--client-apart", action="store_true", help="the client in a region of its own (D)")
     ap.add_argument("--single", action="store_true", help="one peer per range (a0, b0, c0): three stages")
     ap.add_argument("--out", default="distance.json", help="results file under benchmarks/results")

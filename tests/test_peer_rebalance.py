@@ -222,7 +222,9 @@ def test_a_generation_through_the_spare_outlives_the_leave_and_the_move(tmp_path
             await nursery.start(serve_until, "b", boot, "3:6", stop_b)
             async with Peer(cfg("s", boot, rebalance_every=600.0, rebalance_drain_s=1.0)) as spare:
                 assert await spare.serve(model, "auto") == (0, 3)  # the gap at join
-                client_cfg = cfg("d", boot, client=ClientConfig(model_id=model.name, recover_every_s=0.5),
+                # every trip through the client, so that the consumer below paces the generation (with the ring
+                # the stages would finish it ahead of what is read)
+                client_cfg = cfg("d", boot, client=ClientConfig(model_id=model.name, recover_every_s=0.5, ring=False),
                                  tokenizer_path=model)
                 async with Peer(client_cfg) as d:
                     moved = trio.Event()

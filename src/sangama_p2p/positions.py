@@ -30,9 +30,11 @@ __all__ = [
 ]
 
 
-def ring_size(max_guesses: int) -> int:
-    """Snapshots a session that may carry ``max_guesses`` guesses keeps: one per position of a verify step."""
-    return max_guesses + 1 if max_guesses else 0
+def ring_size(max_guesses: int, windows: int = 1) -> int:
+    """Snapshots a session that may carry ``max_guesses`` guesses keeps: one per position of a verify step, for each
+    of the ``windows`` verify steps that may be in flight at once (a window cut short rolls every stage back past
+    the ones after it)."""
+    return windows * (max_guesses + 1) if max_guesses else 0
 
 
 def session_length(prompt: int, max_new: int, max_guesses: int) -> int:
@@ -93,15 +95,17 @@ class SessionPositions:
     """Where one session stands on one stage: positions held, and what its rollback ring covers.
 
     ``recurrent``: the session holds layers whose state is not indexed by position (a rollback into them needs a
-    ring snapshot). Ring slot ``i`` holds the state after position ``ring_base + i``, for ``ring_len`` slots.
+    ring snapshot). The ring is circular: the state after position ``p`` goes to slot ``p % ring``, and it holds the
+    snapshots after the last ``ring_len`` positions (written by multi-token steps back to back; a step that keeps
+    none - one token, or longer than the ring - empties it). With one window of guesses in flight a rollback goes
+    back into the last step only; with several (issue 29) into the ones before it too.
     """
 
     capacity: int
     ring: int = 0
     recurrent: bool = False
     position: int = 0  # positions whose effects all caches hold
-    ring_base: int = -1
-    ring_len: int = 0
+    ring_len: int = 0  # snapshots held: after positions [position - ring_len, position)
 
     def check(self, start: int, length: int) -> None:
         """Validate a step over positions [start, start + length) before any state changes."""
@@ -119,8 +123,8 @@ class SessionPositions:
             )
         if start < self.position and not self.can_roll_back_to(start):
             raise SessionStateError(
-                f"cannot roll back from position {self.position} to {start}: only the last {self.ring_len} "
-                "positions of the previous step are kept"
+                f"cannot roll back from position {self.position} to {start}: only the states after the last "
+                f"{self.ring_len} positions are kept"
             )
 
     def can_roll_back_to(self, pos: int) -> bool:
@@ -129,11 +133,11 @@ class SessionPositions:
         if not self.recurrent:
             return 0 <= pos < self.position
         # the state "after position pos-1" must be in the ring
-        return self.ring_len > 0 and self.ring_base <= pos - 1 < self.ring_base + self.ring_len
+        return self.position - self.ring_len <= pos - 1 < self.position
 
-    def fits_guesses(self, max_guesses: int) -> bool:
-        """Whether the ring can take back any verify step of ``max_guesses`` guesses."""
-        return not self.recurrent or ring_size(max_guesses) <= self.ring
+    def fits_guesses(self, max_guesses: int, windows: int = 1) -> bool:
+        """Whether the ring can take back any verify step of ``max_guesses`` guesses, ``windows`` of them in flight."""
+        return not self.recurrent or ring_size(max_guesses, windows) <= self.ring
 
     def keeps_ring(self, length: int) -> bool:
         """Whether a step of ``length`` positions writes every position's state into the ring (a 1-token step is
@@ -147,18 +151,20 @@ class SessionPositions:
             return None
         if not self.can_roll_back_to(pos):
             raise SessionStateError(f"cannot roll back from position {self.position} to {pos}")
-        self.position = pos
         if not self.recurrent:
+            self.position = pos
             return None
-        slot = pos - 1 - self.ring_base
-        self.ring_len = slot + 1
-        return slot
+        self.ring_len -= self.position - pos
+        self.position = pos
+        return (pos - 1) % self.ring
+
+    def ring_offset(self, start: int, length: int) -> int:
+        """The ring slot of a step's first snapshot (the step's snapshots wrap round the ring's end)."""
+        return start % self.ring if self.ring else 0
 
     def advance(self, start: int, length: int) -> None:
-        """A step over [start, start + length) ran: the session holds its positions, and the ring covers them if the
-        step kept its snapshots (:meth:`keeps_ring`), else nothing."""
+        """A step over [start, start + length) ran (from the position the session held): the session holds its
+        positions, and the ring their snapshots after the ones it held if the step kept them (:meth:`keeps_ring`),
+        else none."""
         self.position = start + length
-        if self.keeps_ring(length):
-            self.ring_base, self.ring_len = start, length
-        else:
-            self.ring_base, self.ring_len = -1, 0
+        self.ring_len = min(self.ring, self.ring_len + length) if self.keeps_ring(length) else 0

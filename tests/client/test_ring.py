@@ -13,7 +13,7 @@ from sangama_p2p.client import ChainClient, ClientConfig
 from sangama_p2p.client.session import ChainSession
 from sangama_p2p.wire.messages import Step
 
-from .fleet import MODEL, fleet, local_chain
+from .fleet import MODEL, fleet, local_chain, make_checkpoint
 
 SPLIT = [(0, 3), (3, 5), (5, 8)]
 PROMPT = [1, 5, 9, 2, 7, 3]
@@ -33,14 +33,15 @@ def _count_client_steps(monkeypatch: Any) -> list[Step]:
     return sent
 
 
-def _generate(ckpt: Any, split: list[tuple[int, int]], runs: list[dict[str, Any]], **config: Any) -> list[Any]:
+def _generate(ckpt: Any, split: list[tuple[int, int]], runs: list[dict[str, Any]], prompt: list[int] = PROMPT,
+              **config: Any) -> list[Any]:
     async def main() -> list[Any]:
         out = []
         with trio.fail_after(120):
             async with fleet(ckpt, split) as f:
                 async with ChainClient(f.clients[0], ClientConfig(MODEL, **config)) as client:
                     for kw in runs:
-                        out.append(await client.generate(PROMPT, **kw))
+                        out.append(await client.generate(prompt, **kw))
         return out
 
     return trio.run(main)
@@ -149,3 +150,36 @@ def test_a_last_stage_that_hands_on_other_tokens_than_it_answers_is_left_out(ckp
     res, liar_id, poisoned = trio.run(main)
     assert poisoned >= 1
     assert res.tokens == want and res.failovers >= 1 and liar_id not in res.route
+
+
+def test_several_windows_in_flight_give_the_tokens_of_one(tmp_path, monkeypatch):
+    """Issue 29, item 2: after a trip whose guesses were all kept, the last stage drafts a window past the next trip
+    and hands it on before that trip is checked; a window that does not stand is dropped and every stage rolls back
+    past it. Greedy tokens and trips equal the local chain's with windows cut short (a three-token vocabulary: the
+    MTP layer's guesses are mostly wrong) and with every window standing (one token: every guess is kept)."""
+    import sangama_p2p.stage.server as server_mod
+
+    real = server_mod.ring_steps
+    ahead: list[tuple[int, bool | None]] = []
+
+    def counting(session: Any, m: Any, res: Any) -> Any:
+        out = real(session, m, res)
+        ahead.append((len(out), res.ahead_stands))
+        return out
+
+    monkeypatch.setattr(server_mod, "ring_steps", counting)
+    for vocab, prompt in ((3, [1, 2, 0, 1, 2, 2]), (1, [0] * 6)):
+        ahead.clear()
+        ckpt = make_checkpoint(tmp_path / f"v{vocab}", vocab=vocab)
+        chain = local_chain(ckpt, SPLIT)
+        want = {k: chain.generate(prompt, 40, guesses=k) for k in (1, 2)}
+        runs = [{"max_new_tokens": 40, "guesses": 1}, {"max_new_tokens": 40, "guesses": 2}]
+        got = _generate(ckpt, SPLIT, runs, prompt, windows=2)
+        for g, k in zip(got, (1, 2)):
+            assert g.tokens == want[k].tokens and g.failovers == 0, vocab
+            assert g.steps == want[k].steps and g.guesses_accepted == want[k].guesses_accepted, vocab
+        assert any(n == 2 for n, _ in ahead), ahead  # a window ahead went with the next trip
+        if vocab == 3:
+            assert any(stood is False for _, stood in ahead), ahead  # and was cut short
+        else:
+            assert sum(bool(stood) for _, stood in ahead) > len(ahead) / 2, ahead  # the next trip, already sent

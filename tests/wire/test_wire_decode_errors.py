@@ -57,7 +57,7 @@ def test_a_version_1_open_session_is_refused_by_its_version_byte() -> None:
     v1 = [SID, "m", 4, 8, None, "client", 64, 0.0, 1.0, 0, 0, False]
     with pytest.raises(UnsupportedVersionError, match="version 1"):
         decode(payload(1, v1, version=1))
-    with pytest.raises(MalformedFrameError, match="20 fields"):
+    with pytest.raises(MalformedFrameError, match="21 fields"):
         decode(payload(1, v1))
 
 
@@ -67,7 +67,7 @@ def test_a_version_3_open_session_is_refused_by_its_version_byte() -> None:
     v3 = [SID, "m", 4, 8, None, None, "client", 64, 0.0, 1.0, 0, 0, False, None]
     with pytest.raises(UnsupportedVersionError, match="version 3"):
         decode(payload(1, v3, version=3))
-    with pytest.raises(MalformedFrameError, match="20 fields"):
+    with pytest.raises(MalformedFrameError, match="21 fields"):
         decode(payload(1, v3))
 
 
@@ -76,7 +76,7 @@ def test_a_version_4_open_session_is_refused_by_its_version_byte() -> None:
     v4 = [SID, "m", 4, 8, None, None, "client", 64, 0.0, 1.0, 0, 0, False, None, None, 0]
     with pytest.raises(UnsupportedVersionError, match="version 4"):
         decode(payload(1, v4, version=4))
-    with pytest.raises(MalformedFrameError, match="20 fields"):
+    with pytest.raises(MalformedFrameError, match="21 fields"):
         decode(payload(1, v4))
 
 

@@ -58,7 +58,7 @@ SAMPLES = [
     InfoResponse("12D3KooWA", "Qwen/Qwen3.5-35B-A3B", 0, 20, 41.5, 3, 2, "0.1.0"),
     LaneOffer(65535, bytes(range(16)), bytes(range(32))),
     OpenSession(SID, "m", 20, 40, None, "12D3KooWPrev", "c", 9, 0.0, 1.0, 0, 2, False, ring="12D3KooWFirst",
-                ring_until=9, ring_stop=(2, 151645)),
+                ring_until=9, ring_stop=(2, 151645), windows=2),
     Step(SID, 6, 20, (7, 8), None, (8,), (), ring=True),
 ]
 
@@ -203,6 +203,8 @@ BAD_FIELDS = [
     (OPEN, {"ring_until": -1}),
     (OPEN, {"ring_stop": tuple(range(65))}),
     (OPEN, {"ring_stop": (-1,)}),
+    (OPEN, {"windows": 0}),
+    (OPEN, {"windows": 5}),
     (RESULT, {"tokens": tuple(range(66))}),
     (INFO, {"throughput": -1.0}),
     (INFO, {"version": b"0.1"}),

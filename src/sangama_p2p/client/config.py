@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import RouteError
 from ..wire.framing import DEFAULT_MAX_FRAME
+from ..wire.limits import MAX_WINDOWS
 
 __all__ = ["ClientConfig"]
 
@@ -52,6 +53,11 @@ class ClientConfig:
     (and a copy of its answer to the client), so a decode trip crosses the stages only, not the client; the client
     stays the owner (it checks every answer and the first stage's echo of every trip handed on, fails over, verifies,
     and closes the session to stop). False: every trip goes through the client.
+    ``windows``: with the ring, how many guess windows may be in flight at once: after a trip whose guesses were all
+    kept, the last stage drafts a window past the next trip - its first token the guess of that trip's new token -
+    and hands it on before the next trip is checked; a window that does not stand is dropped and every stage rolls
+    back past it (each keeps rollback snapshots for ``windows`` windows). Greedy requests with a fixed number of
+    guesses only (sampled and ``auto`` requests keep one window); 1: one window.
     """
 
     model_id: str
@@ -77,12 +83,15 @@ class ClientConfig:
     recover_s: float = 60.0
     recover_every_s: float = 2.0
     ring: bool = True
+    windows: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_id:
             raise RouteError("model_id must not be empty")
         if self.num_layers is not None and self.num_layers <= 0:
             raise RouteError("num_layers must be positive")
+        if not 1 <= self.windows <= MAX_WINDOWS:
+            raise RouteError(f"windows must be 1 to {MAX_WINDOWS}, got {self.windows}")
         if min(self.step_timeout, self.open_timeout, self.probe_timeout, self.lane_timeout) <= 0 or self.survey_max_age < 0:
             raise RouteError("timeouts must be positive")
         if self.fingerprint is not None and (len(self.fingerprint) != 32

@@ -71,6 +71,7 @@ class SessionParams:
     # token is in ring_stop; the first stage echoes each to the client (what enters the chain)
     ring_until: int = 0
     ring_stop: tuple[int, ...] = ()
+    windows: int = 1  # guess windows the ring may have in flight (the last stage drafts ahead; greedy, fixed guesses)
 
 
 class ChainSession:
@@ -94,9 +95,11 @@ class ChainSession:
         self._send, self._recv = trio.open_memory_channel[Delivery](math.inf)
         # the ring: the trip its last stage hands on next (number, start, tokens, guesses), the first stage's
         # echoes of what it was handed (by step number), and when the last answer came
-        self.ring_trip: tuple[int, int, tuple[int, ...], tuple[int, ...]] | None = None
+        self.ring_trip: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None  # (start, tokens, guesses)
         self._echoes: dict[int, Step] = {}
         self._answered_at = 0.0
+        self._last_answer = -1  # the step number of the last answer taken
+        self._answers: dict[int, StepResult] = {}  # answers that came in before their trip was asked for
 
     @property
     def peers(self) -> list[str]:
@@ -132,7 +135,8 @@ class ChainSession:
                               p.max_length, float(p.temperature), float(p.top_p), p.seed, p.max_guesses,
                               p.adaptive_guesses, p.top_logprobs, p.grammar if last else None,
                               p.grammar_start if last else 0, self.fingerprint or None, ring,
-                              p.ring_until if last and ring else 0, p.ring_stop if last and ring else ())
+                              p.ring_until if last and ring else 0, p.ring_stop if last and ring else (),
+                              p.windows if p.ring_until else 1)
             await self._send_to(link, msg)
         waiting = set(self.peers)
         with trio.move_on_after(self.open_timeout):
@@ -150,83 +154,97 @@ class ChainSession:
         """One trip; returns the last stage's result and the trip time in seconds on this clock. ``ring``: the last
         stage hands the trip after this one on to the first stage itself (the session's ``ring_until`` must be set);
         that trip, and each after it, is then only waited for here - it must be the very one the ring hands on (the
-        generation loop's next trip), whose echo from the first stage must show what was handed on."""
+        generation loop's next trip). The last stage numbers the trips it hands on (past any window it drafted ahead
+        that did not stand), so such a trip's answer is the first one numbered past the last answer, and it is taken
+        once the first stage's echo of that number shows the trip the answers lead to."""
         guesses = step_guesses(token_ids, n_guesses)
-        want = (step, start, tuple(token_ids), guesses)
-        handed = self.ring_trip
+        want = (start, tuple(token_ids), guesses)
+        handed, self.ring_trip = self.ring_trip, None
         if handed is not None and handed != want:
-            raise ChainBroken(f"trip {step} is not the one the ring hands on ({handed[0]} from {handed[1]}): the "
-                              "session cannot take it")
-        self.ring_trip = None
+            raise ChainBroken(f"trip {step} is not the one the ring hands on (from {handed[0]}): the session cannot "
+                              "take it")
         ring = ring or handed is not None  # a trip the ring handed on is one too: the ring goes on after it
         if handed is None:
-            msg = Step(self.session_id, step, start, tuple(token_ids), None, guesses, (), ring=ring)
             t0 = time.perf_counter()
-            await self._send_to(self.links[0], msg)
+            await self._send_to(self.links[0], Step(self.session_id, step, start, tuple(token_ids), None, guesses,
+                                                    (), ring=ring))
         else:
             t0 = self._answered_at  # the ring went on when the last answer left the last stage
-        echo = handed is None  # a trip the ring hands on is taken once the first stage showed it was handed on
+        after = self._last_answer  # a handed-on trip's answer is numbered past this
         decode = is_decode_step(len(token_ids), n_guesses)
         limit = self.trip_deadline(decode)
         got_result: StepResult | None = None
         with trio.move_on_after(limit):
             while True:
-                if echo or step in self._echoes:
-                    echo = echo or self._echoed(step, want)
-                    if got_result is not None:
-                        return self._answered(got_result, step, start, token_ids, n_guesses, ring, decode, t0)
+                if got_result is None and (got_result := self._take_answer(step if handed is None else None, after)):
+                    self._check(self.route[-1].peer_id, got_result, token_ids, n_guesses)
+                if got_result is not None and (handed is None or got_result.step in self._echoes):
+                    if handed is not None:
+                        self._echoed(got_result.step, want)
+                    return self._answered(got_result, start, token_ids, n_guesses, ring, decode, t0)
                 peer, got = await self._recv.receive()
                 if isinstance(got, Step) and got.ring and peer == self.route[0].peer_id:
-                    if got.step >= step:
+                    if got.step > after:
                         self._echoes[got.step] = got
                     continue
                 if isinstance(got, StepResult):
-                    if got.step == step:
-                        if peer != self.route[-1].peer_id:
-                            raise ChainBroken(f"{peer} is not the last stage but answered a step",
-                                              misbehaving=frozenset({peer}))
-                        check_result(got, token_ids, n_guesses, peer)
-                        if self.params.top_logprobs is not None and (
-                                len(got.logprobs) != len(got.tokens) or any(
-                                    len(s.top_ids) != self.params.top_logprobs for s in got.logprobs)):
-                            raise ChainBroken(f"{peer} answered without the {self.params.top_logprobs} logprobs "
-                                              "asked for", misbehaving=frozenset({peer}))
-                        if len(got.guesses) > self.params.max_guesses:
-                            raise ChainBroken(f"{peer} drafted {len(got.guesses)} guesses",
-                                              misbehaving=frozenset({peer}))
-                        got_result = got
-                        if echo:
-                            return self._answered(got, step, start, token_ids, n_guesses, ring, decode, t0)
-                    continue  # a late answer to an earlier trip, or one waiting for its echo
-                if isinstance(got, ErrorMessage) and got.step not in (None, step):
-                    continue
+                    if peer != self.route[-1].peer_id:
+                        raise ChainBroken(f"{peer} is not the last stage but answered a step",
+                                          misbehaving=frozenset({peer}))
+                    if got.step > after:  # (the ring may run ahead of what was read: later answers wait here)
+                        self._answers[got.step] = got
+                    continue  # else a late answer to an earlier trip
+                if isinstance(got, ErrorMessage) and got.step is not None and (
+                        got.step != step if handed is None else got.step <= after):
+                    continue  # about an earlier trip
                 self._fail(peer, got)
         if got_result is not None:
-            raise ChainBroken(f"the first stage {self.route[0].peer_id} did not show trip {step}, which the ring "
-                              f"handed on, in {limit:.2f} s", misbehaving=frozenset({self.route[0].peer_id}))
+            raise ChainBroken(f"the first stage {self.route[0].peer_id} did not show trip {got_result.step}, which "
+                              f"the ring handed on, in {limit:.2f} s", misbehaving=frozenset({self.route[0].peer_id}))
         if limit < self.step_timeout:
             raise ChainBroken(f"trip {step} stalled: no answer in {limit:.2f} s (decode trips take "
                               f"{self.decode_trip_s:.3f} s here)", stalled=frozenset(self.peers))
         raise ChainBroken(f"trip {step} took over {self.step_timeout} s")
 
-    def _echoed(self, step: int, want: tuple[int, int, tuple[int, ...], tuple[int, ...]]) -> bool:
-        """The first stage's echo of trip ``step``, handed on by the ring, must be the trip the loop wants: else
-        the last stage handed on another (or the first stage says so falsely) - both are left out."""
-        got = self._echoes.pop(step)
-        for old in [n for n in self._echoes if n < step]:
-            del self._echoes[old]
-        if (got.step, got.start_pos, got.token_ids, got.guesses) != want:
-            first, last = self.route[0].peer_id, self.route[-1].peer_id
-            raise ChainBroken(f"the ring handed on tokens {list(got.token_ids)} from {got.start_pos} for trip {step} "
-                              f"where the answers lead to {list(want[2])} from {want[1]} ({last} handed it on to "
-                              f"{first})", misbehaving=frozenset({first, last}))
-        return True
+    def _take_answer(self, number: int | None, after: int) -> StepResult | None:
+        """The answer numbered ``number`` that came in (None: the first one numbered past ``after``, a trip the
+        ring handed on), if it did; answers up to ``after`` are forgotten."""
+        for old in [n for n in self._answers if n <= after]:
+            del self._answers[old]
+        if number is None:
+            number = min(self._answers, default=None)  # type: ignore[arg-type]
+        return self._answers.pop(number, None) if number is not None else None
 
-    def _answered(self, got: StepResult, step: int, start: int, token_ids: Sequence[int], n_guesses: int, ring: bool,
+    def _check(self, peer: str, got: StepResult, token_ids: Sequence[int], n_guesses: int) -> None:
+        """An answer must come from the last stage and be one its trip allows (raises ChainBroken)."""
+        if peer != self.route[-1].peer_id:
+            raise ChainBroken(f"{peer} is not the last stage but answered a step", misbehaving=frozenset({peer}))
+        check_result(got, token_ids, n_guesses, peer)
+        if self.params.top_logprobs is not None and (
+                len(got.logprobs) != len(got.tokens) or any(
+                    len(s.top_ids) != self.params.top_logprobs for s in got.logprobs)):
+            raise ChainBroken(f"{peer} answered without the {self.params.top_logprobs} logprobs asked for",
+                              misbehaving=frozenset({peer}))
+        if len(got.guesses) > self.params.max_guesses:
+            raise ChainBroken(f"{peer} drafted {len(got.guesses)} guesses", misbehaving=frozenset({peer}))
+
+    def _echoed(self, number: int, want: tuple[int, tuple[int, ...], tuple[int, ...]]) -> None:
+        """The first stage's echo of trip ``number``, handed on by the ring, must be the trip the loop wants: else
+        the last stage handed on another (or the first stage says so falsely) - both are left out."""
+        got = self._echoes.pop(number)
+        for old in [n for n in self._echoes if n < number]:
+            del self._echoes[old]
+        if (got.start_pos, got.token_ids, got.guesses) != want:
+            first, last = self.route[0].peer_id, self.route[-1].peer_id
+            raise ChainBroken(f"the ring handed on tokens {list(got.token_ids)} from {got.start_pos} as trip {number} "
+                              f"where the answers lead to {list(want[1])} from {want[0]} ({last} handed it on to "
+                              f"{first})", misbehaving=frozenset({first, last}))
+
+    def _answered(self, got: StepResult, start: int, token_ids: Sequence[int], n_guesses: int, ring: bool,
                   decode: bool, t0: float) -> tuple[StepResult, float]:
         """A trip's checked answer: its time, and the trip the ring hands on after it (if any)."""
         now = time.perf_counter()
-        trip_s, self._answered_at = now - t0, now
+        trip_s, self._answered_at, self._last_answer = now - t0, now, got.step
         if decode:
             self._decode_trips += 1
             old = self.decode_trip_s
@@ -236,7 +254,7 @@ class ChainSession:
             nxt = ring_next(start, len(token_ids), n_guesses, got.tokens, got.guesses, p.ring_until,
                             frozenset(p.ring_stop))
             if nxt is not None:
-                self.ring_trip = (step + 1, nxt[0], nxt[1], tuple(got.guesses))
+                self.ring_trip = (nxt[0], nxt[1], tuple(got.guesses))
         return got, trip_s
 
     def link_kinds(self) -> list[str]:

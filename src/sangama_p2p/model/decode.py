@@ -40,10 +40,11 @@ class Decoder:
     """Per-session decoding state on the last stage: sampling, outstanding guesses, guess policy, counters."""
 
     def __init__(self, state: SessionState, sampling: SamplingParams, policy: GuessPolicy, *,
-                 top_logprobs: int | None = None, constraint: TokenConstraint | None = None) -> None:
-        if not state.window.fits_guesses(policy.max_guesses):
-            raise ModelError(f"{policy.max_guesses} guesses need a rollback ring of {ring_size(policy.max_guesses)}, "
-                             f"session has {state.ring}")
+                 top_logprobs: int | None = None, constraint: TokenConstraint | None = None,
+                 windows: int = 1) -> None:
+        if not state.window.fits_guesses(policy.max_guesses, windows):
+            raise ModelError(f"{policy.max_guesses} guesses in {windows} windows need a rollback ring of "
+                             f"{ring_size(policy.max_guesses, windows)}, session has {state.ring}")
         self.state = state
         self.sampling = sampling
         self.policy = policy
@@ -68,6 +69,16 @@ class Decoder:
         self.steps = 0
         self.accepted_at = [0] * (policy.max_guesses + 1)  # accepted_at[j]: steps where guess j+1 was kept
         self.proposed_at = [0] * (policy.max_guesses + 1)
+        # several windows in flight (greedy, fixed guesses only): after a step whose guesses were all kept, draft
+        # one more window past the next one - its first token the guess of what that step's new token will be -
+        # for the ring to hand on before the next one is checked. ``ahead``: the tokens of that window, while it is
+        # in flight ([first, *guesses]); ``forced``: the draft chain goes through these tokens first (the guesses
+        # of the window in flight), then drafts freely
+        self.windows = windows if sampling.greedy and not policy.adaptive and policy.max_guesses else 1
+        self.ahead: tuple[int, ...] | None = None
+        self.forced: tuple[int, ...] = ()
+        self.extra = 0  # free drafts wanted past the guesses: 1 + the guesses of the window ahead
+        self.drafted: tuple[int, ...] = ()  # the free drafts of the last step (the guesses, then the window ahead)
 
     @property
     def mtp_end(self) -> int:
@@ -116,6 +127,11 @@ class StepOutcome:
     guesses: tuple[int, ...]  # drafts to check in the next step
     # per token (when the session asked): its log-probability and the top ones, (logprob, top ids, top logprobs)
     logprobs: tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...] = ()
+    # several windows in flight: whether the window drafted ahead of this step (Decoder.ahead) stands - every guess
+    # kept and its first token the new one, so it is the next step and ``guesses`` are its guesses (None: none was
+    # ahead) - and the window drafted now past the next step ([first, *guesses]; empty: none)
+    ahead_stands: bool | None = None
+    window_ahead: tuple[int, ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int
@@ -165,6 +181,7 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
     logits = stage.head_logits(wanted, _spans([it.decoder for it in items], [it.n_guesses + 1 for it in items]))
     # 2. acceptance per session
     outcomes: list[tuple[int, tuple[int, ...]]] = []
+    stands: list[bool | None] = []
     logprobs: list[tuple[tuple[float, tuple[int, ...], tuple[float, ...]], ...]] = []
     row = 0
     for it in items:
@@ -193,9 +210,36 @@ def finish_steps(stage: StageModel, items: Sequence[LastStep], hidden: torch.Ten
         dec.checked = k if is_decode_step(len(it.tokens), k) else None
         outcomes.append((res.accepted, res.tokens))
         logprobs.append(scores)
+        stands.append(_plan_ahead(dec, k, res.accepted, res.tokens[-1]))
     # 3. + 4. keep the MTP layer current and draft
     drafts = _mtp_and_draft(stage, items, offsets, normed.to(stage.dtype), outcomes)  # (the MTP computes in the stage's dtype)
-    return [StepOutcome(tokens, acc, drafts[i], logprobs[i]) for i, (acc, tokens) in enumerate(outcomes)]
+    out = []
+    for i, (acc, tokens) in enumerate(outcomes):
+        dec = items[i].decoder
+        guesses, ahead = drafts[i], ()
+        if stands[i]:  # the window in flight is the next step: its guesses stand, the new drafts go past it
+            guesses, ahead = dec.forced, dec.drafted
+        elif dec.extra:
+            guesses, ahead = drafts[i][:dec.policy.max_guesses], drafts[i][dec.policy.max_guesses:]
+        if len(ahead) < 2:  # a window needs its first token and at least one guess
+            ahead = ()
+        dec.guesses, dec.ahead, dec.forced, dec.extra = guesses, ahead or None, (), 0
+        out.append(StepOutcome(tokens, acc, guesses, logprobs[i], stands[i], ahead))
+    return out
+
+
+def _plan_ahead(dec: Decoder, k: int, accepted: int, new: int) -> bool | None:
+    """Whether the window ``dec`` drafted ahead stands once a step with ``k`` guesses kept ``accepted`` of them and
+    drew ``new`` (None: none was ahead), and what this step's drafting must do for the windows in flight: go through
+    that window's guesses first (``forced``), and draft one more window past it (``extra``) after a step whose
+    guesses were all kept (when guesses are mostly wrong, windows ahead would be cut short: none)."""
+    was, dec.forced, dec.extra = dec.ahead, (), 0
+    stands = None if was is None else (accepted == k > 0 and new == was[0])
+    if stands:
+        dec.forced = was[1:]
+    if dec.windows > 1 and k and accepted == k:
+        dec.extra = 1 + dec.policy.max_guesses
+    return stands
 
 
 def _mtp_and_draft(
@@ -273,21 +317,24 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
         keep = []
         for b, a in enumerate(live):
             dec = decs[a]
+            free = len(got[a]) - len(dec.forced)
             if len(got[a]) >= guess_room(dec.state.capacity, positions[a]):
                 continue
-            if dec.sampling.greedy:
+            if free < 0:  # the guesses of the window in flight (greedy): the chain goes through them
+                g, q = dec.forced[len(got[a])], None
+            elif dec.sampling.greedy:
                 g, q = best[b], None
             else:
                 q = token_probs(lg[b], dec.sampling).float().cpu()  # drawn on the CPU (its generator's device)
                 g = int(torch.multinomial(q, 1, generator=dec.generator))
             conf = math.exp(float(lg[b, g]) - lse[b]) if lse is not None else 1.0
-            if not dec.policy.keep_drafting(len(got[a]), conf):
+            if free >= 0 and not _keep(dec, free, conf):
                 continue
             got[a].append(g)
             if q is not None:
                 probs[a].append(q)
             keep.append(b)
-        still_b = [b for b in keep if len(got[live[b]]) < decs[live[b]].policy.limit()]
+        still_b = [b for b in keep if len(got[live[b]]) < _chain(decs[live[b]])]
         if not still_b:
             break
         # one more MTP step for the sessions that keep drafting: input (their MTP state, their last guess)
@@ -298,8 +345,25 @@ def _draft(stage: StageModel, decs: list[Decoder], cur: torch.Tensor) -> None:
         cur = stage.mtp_forward(cur, torch.tensor([got[a][-1] for a in still]), segs)
         live = still
     for a, dec in enumerate(decs):
-        dec.guesses = tuple(got[a])
+        dec.guesses = dec.drafted = tuple(got[a][len(dec.forced):])
         dec.draft_probs = torch.stack(probs[a]) if probs[a] else None
+
+
+def _keep(dec: Decoder, free: int, confidence: float) -> bool:
+    """Whether ``dec`` keeps its free draft number ``free + 1``: past a window in flight, the ``extra`` drafts of
+    the window after it; else the policy's guesses, then the ``extra`` drafts of a window past them."""
+    if dec.forced:
+        return free < dec.extra
+    limit = dec.policy.limit()
+    return dec.policy.keep_drafting(free, confidence) if free < limit else free < limit + dec.extra
+
+
+def _chain(dec: Decoder) -> int:
+    """How long ``dec``'s draft chain runs: through the guesses of the window in flight and then the window past it,
+    or the guesses (and the window past them) of the policy."""
+    if dec.forced:
+        return len(dec.forced) + dec.extra
+    return dec.policy.limit() + dec.extra
 
 
 def _constrained(stage: StageModel, normed: torch.Tensor, logits: torch.Tensor, dec: Decoder) -> torch.Tensor:

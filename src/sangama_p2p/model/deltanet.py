@@ -69,7 +69,9 @@ class GatedDeltaNet:
                 key: tuple = (False, t)
             else:
                 key = (True, id(st) if invariant else -(-t // _CHUNK))
-            groups.setdefault(key, []).append((st, row, t, keep_ring))
+            # where its snapshots go in the ring (None: nowhere)
+            at = seg.state.window.ring_offset(seg.start, t) if keep_ring else None
+            groups.setdefault(key, []).append((st, row, t, at))
             row += t
         conv_w = self.conv.to(x.dtype)
         # position by position (one-token steps, and every step in batch-invariant mode) with the decay itself;
@@ -101,12 +103,12 @@ class GatedDeltaNet:
         return qk[..., :nv, :] * dk ** -0.5, qk[..., nv:, :], v
 
     def _group(
-        self, items: list[tuple[LinearLayerState, int, int, bool]], chunked: bool, mixed: torch.Tensor,
+        self, items: list[tuple[LinearLayerState, int, int, int | None]], chunked: bool, mixed: torch.Tensor,
         g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor, looped: bool,
     ) -> tuple[slice | torch.Tensor, torch.Tensor]:
         """Steps of B sessions as one batched conv + delta rule over their stacked states.
 
-        ``items``: (layer state, first row, length, keep ring) per session; ``looped``: a stepwise group that runs
+        ``items``: (layer state, first row, length, ring slot of its first snapshot or None) per session; ``looped``: a stepwise group that runs
         position by position (:func:`delta_rule_steps`; one-token steps, and any step in batch-invariant mode), with
         ``g`` the decay itself (exp g); other stepwise groups (verify steps) run :func:`delta_rule_short`, chunked
         ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A chunked group's shorter steps are padded at
@@ -139,13 +141,19 @@ class GatedDeltaNet:
         windows = list(seq[:, :, t:t + width].unbind(0)) if place is None else \
             [seq[b, :, n:n + width] for b, (_, _, n, _) in enumerate(items)]  # the last K-1 inputs of each session
         torch._foreach_copy_([st.conv for st in states], windows)
-        ringed = [i for i, (_, _, _, keep) in enumerate(items) if keep]
+        ringed = [i for i, (_, _, _, at) in enumerate(items) if at is not None]
+        at = [a or 0 for _, _, _, a in items]  # the ring slot of each session's first snapshot
         alone = bsz == 1  # one session: its own state and ring, updated in place (no gather, no write-back)
         rec = states[0].rec.unsqueeze(0) if alone else torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
+        # the state after every position: straight into the ring of a session alone whose step does not wrap round
+        # the ring's end, else into the rings below
+        direct = bool(ringed) and alone and at[0] + t <= states[0].ring_rec.shape[0]
         if not ringed:
             after = None
-        else:  # the state after every position
-            after = states[0].ring_rec[:t].unsqueeze(0) if alone else rec.new_empty(bsz, t, *rec.shape[1:])
+        elif direct:
+            after = states[0].ring_rec[at[0]:at[0] + t].unsqueeze(0)
+        else:
+            after = rec.new_empty(bsz, t, *rec.shape[1:])
         if chunked:  # the sessions' heads side by side: [T, B*Hv, D]
             def fold(x: torch.Tensor) -> torch.Tensor:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
@@ -163,11 +171,24 @@ class GatedDeltaNet:
             torch._foreach_copy_([st.rec for st in states], list(rec.unbind(0)))
         if ringed:  # stepwise groups only (their steps all have length t): one copy per ring, for rollback
             every = seq.unfold(-1, width, 1)[:, :, 1:t + 1].transpose(1, 2)  # [B, T, C, K-1] after each position
-            dst = [states[j].ring_conv[:t] for j in ringed]
-            src = [every[j] for j in ringed]
-            if not alone:  # (alone, the states went straight into the ring)
-                dst += [states[j].ring_rec[:t] for j in ringed]
-                src += [after[j] for j in ringed]  # type: ignore[index]
+            dst: list[torch.Tensor] = []
+            src: list[torch.Tensor] = []
+            for j in ringed:
+                _into_ring(states[j].ring_conv, at[j], every[j], dst, src)
+                if not direct:  # (else the states went straight into the ring)
+                    _into_ring(states[j].ring_rec, at[j], after[j], dst, src)  # type: ignore[index]
             torch._foreach_copy_(dst, src)
         out = out.reshape(bsz * t, nv, -1)
         return rows, out if place is None else out[place]
+
+
+def _into_ring(ring: torch.Tensor, at: int, values: torch.Tensor, dst: list[torch.Tensor],
+               src: list[torch.Tensor]) -> None:
+    """Queue the copy of ``values`` [T, ...] into ``ring`` from slot ``at`` on, wrapping round its end
+    (positions.SessionPositions: the state after position p is in slot p % ring)."""
+    first = min(values.shape[0], ring.shape[0] - at)
+    dst.append(ring[at:at + first])
+    src.append(values[:first])
+    if first < values.shape[0]:
+        dst.append(ring[:values.shape[0] - first])
+        src.append(values[first:])

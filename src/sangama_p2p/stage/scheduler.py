@@ -142,6 +142,9 @@ class Scheduler:
             job = self._queue.popleft()
             if job.session.closed:
                 continue
+            if job.msg.step in job.session.ring_drop:  # queued before the step ahead of it showed it does not stand
+                job.session.ring_drop.discard(job.msg.step)
+                continue
             n = len(job.msg.token_ids)
             fits = len(batch) < self.max_batch_sessions and (not batch or tokens + n <= self.max_batch_tokens)
             if id(job.session) in seen or not fits:

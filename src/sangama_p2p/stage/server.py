@@ -61,7 +61,7 @@ from .links import SMALL_ITEM, Item, NextHops, Outbox, OutboxBudget, tensor_byte
 from .neighbours import LinkMeter
 from .scheduler import Job, Outcome, Scheduler, measure_step
 from .sessions import SessionTable, StageSession
-from .steps import check_step, ring_step
+from .steps import check_step, ring_steps
 
 __all__ = ["StageServer"]
 
@@ -357,6 +357,9 @@ class StageServer:
         self._take_step(session, peer, msg, recv_ns, alone)
 
     def _take_step(self, session: StageSession, peer: str, msg: Step, recv_ns: int, alone: bool = False) -> None:
+        if msg.step in session.ring_drop:  # the last stage: a window ahead that no longer stands
+            session.ring_drop.discard(msg.step)
+            return
         try:
             check_step(self.model, session, msg)
         except StageError as exc:
@@ -386,13 +389,14 @@ class StageServer:
             scores = tuple(TokenLogprobs(*s) for s in res.logprobs)
             answer = lambda: StepResult(m.session_id, m.step, res.tokens, res.guesses,  # noqa: E731
                                         (*m.trace, stamp()), scores)
-            nxt = ring_step(session, m, res.tokens, res.guesses) if m.ring else None
-            if nxt is not None and session.ring == self.peer_id:  # a one-stage chain closes the ring on itself
+            handed = ring_steps(session, m, res) if m.ring and session.ring is not None else []
+            if session.ring == self.peer_id:  # a one-stage chain closes the ring on itself
                 self._to_owner(session, answer)
-                self._take_step(session, self.peer_id, nxt, time.monotonic_ns())
+                for nxt in handed:
+                    self._take_step(session, self.peer_id, nxt, time.monotonic_ns())
                 return
-            if nxt is not None and session.ring is not None:  # the next trip first: it is the one on the way
-                self._send_on(session, m, session.ring, lambda: nxt, SMALL_ITEM, "the ring's first stage")
+            for nxt in handed:  # the next trips first: they are the ones on the way
+                self._send_on(session, m, session.ring or "", lambda s=nxt: s, SMALL_ITEM, "the ring's first stage")
             self._to_owner(session, answer)
             return
         hidden = out.hidden

@@ -94,6 +94,12 @@ class StageSession:
     ring: str | None = None
     ring_until: int = 0
     ring_stop: frozenset[int] = frozenset()
+    # the last stage of a ring with several windows in flight: the highest step number it handed on, the window
+    # handed on ahead of the next trip (number, start, tokens), and the numbers of windows that no longer stand
+    # (dropped here unseen when they come round)
+    ring_sent: int = 0
+    ahead: tuple[int, int, tuple[int, ...]] | None = None
+    ring_drop: set[int] = field(default_factory=set)
     source: tuple[str, ...] = ()  # the owner's address and network (net.addrs.source_keys), counted like its id
     closed: bool = False
     last_active: float = field(default_factory=time.monotonic)  # opened or last stepped (monotonic s)
@@ -187,7 +193,7 @@ class SessionTable:
     def _allocate(self, msg: OpenSession, peer: str, reply: Any, constraint: TokenConstraint | None,
                   source: tuple[str, ...]) -> StageSession:
         model = self.model
-        ring = ring_size(msg.max_guesses)
+        ring = ring_size(msg.max_guesses, msg.windows)
         need = model.session_bytes(msg.max_length, ring)
         left = self.memory_budget - self.used_bytes
         try:
@@ -198,7 +204,8 @@ class SessionTable:
         if model.is_last:
             sampling = SamplingParams(msg.temperature, msg.top_p, msg.seed)
             decoder = Decoder(state, sampling, GuessPolicy(msg.max_guesses, msg.adaptive_guesses),
-                              top_logprobs=msg.top_logprobs, constraint=constraint)
+                              top_logprobs=msg.top_logprobs, constraint=constraint,
+                              windows=msg.windows if msg.ring is not None else 1)
         session = StageSession(msg.session_id, peer, reply, msg.next_hop, state, decoder, msg.max_guesses, need,
                                upstream=msg.prev_hop, source=source, ring=msg.ring, ring_until=msg.ring_until,
                                ring_stop=frozenset(msg.ring_stop))

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ..errors import ErrorCode, SangamaError, StageError
+from ..model.decode import StepOutcome
 from ..model.stage import StageModel
 from ..positions import ring_next
 from ..wire.messages import Step
 from .sessions import StageSession
 
-__all__ = ["check_step", "ring_step"]
+__all__ = ["check_step", "ring_steps"]
 
 
 def check_step(model: StageModel, session: StageSession, msg: Step) -> None:
@@ -38,13 +37,34 @@ def check_step(model: StageModel, session: StageSession, msg: Step) -> None:
                              ErrorCode.BAD_FRAME)
 
 
-def ring_step(session: StageSession, m: Step, tokens: Sequence[int], guesses: Sequence[int]) -> Step | None:
-    """The trip after ``m`` (answered with ``tokens`` and next ``guesses``) that the last stage hands on to the
-    ring's first stage, numbered ``m.step + 1`` and marked ``ring`` again; None where the request ends there
-    (``positions.ring_next``: the most new tokens reached, or a stop token answered)."""
-    nxt = ring_next(m.start_pos, len(m.token_ids), len(m.guesses), tokens, guesses, session.ring_until,
+def ring_steps(session: StageSession, m: Step, res: StepOutcome) -> list[Step]:
+    """The trips the last stage hands on to the ring's first stage once ``m`` is answered with ``res``, each marked
+    ``ring`` and numbered after every one handed on before: the next trip (``positions.ring_next``) - unless the
+    window drafted ahead stands, which is that trip and already on its way - and the window drafted ahead past it
+    (several windows in flight), where it fits the session. A window ahead that no longer stands is dropped here when
+    it comes round (``ring_drop``). None at all where the request ends (the most new tokens, a stop token)."""
+    dec, ahead, session.ahead = session.decoder, session.ahead, None
+    if ahead is not None and not res.ahead_stands:
+        session.ring_drop.add(ahead[0])
+    nxt = ring_next(m.start_pos, len(m.token_ids), len(m.guesses), res.tokens, res.guesses, session.ring_until,
                     session.ring_stop)
-    if nxt is None:
-        return None
-    start, ids = nxt
-    return Step(m.session_id, m.step + 1, start, ids, None, tuple(guesses), (), ring=True)
+    out: list[Step] = []
+    number = max(m.step, session.ring_sent)
+    if nxt is not None:
+        start, ids = nxt
+        if ahead is not None and res.ahead_stands and ahead[1:] == nxt:
+            pass  # the window ahead is the next trip
+        else:
+            if ahead is not None and res.ahead_stands:  # (never: the decoder drafted it as that trip)
+                session.ring_drop.add(ahead[0])
+            number += 1
+            out.append(Step(m.session_id, number, start, ids, None, tuple(res.guesses), (), ring=True))
+        w, at = res.window_ahead, start + len(ids)
+        if w and at + 1 < session.ring_until and at + len(w) <= session.state.capacity:
+            number += 1
+            out.append(Step(m.session_id, number, at, tuple(w), None, tuple(w[1:]), (), ring=True))
+            session.ahead = (number, at, tuple(w))
+    if session.ahead is None and dec is not None:
+        dec.ahead = None  # nothing ahead is in flight
+    session.ring_sent = number
+    return out

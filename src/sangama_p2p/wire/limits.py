@@ -21,6 +21,7 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MAX_TRACE",
     "MAX_U64",
+    "MAX_WINDOWS",
     "SESSION_ID_BYTES",
 ]
 
@@ -40,6 +41,8 @@ MAX_TOP_LOGPROBS: Final = 20
 """Alternatives a session may ask the last stage to score per token (OpenAI's ``top_logprobs`` limit)."""
 MAX_RING_STOP: Final = 64
 """Stop tokens in ``OpenSession.ring_stop`` (where the last stage stops handing trips on)."""
+MAX_WINDOWS: Final = 4
+"""Guess windows a ring may have in flight at once (``OpenSession.windows``)."""
 MAX_GRAMMAR_BYTES: Final = 64 * 1024
 """A session's grammar (``OpenSession.grammar``: llguidance's JSON grammar, compiled from a JSON schema)."""
 MAX_TRACE: Final = 64

@@ -18,6 +18,7 @@ from sangama_p2p.errors import ErrorCode, InvalidMessageError
 from sangama_p2p.wire.limits import (
     MAX_GUESSES,
     MAX_RING_STOP,
+    MAX_WINDOWS,
     MAX_TEXT_BYTES,
     MAX_TOKENS,
     MAX_GRAMMAR_BYTES,
@@ -116,6 +117,9 @@ class OpenSession:
     # the most new tokens) and no token of the answer is in ring_stop (the request's stop tokens)
     ring_until: int = 0
     ring_stop: tuple[int, ...] = ()
+    # guess windows a ring may have in flight at once (the last stage drafts one past the next while it is on its
+    # way, greedy and fixed guesses only); every stage keeps rollback snapshots for all of them
+    windows: int = 1
 
     def __post_init__(self) -> None:
         check_session_id("session_id", self.session_id)
@@ -148,6 +152,9 @@ class OpenSession:
         check_opt_text("ring", self.ring)
         check_uint("ring_until", self.ring_until)
         _set(self, "ring_stop", check_tokens("ring_stop", self.ring_stop, MAX_RING_STOP))
+        check_uint("windows", self.windows, MAX_WINDOWS + 1)
+        if self.windows < 1:
+            raise InvalidMessageError("windows must be 1 or more")
 
 
 @dataclass(frozen=True, slots=True)
