@@ -44,10 +44,10 @@ def ring_steps(session: StageSession, m: Step, res: StepOutcome) -> list[Step]:
     (several windows in flight), where it fits the session. A window ahead that no longer stands is dropped here when
     it comes round (``ring_drop``). None at all where the request ends (the most new tokens, a stop token)."""
     dec, ahead, session.ahead = session.decoder, session.ahead, None
-    if ahead is not None and not res.ahead_stands:
-        session.ring_drop.add(ahead[0])
     nxt = ring_next(m.start_pos, len(m.token_ids), len(m.guesses), res.tokens, res.guesses, session.ring_until,
                     session.ring_stop)
+    if ahead is not None and not (res.ahead_stands and nxt is not None):  # cut short, or the request ends here
+        session.ring_drop.add(ahead[0])
     out: list[Step] = []
     number = max(m.step, session.ring_sent)
     if nxt is not None:
