@@ -21,9 +21,9 @@ one after the other, then again); the table gives the median ``decode_tokens_per
 tokens per trip, and whether the tokens equal ``generate --local``'s (greedy: they must, in every run). Results in
 ``benchmarks/results/distance.json`` (``--out``).
 
-Issue 29's comparison: ``--ring off on w2`` runs every (prompt, guesses) through the client (``generate
---no-ring``), with the ring closed at the first stage (the default) and with up to 2 guess windows in flight
-(``--windows 2``), one right after the other; ``--client-apart`` puts the client
+Issue 29's comparison: ``--ring off on w2`` runs every (prompt, guesses) through the client (the default), with the
+ring closed at the first stage (``generate --ring``) and with up to 2 guess windows in flight (``--windows 2``), one
+right after the other; ``--client-apart`` puts the client
 in a fourth region D, ``--rtt`` from every other (the issue's "20 ms between every pair, three stages and the client":
 through the client a trip then crosses four such links, closed at the first stage three); ``--single`` keeps one peer
 per range (a0, b0, c0), so every run takes the same chain and no run pays for opening a link.
@@ -66,8 +66,8 @@ def _ring_args(mode: str) -> list[str]:
     """``generate``'s flags for a ``--ring`` mode: off (every trip through the client), on (the ring, one window),
     wN (the ring, up to N guess windows in flight)."""
     if mode == "off":
-        return ["--no-ring"]
-    return ["--windows", mode[1:]] if mode.startswith("w") else []
+        return []
+    return ["--ring", "--windows", mode[1:]] if mode.startswith("w") else ["--ring"]
 
 
 def local_tokens(model: Path, prompt: str, tokens: int) -> list[int]:
@@ -151,8 +151,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ring", nargs="+", choices=["on", "off", "w2", "w3", "w4"], default=["on"],
-                    help="the ring closed at the first stage (on, the default), every trip through the client (off), "
-                    "the ring with up to N guess windows in flight (wN)")
+                    help="the ring closed at the first stage (on), every trip through the client (off), the ring with "
+                    "up to N guess windows in flight (wN); default: on")
     ap.add_argument("--client-apart", action="store_true", help="the client in a region of its own (D)")
     ap.add_argument("--single", action="store_true", help="one peer per range (a0, b0, c0): three stages")
     ap.add_argument("--out", default="distance.json", help="results file under benchmarks/results")

@@ -58,8 +58,16 @@ def test_middle_stage_killed_mid_generation_completes_with_identical_tokens(ckpt
     _kill_test(ckpt, (3, 5), 0, max_step_tokens=8)  # the replay (6 + 6 or more tokens) goes in chunks
 
 
+def test_middle_stage_killed_under_the_ring_completes_with_identical_tokens(ckpt):
+    _kill_test(ckpt, (3, 5), 2, ring=True)
+
+
 def test_last_stage_killed_with_guesses_completes_with_identical_tokens(ckpt):
     _kill_test(ckpt, (5, 8), 2)
+
+
+def test_last_stage_killed_with_two_windows_in_flight_completes_with_identical_tokens(ckpt):
+    _kill_test(ckpt, (5, 8), 2, windows=2)
 
 
 def test_last_stage_killed_while_sampling_completes_with_identical_tokens(ckpt):

@@ -26,7 +26,7 @@ def test_links_use_lanes_when_both_sides_allow_and_tokens_do_not_change(ckpt, st
     async def main():
         with trio.fail_after(60):
             async with fleet(ckpt, SPLIT, lanes=stage_lanes) as f:
-                config = ClientConfig(MODEL, lanes=client_lanes)
+                config = ClientConfig(MODEL, lanes=client_lanes, ring=True)  # the ring's link a lane too
                 async with ChainClient(f.clients[0], config) as client:
                     res = await client.generate(PROMPT, 10, guesses=2)
                     kinds = [_inbound_kinds(server) for _, server, _ in f.stages]

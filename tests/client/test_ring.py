@@ -52,7 +52,7 @@ def test_the_ring_gives_the_tokens_of_the_local_chain_with_one_trip_sent(ckpt, m
     runs = [{"max_new_tokens": 16}, {"max_new_tokens": 16, "guesses": 2}, {"max_new_tokens": 16, "guesses": "auto"}]
     want = [chain.generate(PROMPT, r["max_new_tokens"], guesses=r.get("guesses", 0)) for r in runs]
     sent = _count_client_steps(monkeypatch)
-    got = _generate(ckpt, SPLIT, runs)
+    got = _generate(ckpt, SPLIT, runs, ring=True)
     for w, g in zip(want, got):
         assert g.tokens == w.tokens and g.failovers == 0
         assert g.steps == w.steps and g.guesses_accepted == w.guesses_accepted
@@ -62,10 +62,11 @@ def test_the_ring_gives_the_tokens_of_the_local_chain_with_one_trip_sent(ckpt, m
 
 
 def test_without_the_ring_every_trip_goes_through_the_client(ckpt, monkeypatch):
+    """The default (ClientConfig.ring False): the ring's extra link is one more for NATed stages to punch."""
     chain = local_chain(ckpt, SPLIT)
     want = chain.generate(PROMPT, 12, guesses=2)
     sent = _count_client_steps(monkeypatch)
-    (got,) = _generate(ckpt, SPLIT, [{"max_new_tokens": 12, "guesses": 2}], ring=False)
+    (got,) = _generate(ckpt, SPLIT, [{"max_new_tokens": 12, "guesses": 2}])
     assert got.tokens == want.tokens
     assert len(sent) == got.steps + 1 and not any(s.ring for s in sent)
 
@@ -85,7 +86,7 @@ def test_the_ring_stops_at_a_stop_token_and_at_max_new(ckpt, monkeypatch):
                 steps: list[int] = []
                 real = first.scheduler.submit
                 first.scheduler.submit = lambda job, **k: steps.append(job.msg.step) or real(job, **k)
-                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=True)) as client:
                     a = await client.generate(PROMPT, 20, guesses=2, stop_tokens=[stop])
                     n_a = len(steps)
                     await trio.sleep(0.3)  # a trip handed on past the end would reach the first stage by now
@@ -102,7 +103,7 @@ def test_the_ring_stops_at_a_stop_token_and_at_max_new(ckpt, monkeypatch):
 
 def test_seeded_sampling_is_the_same_with_and_without_the_ring(ckpt):
     runs = [{"max_new_tokens": 14, "temperature": 0.9, "seed": 7, "guesses": 2}]
-    (ring,) = _generate(ckpt, SPLIT, runs)
+    (ring,) = _generate(ckpt, SPLIT, runs, ring=True)
     (plain,) = _generate(ckpt, SPLIT, runs, ring=False)
     assert ring.tokens == plain.tokens and len(ring.tokens) == 14
 
@@ -110,7 +111,7 @@ def test_seeded_sampling_is_the_same_with_and_without_the_ring(ckpt):
 def test_a_one_stage_chain_closes_the_ring_on_itself(ckpt, monkeypatch):
     want = local_chain(ckpt, [(0, 8)]).generate(PROMPT, 10, guesses=2)
     sent = _count_client_steps(monkeypatch)
-    (got,) = _generate(ckpt, [(0, 8)], [{"max_new_tokens": 10, "guesses": 2}])
+    (got,) = _generate(ckpt, [(0, 8)], [{"max_new_tokens": 10, "guesses": 2}], ring=True)
     assert got.tokens == want.tokens and len(sent) == 1
 
 
@@ -143,7 +144,7 @@ def test_a_last_stage_that_hands_on_other_tokens_than_it_answers_is_left_out(ckp
                     real(session, m, peer, item, nbytes, what)
 
                 liar._send_on = send_on
-                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=True)) as client:
                     res = await client.generate(PROMPT, 12, guesses=2)
         return res, liar.peer_id, len(poisoned)
 

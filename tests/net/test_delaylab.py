@@ -122,8 +122,8 @@ def test_a_fleet_across_the_lab_gives_local_tokens_at_the_chains_distance(tmp_pa
             for proc in procs:
                 proc.stop()
     assert result["tokens"] == expected
-    # a trip with the ring (the default): s0 -> s1 (20 ms) -> s0 (20 ms), one way each
-    trip_ms = (lab.rtt_ms("s0", "s1") + lab.rtt_ms("s1", "s0")) / 2
+    # a trip: client -> s0 (1 ms) -> s1 (20 ms) -> client (20 ms), one way each
+    trip_ms = (lab.rtt_ms("client", "s0") + lab.rtt_ms("s0", "s1") + lab.rtt_ms("s1", "client")) / 2
     per_token = result["decode_ms"] / max(1, result["steps"])
     assert per_token >= trip_ms, (per_token, trip_ms, result)
     print(f"\n{TOKENS} tokens across the lab in {took:.2f} s (client process included); decode {per_token:.1f} ms per "
@@ -134,10 +134,9 @@ def test_a_fleet_across_the_lab_gives_local_tokens_at_the_chains_distance(tmp_pa
 @pytest.mark.slow
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_lab(tmp_path: Path) -> None:
-    """Issue 29: stages and the client each in a region of their own, 20 ms apart. With the ring (the default), with
-    ``--no-ring`` and with two windows in flight, with and without guesses, the tokens are ``generate --local``'s,
-    and no trip beats the wire it must cross (the ring: s0 -> s1 -> s0; through the client: client -> s0 -> s1 ->
-    client).
+    """Issue 29: stages and the client each in a region of their own, 20 ms apart. With the ring (``--ring``),
+    without it and with two windows in flight, with and without guesses, the tokens are ``generate --local``'s,
+    and no trip through the client beats the wire it must cross (client -> s0 -> s1 -> client).
     Speed: ``benchmarks/distance.py --ring off on --client-apart``."""
     from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny, _Proc
 
@@ -164,7 +163,7 @@ def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_
                       for host, layers in (("s0", "0:4"), ("s1", "4:8"))]
             for stage in stages:
                 stage.wait_for("ready ", 120)
-            flags = {"on": [], "off": ["--no-ring"], "w2": ["--windows", "2"]}
+            flags = {"on": ["--ring"], "off": [], "w2": ["--windows", "2"]}
             for ring, guesses in (("on", "0"), ("on", "2"), ("off", "0"), ("off", "2"), ("w2", "2")):
                 gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
                     "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
@@ -175,11 +174,11 @@ def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_
         finally:
             for proc in procs:
                 proc.stop()
-    floor = {"on": 20.0, "w2": 0.0, "off": 30.0}  # one-way ms a trip crosses: 2 links of 10 ms, or 3 (two windows
-    # in flight: a trip's answer can come sooner than its own way round)
     for (ring, guesses), result in results.items():
         assert result["tokens"] == expected, (ring, guesses)
         per_trip = result["decode_ms"] / max(1, result["steps"])
-        assert per_trip >= floor[ring], (ring, guesses, per_trip)
-        print(f"\nring {ring}, {guesses} guesses: {per_trip:.1f} ms per trip (floor {floor[ring]:.0f})")
+        # through the client a trip crosses 3 links of 10 ms one way; with the ring the client's clock is no floor
+        # (the stages go on while the client is busy with an answer, so the next ones can come in together)
+        assert ring != "off" or per_trip >= 30.0, (ring, guesses, per_trip)
+        print(f"\nring {ring}, {guesses} guesses: {per_trip:.1f} ms per trip")
 

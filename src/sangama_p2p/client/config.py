@@ -52,12 +52,14 @@ class ClientConfig:
     ``ring``: the ring closes at the first stage - the last stage hands each next trip on to the first stage itself
     (and a copy of its answer to the client), so a decode trip crosses the stages only, not the client; the client
     stays the owner (it checks every answer and the first stage's echo of every trip handed on, fails over, verifies,
-    and closes the session to stop). False: every trip goes through the client.
+    and closes the session to stop). False (the default): every trip goes through the client - the ring's link from
+    the last stage to the first is one more link for NATed stages to punch, and until it is direct a relay's
+    restart breaks a generation that only direct links would have carried (issue 27's heal tests).
     ``windows``: with the ring, how many guess windows may be in flight at once: after a trip whose guesses were all
     kept, the last stage drafts a window past the next trip - its first token the guess of that trip's new token -
     and hands it on before the next trip is checked; a window that does not stand is dropped and every stage rolls
     back past it (each keeps rollback snapshots for ``windows`` windows). Greedy requests with a fixed number of
-    guesses only (sampled and ``auto`` requests keep one window); 1: one window.
+    guesses only (sampled and ``auto`` requests keep one window); 1: one window; more than 1 turns the ring on.
     """
 
     model_id: str
@@ -82,7 +84,7 @@ class ClientConfig:
     ban_s: float = 24 * 3600.0
     recover_s: float = 60.0
     recover_every_s: float = 2.0
-    ring: bool = True
+    ring: bool = False
     windows: int = 1
 
     def __post_init__(self) -> None:
@@ -92,6 +94,8 @@ class ClientConfig:
             raise RouteError("num_layers must be positive")
         if not 1 <= self.windows <= MAX_WINDOWS:
             raise RouteError(f"windows must be 1 to {MAX_WINDOWS}, got {self.windows}")
+        if self.windows > 1 and not self.ring:  # windows in flight go round the ring
+            object.__setattr__(self, "ring", True)
         if min(self.step_timeout, self.open_timeout, self.probe_timeout, self.lane_timeout) <= 0 or self.survey_max_age < 0:
             raise RouteError("timeouts must be positive")
         if self.fingerprint is not None and (len(self.fingerprint) != 32
