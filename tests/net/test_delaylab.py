@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,44 +85,53 @@ def _fleet_cli(*args: str) -> list[str]:
     return [sys.executable, "-c", "from sangama_p2p.cli.main import entry; entry()", *args]
 
 
+@contextmanager
+def lab_fleet(lab: DelayLab, tmp_path: Path, tiny: Path,
+              stages: Sequence[tuple[str, str]]) -> Iterator[tuple[str, dict[str, str]]]:
+    """A bootstrap node in host ``boot`` of ``lab`` and a ``join --no-lanes --threads 1`` per (host, layers) of
+    ``stages``, CLI processes, each ready: yields the bootstrap's address and each stage host's peer id; stops them."""
+    from .test_nat_fleet import _Proc
+
+    procs: list[_Proc] = []
+
+    def start(host: str, *args: str) -> _Proc:
+        proc = _Proc(["ip", "netns", "exec", lab.ns[host], *_fleet_cli(*args)])
+        procs.append(proc)
+        return proc
+
+    try:
+        boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "b.key"))
+        boot_p.wait_for("  --bootstrap ", 60)
+        boot = next(x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and lab.ip["boot"] in x)
+        joined = {host: start(host, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
+                              "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{host}.key"), "--no-lanes",
+                              "--threads", "1")
+                  for host, layers in stages}
+        yield boot, {host: p.wait_for("ready ", 120)[0].split()[1] for host, p in joined.items()}
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 def test_a_fleet_across_the_lab_gives_local_tokens_at_the_chains_distance(tmp_path: Path) -> None:
-    from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny, _Proc
+    from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny
 
     tiny = _make_tiny(tmp_path / "tiny")
     expected = _local_tokens(tiny, TOKENS)
     hosts = {"boot": "eu", "s0": "eu", "client": "eu", "s1": "us"}  # stage 1 is 40 ms from everyone else
-    with DelayLab(hosts, rtt_ms={("eu", "eu"): 2, ("eu", "us"): 40}) as lab:
-        procs: list[_Proc] = []
-
-        def start(host: str, *args: str) -> _Proc:
-            proc = _Proc(["ip", "netns", "exec", lab.ns[host], *_fleet_cli(*args)])
-            procs.append(proc)
-            return proc
-
-        try:
-            boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "b.key"))
-            boot_p.wait_for("  --bootstrap ", 60)
-            boot = next(x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and lab.ip["boot"] in x)
-            stages = [start(host, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
-                            "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{host}.key"), "--no-lanes",
-                            "--threads", "1")
-                      for host, layers in (("s0", "0:4"), ("s1", "4:8"))]
-            for stage in stages:
-                stage.wait_for("ready ", 120)
-            t0 = time.monotonic()
-            gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
-                "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot, "--prompt-ids",
-                PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos", "--guesses", "0", "--json")],
-                capture_output=True, text=True, timeout=180)
-            took = time.monotonic() - t0
-            assert gen.returncode == 0, gen.stderr[-3000:]
-            result = json.loads(gen.stdout.strip().splitlines()[-1])
-        finally:
-            for proc in procs:
-                proc.stop()
+    with DelayLab(hosts, rtt_ms={("eu", "eu"): 2, ("eu", "us"): 40}) as lab, \
+            lab_fleet(lab, tmp_path, tiny, (("s0", "0:4"), ("s1", "4:8"))) as (boot, _):
+        t0 = time.monotonic()
+        gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
+            "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot, "--prompt-ids",
+            PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos", "--guesses", "0", "--json")],
+            capture_output=True, text=True, timeout=180)
+        took = time.monotonic() - t0
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        result = json.loads(gen.stdout.strip().splitlines()[-1])
     assert result["tokens"] == expected
     # a trip: client -> s0 (1 ms) -> s1 (20 ms) -> client (20 ms), one way each
     trip_ms = (lab.rtt_ms("client", "s0") + lab.rtt_ms("s0", "s1") + lab.rtt_ms("s1", "client")) / 2
@@ -138,42 +149,23 @@ def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_
     without it and with two windows in flight, with and without guesses, the tokens are ``generate --local``'s,
     and no trip through the client beats the wire it must cross (client -> s0 -> s1 -> client).
     Speed: ``benchmarks/distance.py --ring off on --client-apart``."""
-    from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny, _Proc
+    from .test_nat_fleet import PROMPT, TOKENS, _local_tokens, _make_tiny
 
     tiny = _make_tiny(tmp_path / "tiny")
     expected = _local_tokens(tiny, TOKENS)
     hosts = {"boot": "c", "client": "c", "s0": "a", "s1": "b"}
     rtt = {("a", "a"): 2, ("b", "b"): 2, ("c", "c"): 2, ("a", "b"): 20, ("a", "c"): 20, ("b", "c"): 20}
     results = {}
-    with DelayLab(hosts, rtt_ms=rtt) as lab:
-        procs: list[_Proc] = []
-
-        def start(host: str, *args: str) -> _Proc:
-            proc = _Proc(["ip", "netns", "exec", lab.ns[host], *_fleet_cli(*args)])
-            procs.append(proc)
-            return proc
-
-        try:
-            boot_p = start("boot", "bootstrap", "--listen", "/ip4/0.0.0.0/tcp/4001", "--key", str(tmp_path / "b.key"))
-            boot_p.wait_for("  --bootstrap ", 60)
-            boot = next(x.split()[1] for x in boot_p.lines if x.startswith("  --bootstrap ") and lab.ip["boot"] in x)
-            stages = [start(host, "join", "--model", str(tiny), "--layers", layers, "--bootstrap", boot, "--listen",
-                            "/ip4/0.0.0.0/tcp/4101", "--key", str(tmp_path / f"{host}.key"), "--no-lanes",
-                            "--threads", "1")
-                      for host, layers in (("s0", "0:4"), ("s1", "4:8"))]
-            for stage in stages:
-                stage.wait_for("ready ", 120)
-            flags = {"on": ["--ring"], "off": [], "w2": ["--windows", "2"]}
-            for ring, guesses in (("on", "0"), ("on", "2"), ("off", "0"), ("off", "2"), ("w2", "2")):
-                gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
-                    "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
-                    "--prompt-ids", PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos", "--guesses", guesses,
-                    "--json", *flags[ring])], capture_output=True, text=True, timeout=180)
-                assert gen.returncode == 0, gen.stderr[-3000:]
-                results[ring, guesses] = json.loads(gen.stdout.strip().splitlines()[-1])
-        finally:
-            for proc in procs:
-                proc.stop()
+    flags = {"on": ["--ring"], "off": [], "w2": ["--windows", "2"]}
+    stages = (("s0", "0:4"), ("s1", "4:8"))
+    with DelayLab(hosts, rtt_ms=rtt) as lab, lab_fleet(lab, tmp_path, tiny, stages) as (boot, _):
+        for ring, guesses in (("on", "0"), ("on", "2"), ("off", "0"), ("off", "2"), ("w2", "2")):
+            gen = subprocess.run(["ip", "netns", "exec", lab.ns["client"], *_fleet_cli(
+                "generate", "--model", tiny.name, "--tokenizer", str(tiny), "--bootstrap", boot,
+                "--prompt-ids", PROMPT, "--max-new-tokens", str(TOKENS), "--ignore-eos", "--guesses", guesses,
+                "--json", *flags[ring])], capture_output=True, text=True, timeout=180)
+            assert gen.returncode == 0, gen.stderr[-3000:]
+            results[ring, guesses] = json.loads(gen.stdout.strip().splitlines()[-1])
     for (ring, guesses), result in results.items():
         assert result["tokens"] == expected, (ring, guesses)
         per_trip = result["decode_ms"] / max(1, result["steps"])

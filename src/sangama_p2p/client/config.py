@@ -87,6 +87,11 @@ class ClientConfig:
     ring: bool = False
     windows: int = 1
 
+    @property
+    def rings(self) -> bool:
+        """Whether trips go round the ring: asked for, or implied by windows in flight (which go round it)."""
+        return self.ring or self.windows > 1
+
     def __post_init__(self) -> None:
         if not self.model_id:
             raise RouteError("model_id must not be empty")
@@ -94,8 +99,6 @@ class ClientConfig:
             raise RouteError("num_layers must be positive")
         if not 1 <= self.windows <= MAX_WINDOWS:
             raise RouteError(f"windows must be 1 to {MAX_WINDOWS}, got {self.windows}")
-        if self.windows > 1 and not self.ring:  # windows in flight go round the ring
-            object.__setattr__(self, "ring", True)
         if min(self.step_timeout, self.open_timeout, self.probe_timeout, self.lane_timeout) <= 0 or self.survey_max_age < 0:
             raise RouteError("timeouts must be positive")
         if self.fingerprint is not None and (len(self.fingerprint) != 32

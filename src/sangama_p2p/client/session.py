@@ -93,13 +93,14 @@ class ChainSession:
         self.links: list[Link] = []
         self.fingerprint: str | None = None  # the checkpoint fingerprint the route was chosen for
         self._send, self._recv = trio.open_memory_channel[Delivery](math.inf)
-        # the ring: the trip its last stage hands on next (number, start, tokens, guesses), the first stage's
-        # echoes of what it was handed (by step number), and when the last answer came
+        # the ring: the trip its last stage hands on next, the first stage's echoes of what it was handed (by step
+        # number), and when the last answer came
         self.ring_trip: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None  # (start, tokens, guesses)
         self._echoes: dict[int, Step] = {}
         self._answered_at = 0.0
         self._last_answer = -1  # the step number of the last answer taken
         self._answers: dict[int, StepResult] = {}  # answers that came in before their trip was asked for
+        self._ring_stop = frozenset(params.ring_stop)
 
     @property
     def peers(self) -> list[str]:
@@ -177,7 +178,7 @@ class ChainSession:
         with trio.move_on_after(limit):
             while True:
                 if got_result is None and (got_result := self._take_answer(step if handed is None else None, after)):
-                    self._check(self.route[-1].peer_id, got_result, token_ids, n_guesses)
+                    self._check(got_result, token_ids, n_guesses)
                 if got_result is not None and (handed is None or got_result.step in self._echoes):
                     if handed is not None:
                         self._echoed(got_result.step, want)
@@ -215,10 +216,10 @@ class ChainSession:
             number = min(self._answers, default=None)  # type: ignore[arg-type]
         return self._answers.pop(number, None) if number is not None else None
 
-    def _check(self, peer: str, got: StepResult, token_ids: Sequence[int], n_guesses: int) -> None:
-        """An answer must come from the last stage and be one its trip allows (raises ChainBroken)."""
-        if peer != self.route[-1].peer_id:
-            raise ChainBroken(f"{peer} is not the last stage but answered a step", misbehaving=frozenset({peer}))
+    def _check(self, got: StepResult, token_ids: Sequence[int], n_guesses: int) -> None:
+        """The last stage's answer must be one its trip allows (raises ChainBroken; that the last stage sent it is
+        checked as it comes in)."""
+        peer = self.route[-1].peer_id
         check_result(got, token_ids, n_guesses, peer)
         if self.params.top_logprobs is not None and (
                 len(got.logprobs) != len(got.tokens) or any(
@@ -252,7 +253,7 @@ class ChainSession:
         p = self.params
         if ring:
             nxt = ring_next(start, len(token_ids), n_guesses, got.tokens, got.guesses, p.ring_until,
-                            frozenset(p.ring_stop))
+                            self._ring_stop)
             if nxt is not None:
                 self.ring_trip = (nxt[0], nxt[1], tuple(got.guesses))
         return got, trip_s

@@ -87,8 +87,8 @@ class ChainTransport:
                                    session_length(len(prompt), max_new, max_guesses),
                                    temperature, top_p, seed, max_guesses, adaptive, top_logprobs, grammar,
                                    len(prompt) if grammar is not None else 0,
-                                   len(prompt) + max_new if config.ring else 0, tuple(stop)[:MAX_RING_STOP],
-                                   config.windows if config.ring and max_guesses else 1)
+                                   len(prompt) + max_new if config.rings else 0, tuple(stop)[:MAX_RING_STOP],
+                                   config.windows if max_guesses else 1)
             try:
                 session = await client.open_chain(params, exclude, max_age)
                 return cls(client, result, params, session, exclude)

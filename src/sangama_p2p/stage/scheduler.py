@@ -117,6 +117,8 @@ class Scheduler:
         """Queue ``job`` for the worker. ``alone``: the caller holds no more frames; then a short step (see
         :meth:`runs_inline`) with nothing queued or running is computed and delivered here and now, which saves the
         hop to the worker task (and what the reader does before it yields: a read that finds nothing)."""
+        if job.session.drops(job.msg.step):  # a window ahead that no longer stands (the last stage of a ring)
+            return
         if alone and not self._queue and not self.busy and not job.session.closed and self.runs_inline([job]):
             self._step_inline([job])
             return
@@ -142,8 +144,7 @@ class Scheduler:
             job = self._queue.popleft()
             if job.session.closed:
                 continue
-            if job.msg.step in job.session.ring_drop:  # queued before the step ahead of it showed it does not stand
-                job.session.ring_drop.discard(job.msg.step)
+            if job.session.drops(job.msg.step):  # queued before the step ahead of it showed it does not stand
                 continue
             n = len(job.msg.token_ids)
             fits = len(batch) < self.max_batch_sessions and (not batch or tokens + n <= self.max_batch_tokens)

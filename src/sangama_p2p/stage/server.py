@@ -357,9 +357,6 @@ class StageServer:
         self._take_step(session, peer, msg, recv_ns, alone)
 
     def _take_step(self, session: StageSession, peer: str, msg: Step, recv_ns: int, alone: bool = False) -> None:
-        if msg.step in session.ring_drop:  # the last stage: a window ahead that no longer stands
-            session.ring_drop.discard(msg.step)
-            return
         try:
             check_step(self.model, session, msg)
         except StageError as exc:

@@ -106,6 +106,15 @@ class StageSession:
     trips: TripClock = field(default_factory=TripClock)  # the last stage's trip times, for ``auto`` guesses
 
 
+    def drops(self, step: int) -> bool:
+        """Whether step ``step`` is a window ahead that no longer stands (the last stage of a ring), to be dropped
+        unseen; it is forgotten then (each such number comes round once)."""
+        if step not in self.ring_drop:
+            return False
+        self.ring_drop.discard(step)
+        return True
+
+
 class SessionTable:
     """Open sessions of one stage, with ownership checks and memory accounting."""
 
