@@ -286,7 +286,7 @@ class Peer:
             await trio.to_thread.run_sync(auto_span, ckpt, device) if ckpt else None)
         # only peers of our own checkpoint count: others will never be chained with us
         mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint if ckpt else None
-        records = await find_serving_peers(self.node, model_id, include_self=False, fingerprint=mine)
+        records = await find_serving_peers(self.node, model_id, include_self=False, fingerprint=mine, walk=False)
         live = await ask_ranges(self.node, records, model_id)  # a departed peer's record would hide its gap
         records = [r for r in records if r.peer_id in live]
         return choose_layers([live[r.peer_id] for r in records], num_layers, span, [r.throughput for r in records])

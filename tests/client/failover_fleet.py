@@ -88,7 +88,7 @@ def run_kills(fleet: LocalFleet, model_id: str, prompt: list[int], n_tokens: int
                     except Exception as exc:
                         raise RuntimeError(f"run {n} (kill after {at}) failed; the client saw "
                                            f"{[(o.peer_id[-6:], o.start, o.end) for o in client.offers]}, silent "
-                                           f"{[p[-6:] for p in client.silent]}, fleet "
+                                           f"{[p[-6:] for p in client.probes.silent]}, fleet "
                                            f"{[(p[-6:], layers_of[p]) for p in layers_of]}") from exc
                     total = time.perf_counter() - t0
                     gaps = [b - a for a, b in zip(stamps, stamps[1:])]

@@ -207,11 +207,11 @@ def test_a_peer_that_did_not_answer_is_not_probed_again_until_it_publishes_a_new
                     client.pool.get = counting_get
                     first = await client.generate(PROMPT, 4)
                     probes_first = asked.count(dead)
-                    assert dead in client.silent
+                    assert dead in client.probes.silent
                     second = await client.generate(PROMPT, 4)
                     # a newer record (a restart) makes it a candidate again
-                    seq, exp = client.silent[dead]
-                    client.silent[dead] = (seq, exp - 1)
+                    seq, exp = client.probes.silent[dead]
+                    client.probes.silent[dead] = (seq, exp - 1)
                     await client.survey(max_age=0.0)
         return first, second, probes_first, asked.count(dead)
 
@@ -225,7 +225,6 @@ def test_a_peer_whose_probe_was_late_is_skipped_for_a_while_and_asked_again_by_a
     """On a loaded machine a live peer's probe can time out. It used to count as dead until its next record: the
     loaded suite once verified 0 of 12 trips, both surveys having skipped the spare chain. Now a late peer is skipped
     by plain surveys for a while (SLOW_RETRY_S) and asked again by a caller that found no second chain."""
-    from sangama_p2p.client import generate as gen
 
     split = [(0, 4), (4, 8)]
     want = local_chain(ckpt, split, batch_invariant=True).generate(PROMPT, 6).tokens
@@ -247,13 +246,14 @@ def test_a_peer_whose_probe_was_late_is_skipped_for_a_while_and_asked_again_by_a
 
                     client.pool.get = slow_get
                     first = {o.peer_id for o in await client.survey()}
-                    assert spares <= set(client.slow) and not spares & first and not spares & set(client.silent)
+                    probes = client.probes
+                    assert spares <= set(probes.slow) and not spares & first and not spares & set(probes.silent)
                     asked.clear()
                     await client.survey()  # a plain survey skips them
                     assert not spares & set(asked)
                     client.pool.get = get
                     res = await client.generate(PROMPT, 6)
-                    return res, client.verification, set(client.slow)
+                    return res, client.verification, set(client.probes.slow)
 
     res, v, still_slow = trio.run(main)
     assert res.tokens == want

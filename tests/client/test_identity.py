@@ -110,13 +110,13 @@ def test_a_llama_under_the_qwen_id_is_left_out(ckpt, llama):
 
 
 @pytest.mark.parametrize("lie_about_depth", [False, True])
-def test_a_peer_announcing_layers_7_to_a_million_is_ignored_and_the_depth_stays(ckpt, lie_about_depth):
+def test_a_peer_announcing_layers_4_to_a_million_is_ignored_and_the_depth_stays(ckpt, lie_about_depth):
     want = local_chain(ckpt, [(0, 4), (4, 8)]).generate(PROMPT, N).tokens
 
     async def main():
         with trio.fail_after(60):
             async with fleet(ckpt, [(0, 4), (4, 8)]) as f:
-                liar = await f.add_stage(7, 8)
+                liar = await f.add_stage(4, 8)  # where a survey's walk from layer 0 finds it
                 honest_info = liar.info()
                 liar.info = lambda: replace(honest_info, end=1_000_000)  # its info answers lie too
                 current = liar.announcer.current

@@ -53,7 +53,8 @@ def test_a_survey_reports_who_answered_what_it_found_and_asks_authors_only_when_
 
 
 def test_a_lookup_that_no_dht_server_answered_is_made_again(monkeypatch) -> None:
-    """The distance benchmark's client once failed a whole generation with 'no DHT server answered the lookup' (its
+    """(The providers' enumeration, which a survey falls back to when no range directory is found.) The distance
+    benchmark's client once failed a whole generation with 'no DHT server answered the lookup' (its
     one bootstrap, on a busy machine; the per-query retry had failed too). A lookup nobody answered is made again
     after 0.5 and 2 s: three more failed queries are ridden out; with the server gone for good it still says so."""
     from sangama_p2p.net import dht
@@ -75,13 +76,13 @@ def test_a_lookup_that_no_dht_server_answered_is_made_again(monkeypatch) -> None
                 async with open_host(cfg, key_pair=generate_key_pair()) as client:
                     monkeypatch.setattr(dht, "get_providers", flaky)
                     found = SurveyFacts()
-                    records = await find_serving_peers(client, "m", facts=found)
+                    records = await find_serving_peers(client, "m", facts=found, walk=False)
                     assert [r.peer_id for r in records] == [str(stage.peer_id)], found
                     assert fails == [0]
                     fails[0] = 100  # gone for good: three lookups, then the cause
                     t0 = trio.current_time()
                     gone = SurveyFacts()
-                    assert await find_serving_peers(client, "m", facts=gone) == []
+                    assert await find_serving_peers(client, "m", facts=gone, walk=False) == []
                     assert "no DHT server answered" in gone.explain("m") and trio.current_time() - t0 >= 2.5
 
     trio.run(main)
@@ -106,14 +107,14 @@ def test_providers_whose_record_no_server_gave_are_asked_themselves_when_the_cal
                         if lost in str(key):
                             node.dht.value_store.remove(key)
                 async with open_host(config(bootstrap_addrs=(first_addr(boot),)), key_pair=generate_key_pair()) as c:
-                    plain = await find_serving_peers(c, "m")
+                    plain = await find_serving_peers(c, "m", walk=False)
                     assert [r.peer_id for r in plain] == [str(a.peer_id)]
                     asked: list[str] = []
                     facts = SurveyFacts()
-                    both = await find_serving_peers(c, "m", facts=facts, ask_authors=lambda p: not asked.append(p))
+                    both = await find_serving_peers(c, "m", facts=facts, walk=False, ask_authors=lambda p: not asked.append(p))
                     assert [r.peer_id for r in both] == [str(a.peer_id), str(b.peer_id)] and facts.from_authors
                     assert asked == [str(b.peer_id)]  # only the one whose record was missing
-                    skipped = await find_serving_peers(c, "m", ask_authors=lambda p: False)
+                    skipped = await find_serving_peers(c, "m", walk=False, ask_authors=lambda p: False)
                     assert [r.peer_id for r in skipped] == [str(a.peer_id)]
 
     trio.run(main)

@@ -138,7 +138,8 @@ async def _served(node: Any, model_id: str, checked: Checked) -> list[tuple[int,
     from ..net.discovery import find_serving_peers
 
     try:
-        records = await find_serving_peers(node, model_id, include_self=False, fingerprint=checked.fingerprint)
+        records = await find_serving_peers(node, model_id, include_self=False, fingerprint=checked.fingerprint,
+                                            walk=False)
     except SangamaError as exc:  # a look-up for a warning never stops the stage
         log.debug("looking up the ranges of %s: %s", model_id, exc)
         return []

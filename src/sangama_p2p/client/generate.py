@@ -45,6 +45,7 @@ from ..net.discovery import SurveyFacts, find_serving_peers
 from ..net.lineup import choose_lineup
 from .config import ClientConfig
 from .links import LinkPool
+from .probes import SLOW_PROBE_FACTOR, ProbeMemory
 from .routing import RouteCandidate, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
 from .stats import ClientStats
@@ -56,9 +57,6 @@ __all__ = ["AUTO_MAX_GUESSES", "MAX_GUESSES", "ChainClient", "GenerationResult",
 
 log = logging.getLogger(__name__)
 
-SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it)
-SLOW_RETRY_MAX_S = 480.0  # twice as long after each further time-out in a row, up to this
-SLOW_PROBE_FACTOR = 3.0  # a late peer asked again (``retry_slow``) gets this many times the probe's time
 
 
 class ChainClient:
@@ -77,9 +75,7 @@ class ChainClient:
         self.offers: list[RouteCandidate] = []  # the last survey
         self.survey_facts = SurveyFacts()  # what the last survey found on its way (for errors that name a cause)
         self.surveyed_at = -math.inf  # trio clock time of the last survey
-        self._versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
-        self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
-        self.slow: dict[str, tuple[float, float]] = {}  # peers whose probes timed out -> (skipped until, backoff)
+        self.probes = ProbeMemory()  # peers that did not answer their probes, or late
         self._survey_lock = trio.Lock()
         self.left_out: dict[str, Any] = {}  # peer id -> net.lineup.LeftOut, from the last routing decision
         self._reported: set[tuple[str, str]] = set()  # (peer, reason) already logged
@@ -128,7 +124,7 @@ class ChainClient:
 
         A survey younger than ``max_age`` seconds is re-used; concurrent callers share one survey in flight. A peer
         that refused or failed its probe is skipped until it publishes a newer record; one whose probe only timed
-        out (alive but busy, as on a loaded machine) is skipped for :data:`SLOW_RETRY_S`, or not at all with
+        out (alive but busy, as on a loaded machine) is skipped for :data:`~.probes.SLOW_RETRY_S`, or not at all with
         ``retry_slow`` (a caller that found no route, or no second chain, without it), and is then given
         :data:`SLOW_PROBE_FACTOR` x the probe's time (a stage under a flood answers, only late: in the liar soak the
         honest stages' probes timed out and every route was the liars').
@@ -140,42 +136,43 @@ class ChainClient:
             return await self._survey(exclude, retry_slow)
 
     async def _survey(self, exclude: frozenset[str], retry_slow: bool) -> list[RouteCandidate]:
-        pool = self._pool()
+        pool, probes = self._pool(), self.probes
         facts = SurveyFacts()
-        # providers whose record no DHT server gave are asked for it themselves (this survey dials them next
-        # anyway), unless they were silent or late to their last probe
+        # peers silent or late to their last probe are not candidates; providers whose record no DHT server gave
+        # (a survey that enumerates them) are asked for it themselves: this survey dials them next anyway
         records = await find_serving_peers(
             self.node, self.config.model_id, include_self=self.local_stage is not None, facts=facts,
-            ask_authors=lambda peer: peer not in self.silent and (retry_slow or not self._still_slow(peer)))
+            usable=lambda rec: probes.usable(rec, retry_slow), num_layers=self.config.num_layers or 0,
+            thorough=retry_slow,
+            ask_authors=lambda peer: peer not in probes.silent and (retry_slow or not probes.still_slow(peer)))
         self.survey_facts = facts
         offers: list[RouteCandidate] = []
-
-        self._versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
+        probes.seen(records)
 
         async def probe(rec: Any) -> None:
-            with trio.move_on_after(self._probe_s * (SLOW_PROBE_FACTOR if rec.peer_id in self.slow else 1.0)):
+            facts.contacted.add(rec.peer_id)
+            with trio.move_on_after(self._probe_s * (SLOW_PROBE_FACTOR if rec.peer_id in probes.slow else 1.0)):
                 try:
                     link = await pool.get(rec.peer_id, tuple(rec.addrs))
                     info, rtt = await link.probe()
                 except SangamaError as exc:
                     log.info("peer %s does not answer: %s", rec.peer_id, exc)
-                    self._mark_silent(rec.peer_id)
+                    probes.mark_silent(rec.peer_id)
                     return
                 if info.model_id != self.config.model_id or info.peer != rec.peer_id:
                     return
                 offers.append(RouteCandidate(rec.peer_id, info.start, info.end, info.throughput, info.queue,
                                              info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
                                              rec.num_layers, rec.layer_hashes, rec.links, link.fs.source))
-                self.silent.pop(rec.peer_id, None)
-                self.slow.pop(rec.peer_id, None)
+                probes.answered(rec.peer_id)
                 return
-            self._mark_slow(rec.peer_id)  # alive maybe (a busy machine), only late: asked again later
+            probes.mark_slow(rec.peer_id, self._probe_s)  # alive maybe (a busy machine), only late: asked again later
 
         async with trio.open_nursery() as nursery:
             for rec in records:
                 # excluded peers are probed too: the survey is shared by later generations, the exclusion is this
                 # one's (a peer that refused a too-long session was missing from every route for survey_max_age)
-                if not self._still_silent(rec) and (retry_slow or not self._still_slow(rec.peer_id)):
+                if probes.usable(rec, retry_slow):
                     nursery.start_soon(probe, rec)
         self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
         self.surveyed_at = trio.current_time()
@@ -188,33 +185,9 @@ class ChainClient:
         stream is opened): else such a peer counts as silent although its libp2p stream answers at once."""
         return self.config.probe_timeout + (self.config.lane_timeout if self.config.lanes else 0.0)
 
-    def _mark_silent(self, peer: str) -> None:
-        """Remember that ``peer`` did not answer, with the version of the record it had: surveys skip it (no probe,
-        no ``probe_timeout`` wait) until it publishes a newer record, e.g. after a restart."""
-        version = self._versions.get(peer)
-        if version is not None:
-            self.silent[peer] = version
-
-    def _still_silent(self, rec: Any) -> bool:
-        seen = self.silent.get(rec.peer_id)
-        return seen is not None and (rec.seq, rec.expires_at) <= seen
-
-    def _mark_slow(self, peer: str) -> None:
-        """``peer``'s probe timed out: surveys skip it for :data:`SLOW_RETRY_S`, twice as long after each further
-        time-out in a row (a machine that died without a word costs a probe's wait ever more rarely until its
-        record expires)."""
-        before = self.slow.get(peer)
-        backoff = SLOW_RETRY_S if before is None else min(2 * before[1], SLOW_RETRY_MAX_S)
-        self.slow[peer] = (trio.current_time() + backoff, backoff)
-        log.info("peer %s did not answer its probe within %.1f s: skipped for %.0f s", peer, self._probe_s, backoff)
-
     @property
     def late_peers(self) -> int:  # how many peers are skipped for now because their last probe was late
-        return sum(map(self._still_slow, self.slow))
-
-    def _still_slow(self, peer: str) -> bool:
-        late = self.slow.get(peer)
-        return late is not None and trio.current_time() < late[0]
+        return self.probes.late_peers
 
     def _lineup(self, offers: Sequence[RouteCandidate], pin: str | None) -> Any:
         """The peers of one checkpoint fingerprint (``pin``, else the configured one, else the best group) and the
@@ -334,7 +307,7 @@ class ChainClient:
                 except SangamaError:
                     pass
             dead.add(offer.peer_id)  # failed, or no answer in time
-            self._mark_silent(offer.peer_id)
+            self.probes.mark_silent(offer.peer_id)
 
         async with trio.open_nursery() as nursery:
             for offer in session.route:

@@ -32,10 +32,11 @@ from libp2p.records.pubkey import PublicKeyValidator
 from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
 
-from ..errors import NetworkError
-from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, ServerRouting, get_providers
+from ..errors import NetworkError, RecordError
+from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, RETRY_PAUSE_S, ServerRouting, get_providers, twice
 from .kad_table import ServerTable, offers_dht
 from .node import Node
+from .directory import RecordsAndDirectories, expiry, is_directory, merge_directories
 from .records import NAMESPACE, RecordLedger, RecordValidator
 
 __all__ = ["LookupFacts", "bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
@@ -58,7 +59,7 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
     Validation is strict: only our namespace (and ``/pk``) is stored, so nobody can park arbitrary data on us; and
     the store is capped (``HostConfig.dht_max_records``, ``dht_records_per_peer``: see :class:`_CappedValueStore`).
     """
-    records = RecordValidator()
+    records = RecordsAndDirectories()
     validator = NamespacedValidator({NAMESPACE: records, "pk": PublicKeyValidator()}, strict_validation=True)
     mode = DHTMode.SERVER if node.config.dht_server else DHTMode.CLIENT
     async with trio.open_nursery() as nursery:
@@ -101,20 +102,43 @@ class _CappedValueStore(ValueStore):
     def _admit(self, key: bytes, value: bytes, *, own: bool = False) -> None:
         if key.startswith(_PK_PREFIX):
             author, expires_at = "/pk", time.time() + VALUE_TTL
+        elif is_directory(value):  # one "author" per directory: its entries' own authors are checked, one each
+            author, expires_at = "/dir/" + key.hex(), expiry(key.decode(), value)
         else:  # strict validation stores nothing but our namespace and /pk
             record = self._records.checked(key.decode(), value)
             author, expires_at = record.peer_id, record.expires_at
         for old in self.ledger.admit(key, author, expires_at, own=own):
             super().remove(old)
 
-    def put(self, key: bytes, value: bytes, validity: float = 0.0) -> None:
-        """The node's own ``put_value``: never refused (a Sybil flood must not stop a peer publishing its record)."""
-        self._admit(key, value, own=True)
+    def put(self, key: bytes, value: bytes, validity: float = 0.0, *, own: bool = True) -> None:
+        """The node's own ``put_value``: never refused (a Sybil flood must not stop a peer publishing its record).
+        A directory entry is merged into the stored directory (:mod:`.directory`), which py-libp2p never
+        re-publishes on its own (the announcer re-publishes each peer's entry)."""
+        directory = is_directory(value)
+        if directory:
+            value = self._merged(key, value)
+        self._admit(key, value, own=own)
         super().put(key, value, validity)
+        if directory:
+            self.local_keys.discard(key)
 
     def put_record(self, key: bytes, record: Record) -> None:
+        if is_directory(record.value):  # merged, so signed again by us (every entry keeps its author's signature)
+            self.put(key, record.value, own=False)
+            return
         self._admit(key, record.value)
         super().put_record(key, record)
+
+    def _merged(self, key: bytes, value: bytes) -> bytes:
+        """A directory entry merged into the directory stored under ``key`` (:mod:`.directory`); other values as
+        they are. Raises :class:`RecordError` when nothing valid is left."""
+        if not is_directory(value):
+            return value
+        old = self.get(key)
+        merged = merge_directories(key.decode(), [old.value, value] if old is not None else [value])
+        if merged is None:
+            raise RecordError("directory holds no valid record")
+        return merged
 
     def remove(self, key: bytes) -> bool:
         self.ledger.discard(key)
@@ -248,22 +272,6 @@ async def _closest(dht: KadDHT, key: bytes) -> list[ID]:
     return []
 
 
-RETRY_PAUSE_S = 0.1
-
-
-async def _twice(rpc: Any, *args: Any, **kwargs: Any) -> Any:
-    """``rpc(*args, **kwargs)``, once more after :data:`RETRY_PAUSE_S` when it raised (within the caller's
-    QUERY_TIMEOUT). On a loaded machine py-libp2p's stream negotiation fails now and then ("fail to read from
-    multiselect communicator"): a lookup whose few queries all failed so found no record (the loaded suite's "no live
-    peer serves"), though every peer was up."""
-    try:
-        return await rpc(*args, **kwargs)
-    except Exception as exc:
-        log.debug("DHT query failed (%s): once more", exc)
-    await trio.sleep(RETRY_PAUSE_S)
-    return await rpc(*args, **kwargs)
-
-
 @dataclass
 class LookupFacts:
     """Who a lookup asked and who answered (for error messages that say where nothing was found)."""
@@ -294,7 +302,7 @@ async def providers_from_network(node: Node, key: bytes, *, count: int = BUCKET_
         async with limiter:
             with trio.move_on_after(QUERY_TIMEOUT):
                 try:
-                    providers, closer = await _twice(get_providers, node, peer, key)
+                    providers, closer = await twice(get_providers, node, peer, key)
                 except Exception as exc:  # a dead or misbehaving peer must not stop the lookup
                     log.debug("GET_PROVIDERS from %s failed: %s", peer, exc)
                     return

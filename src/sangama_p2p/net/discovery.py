@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import trio
@@ -20,8 +20,10 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError, RecordError, translate
-from .dht import LookupFacts, providers_from_network, values_from_network
+from .dht import BUCKET_SIZE, LookupFacts, providers_from_network, values_from_network
 from .dial import dial_peer, remember
+from .directory import ENOUGH, PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key, \
+    encode_directory, put_directory
 from .node import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
@@ -96,6 +98,9 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
     if on_signed is not None:
         on_signed(signed)
     try:
+        # the range's directory first (what clients walk); the record under its own key and the provider entry
+        # stay for a DHT of go-libp2p servers, which keep no /sangama/ values, and for `status`
+        await put_directory(node, directory_key(offer.model_id, offer.start), encode_directory([signed.value]))
         await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
         await node.dht.provide(provider_key(offer.model_id))
     except Exception as exc:  # py-libp2p raises ValueError and others on refusal; ours (RecordError) pass through
@@ -204,6 +209,9 @@ class SurveyFacts:
     providers: int = 0
     records: int = 0
     from_authors: bool = False
+    directories: int = 0  # directory lookups of the walk (0: the walk found nothing, providers were enumerated)
+    candidates: int = 0  # records the walk kept to be probed (``records``: all it found of the checkpoint)
+    contacted: set[str] = field(default_factory=set)  # peers the survey asked (DHT servers; a client adds probes)
 
     def explain(self, model_id: str) -> str:
         """Why a survey found nobody, in words that name the cause."""
@@ -221,13 +229,75 @@ class SurveyFacts:
 
 async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = True,
                              fingerprint: str | None = None, facts: SurveyFacts | None = None,
-                             ask_authors: Callable[[str], bool] | None = None) -> list[ServingRecord]:
-    """Every live peer serving ``model_id`` with its newest valid record, sorted by layer range then peer id;
+                             ask_authors: Callable[[str], bool] | None = None, walk: bool = True,
+                             usable: Callable[[ServingRecord], bool] | None = None, per_range: int = PER_RANGE,
+                             num_layers: int = 0, thorough: bool = False) -> list[ServingRecord]:
+    """The live peers serving ``model_id`` with their newest valid records, sorted by layer range then peer id;
     ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with);
-    ``facts``: filled with what the survey found on its way. ``ask_authors``: which providers whose record no DHT
-    server gave to ask for it themselves even when others' records were found (a caller that dials them next
+    ``facts``: filled with what the survey found on its way.
+
+    ``walk``: walk the range directories from layer 0 (:mod:`.directory`: one lookup per boundary, whatever the
+    swarm's size), keeping ``per_range`` records per range of those ``usable`` says may be chosen; ``num_layers``:
+    the model's depth where the caller knows it (else each record's); ``thorough``: each lookup merges the copies
+    of every server among the closest (not the first few: a store that timed out on a busy machine left some
+    without a record) and three times ``per_range`` are kept (for a caller that found no route without). Every
+    peer is enumerated instead (the provider key, then each provider's record) with ``walk=False``, or when no
+    directory was found (a DHT of go-libp2p servers keeps none). ``ask_authors``: which providers whose record no
+    DHT server gave to ask for it themselves even when others' records were found (a caller that dials them next
     anyway, and knows which ones left: under load the DHT's GET_VALUEs time out, and a liar soak's surveys found 5
     records of 11 providers); without it they are asked only when no record was found at all."""
+    facts = facts if facts is not None else SurveyFacts()
+    if walk:
+        walked = await _walk(node, model_id, fingerprint=fingerprint, facts=facts, usable=usable,
+                             per_range=per_range * (3 if thorough else 1), num_layers=num_layers,
+                             enough=BUCKET_SIZE if thorough else ENOUGH)
+        if walked or facts.providers:  # records were found, only none may be chosen now: not a reason to enumerate
+            ours = [r for r in walked if include_self or r.peer_id != node.peer_id.to_base58()]
+            return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
+    return await _enumerate(node, model_id, include_self=include_self, fingerprint=fingerprint, facts=facts,
+                            ask_authors=ask_authors)
+
+
+MAX_WALK = 64  # directory lookups one survey makes at most
+
+
+async def _walk(node: Node, model_id: str, *, fingerprint: str | None, facts: SurveyFacts,
+                usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
+                enough: int) -> list[ServingRecord]:
+    """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones."""
+    lookup, looked, todo = DirectoryFacts(), set(), {0}
+    chosen: list[ServingRecord] = []
+    seen = 0
+    while todo and len(looked) < MAX_WALK:
+        batch = sorted(todo)[:MAX_WALK - len(looked)]
+        looked.update(batch)
+        found: list[ServingRecord] = []
+
+        async def one(start: int) -> None:
+            entries = await directory_from_network(node, directory_key(model_id, start), enough=enough, facts=lookup)
+            found.extend(r for r, _ in entries if r.start == start)
+
+        async with trio.open_nursery() as nursery:
+            for start in batch:
+                nursery.start_soon(one, start)
+        records = [r for r in found if fingerprint is None or r.fingerprint == fingerprint]
+        seen += len(records)
+        records = [r for r in records if usable is None or usable(r)]
+        todo = {r.end for r in records if r.end < (num_layers or r.num_layers)} - looked
+        for record in choose_candidates(records, per_range=per_range):
+            chosen.append(record)
+            remember(node, ID.from_base58(record.peer_id), record.addrs)
+    facts.directories = lookup.lookups
+    facts.asked, facts.answered = len(lookup.asked), len(lookup.answered)
+    facts.contacted.update(p.to_base58() for p in lookup.asked)
+    facts.providers = facts.records = seen
+    facts.candidates = len(chosen)
+    return chosen
+
+
+async def _enumerate(node: Node, model_id: str, *, include_self: bool, fingerprint: str | None, facts: SurveyFacts,
+                     ask_authors: Callable[[str], bool] | None) -> list[ServingRecord]:
+    """Every provider of ``model_id`` and its record (the survey before directories; O(swarm) lookups)."""
     key, lookup = bytes.fromhex(provider_key(model_id)), LookupFacts()
     providers = await providers_from_network(node, key, facts=lookup)
     for pause in NO_ANSWER_RETRY_S:  # nobody answered (a busy bootstrap, a failed negotiation): not the swarm's answer
@@ -240,8 +310,8 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
         providers = await providers_from_network(node, key, facts=lookup)
     if not include_self:
         providers.discard(node.peer_id)
-    facts = facts if facts is not None else SurveyFacts()
     facts.asked, facts.answered, facts.providers = len(lookup.asked), len(lookup.answered), len(providers)
+    facts.contacted.update(p.to_base58() for p in lookup.asked | set(providers))
     found: dict[str, ServingRecord] = {}
 
     async def fetch(peer: ID) -> None:

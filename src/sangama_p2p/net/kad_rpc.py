@@ -26,13 +26,27 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from .node import offers_protocol
 from .watch import open_connections
 
-__all__ = ["CONCURRENCY", "MIN_SEEDS", "QUERY_TIMEOUT", "ServerRouting", "closest_servers", "get_providers", "kad_request",
-           "peer_infos"]
+__all__ = ["CONCURRENCY", "MIN_SEEDS", "QUERY_TIMEOUT", "RETRY_PAUSE_S", "ServerRouting", "closest_servers", "get_providers", "kad_request",
+           "peer_infos", "twice"]
 
 log = logging.getLogger(__name__)
 QUERY_TIMEOUT = 5.0  # per RPC; py-libp2p's own is 10 s
 CONCURRENCY = 10
 MIN_SEEDS = 5  # a routing table thinner than this is topped up with connected DHT servers (py-libp2p's threshold)
+RETRY_PAUSE_S = 0.1  # before a failed query is asked once more
+
+
+async def twice(rpc: Any, *args: Any, **kwargs: Any) -> Any:
+    """``rpc(*args, **kwargs)``, once more after :data:`RETRY_PAUSE_S` when it raised (within the caller's
+    QUERY_TIMEOUT). On a loaded machine py-libp2p's stream negotiation fails now and then ("fail to read from
+    multiselect communicator"): a lookup whose few queries all failed so found no record (the loaded suite's "no live
+    peer serves"), though every peer was up."""
+    try:
+        return await rpc(*args, **kwargs)
+    except Exception as exc:
+        log.debug("DHT query failed (%s): once more", exc)
+    await trio.sleep(RETRY_PAUSE_S)
+    return await rpc(*args, **kwargs)
 
 
 async def kad_request(host: Any, peer: ID, kind: int, key: bytes) -> Message | None:

@@ -183,7 +183,7 @@ async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0
     peers.update(dht.routing_table.get_peer_ids())
     for model in models:
         with trio.move_on_after(timeout):
-            peers.update(ID.from_base58(r.peer_id) for r in await find_serving_peers(node, model))
+            peers.update(ID.from_base58(r.peer_id) for r in await find_serving_peers(node, model, walk=False))
     peers.discard(node.peer_id)
     results: list[PeerStatus] = []
 

@@ -118,7 +118,8 @@ class Rebalancer:
     async def live_ranges(self) -> dict[str, Range]:
         """Peer id -> the range each other live peer of our fingerprint serves now (as it answers, not as
         recorded)."""
-        records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint)
+        records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint,
+                                           walk=False)  # every range, gaps and all: it looks for gaps
         return await ask_ranges(self.node, records, self.model_id, self.probe_timeout, self._lanes)
 
     async def check(self) -> Range | None:

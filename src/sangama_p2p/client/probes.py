@@ -1,0 +1,64 @@
+"""What a client remembers of the peers it probed: which did not answer (until they publish a newer record) and
+which answered late (skipped for a while, ever longer). Surveys skip both before choosing candidates."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+__all__ = ["SLOW_PROBE_FACTOR", "SLOW_RETRY_MAX_S", "SLOW_RETRY_S", "ProbeMemory"]
+
+log = logging.getLogger(__name__)
+
+SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it)
+SLOW_RETRY_MAX_S = 480.0  # twice as long after each further time-out in a row, up to this
+SLOW_PROBE_FACTOR = 3.0  # a late peer asked again (``retry_slow``) gets this many times the probe's time
+
+
+class ProbeMemory:
+    def __init__(self) -> None:
+        self.versions: dict[str, tuple[int, float]] = {}  # peer -> (seq, expiry) of its record in the last survey
+        self.silent: dict[str, tuple[int, float]] = {}  # peers that did not answer -> the record they had then
+        self.slow: dict[str, tuple[float, float]] = {}  # peers whose probes timed out -> (skipped until, backoff)
+
+    def seen(self, records: Any) -> None:
+        """The records of a survey: the versions a later :meth:`mark_silent` remembers."""
+        self.versions = {rec.peer_id: (rec.seq, rec.expires_at) for rec in records}
+
+    def usable(self, rec: Any, retry_slow: bool) -> bool:
+        """Whether a survey may probe ``rec``'s peer: not silent since this record, not late (unless ``retry_slow``)."""
+        return not self.still_silent(rec) and (retry_slow or not self.still_slow(rec.peer_id))
+
+    def answered(self, peer: str) -> None:
+        self.silent.pop(peer, None)
+        self.slow.pop(peer, None)
+
+    def mark_silent(self, peer: str) -> None:
+        """Remember that ``peer`` did not answer, with the version of the record it had: surveys skip it (no probe,
+        no ``probe_timeout`` wait) until it publishes a newer record, e.g. after a restart."""
+        version = self.versions.get(peer)
+        if version is not None:
+            self.silent[peer] = version
+
+    def still_silent(self, rec: Any) -> bool:
+        seen = self.silent.get(rec.peer_id)
+        return seen is not None and (rec.seq, rec.expires_at) <= seen
+
+    def mark_slow(self, peer: str, probe_s: float) -> None:
+        """``peer``'s probe timed out: surveys skip it for :data:`SLOW_RETRY_S`, twice as long after each further
+        time-out in a row (a machine that died without a word costs a probe's wait ever more rarely until its
+        record expires)."""
+        before = self.slow.get(peer)
+        backoff = SLOW_RETRY_S if before is None else min(2 * before[1], SLOW_RETRY_MAX_S)
+        self.slow[peer] = (trio.current_time() + backoff, backoff)
+        log.info("peer %s did not answer its probe within %.1f s: skipped for %.0f s", peer, probe_s, backoff)
+
+    def still_slow(self, peer: str) -> bool:
+        late = self.slow.get(peer)
+        return late is not None and trio.current_time() < late[0]
+
+    @property
+    def late_peers(self) -> int:  # how many peers are skipped for now because their last probe was late
+        return sum(map(self.still_slow, self.slow))

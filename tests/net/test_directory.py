@@ -1,0 +1,129 @@
+"""Range directories (issue 25, item 1): the records of one start layer under one DHT key, merged by the DHT servers,
+walked by a survey boundary by boundary, with a bounded set of candidates per range."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import pytest
+import trio
+
+from sangama_p2p.errors import RecordError
+from sangama_p2p.net.directory import (MAX_ENTRIES, choose_candidates, decode_directory, directory_key,
+                                       encode_directory, merge_directories)
+from sangama_p2p.net.discovery import Announcer, ServingOffer, SurveyFacts, find_serving_peers
+from sangama_p2p.net.host import open_host
+from sangama_p2p.net.identity import generate_key_pair
+from sangama_p2p.net.records import sign_record
+
+from .net_swarm import config, first_addr, swarm
+
+FP = "ab" * 16
+
+
+def _signed(start: int = 0, end: int = 4, *, key=None, seq: int = 1, ttl: float = 60.0, tps: float = 1.0,
+            free: int = 1, model: str = "m", now: float | None = None):
+    key = key or generate_key_pair()
+    return key, sign_record(key, model_id=model, start=start, end=end, throughput=tps, free_sessions=free,
+                            addrs=["/ip4/127.0.0.1/tcp/1"], ttl=ttl, seq=seq, fingerprint=FP, num_layers=8, now=now)
+
+
+def test_a_directory_merges_the_newest_record_per_peer_and_drops_expired_and_misplaced_ones():
+    key = directory_key("m", 0)
+    k1, old = _signed(seq=1)
+    _, new = _signed(seq=2, key=k1)
+    _, other = _signed(seq=5)
+    _, expired = _signed(ttl=10.0, now=time.time() - 20)
+    _, misplaced = _signed(start=4, end=8)  # starts at 4: not in layer 0's directory
+    merged = merge_directories(key, [encode_directory([old.value, other.value]),
+                                     encode_directory([new.value, expired.value, misplaced.value])])
+    entries = decode_directory(key, merged)
+    assert sorted((r.peer_id, r.seq) for r, _ in entries) == sorted([(new.record.peer_id, 2),
+                                                                     (other.record.peer_id, 5)])
+    with pytest.raises(RecordError, match="wrong directory"):
+        decode_directory(key, encode_directory([misplaced.value]))
+    with pytest.raises(RecordError, match="expired"):
+        decode_directory(key, encode_directory([expired.value]))
+    with pytest.raises(RecordError):
+        decode_directory(key, msgpack.packb(["sangama/dir/0", [new.value]]))
+    tampered = bytearray(new.value)
+    tampered[-3] ^= 1
+    with pytest.raises(RecordError, match="signature|envelope"):
+        decode_directory(key, encode_directory([bytes(tampered)]))
+
+
+def test_a_full_directory_keeps_the_records_that_live_longest():
+    key = directory_key("m", 0)
+    now = time.time()
+    records = [_signed(ttl=100.0 + i, now=now)[1] for i in range(MAX_ENTRIES + 5)]
+    merged = merge_directories(key, [encode_directory([r.value]) for r in records])
+    kept = {r.peer_id for r, _ in decode_directory(key, merged)}
+    assert kept == {r.record.peer_id for r in records[5:]}
+
+
+def test_candidates_are_bounded_per_range_best_first_then_drawn():
+    records = [_signed(0, 4, tps=float(i))[1].record for i in range(20)]
+    records += [_signed(0, 8, tps=1.0)[1].record, _signed(0, 4, tps=99.0, free=0)[1].record]
+    chosen = choose_candidates(records, per_range=6, rng=random.Random(1))
+    short = [r for r in chosen if r.end == 4]
+    assert len(short) == 6 and [r for r in chosen if r.end == 8]
+    assert [r.throughput for r in short[:3]] == [19.0, 18.0, 17.0]  # a full peer is never among the best
+    draws = {tuple(r.peer_id for r in choose_candidates(records, rng=random.Random(s))[3:6]) for s in range(5)}
+    assert len(draws) > 1  # the rest are drawn: clients spread over a range's peers
+
+
+def test_a_survey_walks_the_boundaries_and_probes_a_bounded_set_per_range():
+    """Twelve serving peers in three ranges: the survey makes one lookup per boundary (3), finds every range, keeps
+    at most ``per_range`` candidates of each, and asks fewer peers than serve; a peer whose range starts nowhere a
+    walk from layer 0 reaches is not found by it."""
+
+    async def main():
+        with trio.fail_after(90):
+            async with swarm(13) as nodes:
+                ranges = [(0, 3), (3, 5), (5, 8)]
+                for i, node in enumerate(nodes[1:]):
+                    lo, hi = ranges[i % 3]
+                    await Announcer(node).update(ServingOffer("m", lo, hi, 1.0 + i, 1, ttl=60, fingerprint=FP,
+                                                              num_layers=8))
+                cfg = config(bootstrap_addrs=(first_addr(nodes[0]),), dht_server=False)
+                async with open_host(cfg, key_pair=generate_key_pair()) as client:
+                    facts = SurveyFacts()
+                    found = await find_serving_peers(client, "m", facts=facts, per_range=2, num_layers=8)
+                    assert facts.directories == 3 and facts.providers == 12, facts
+                    assert sorted({(r.start, r.end) for r in found}) == ranges
+                    assert len(found) == 6 and facts.candidates == 6 and facts.records == 12
+                    for lo, hi in ranges:  # the best two by throughput... of a range of four: one best, one drawn
+                        best = max((r for r in found if r.start == lo), key=lambda r: r.throughput)
+                        assert best.throughput == max(1.0 + i for i in range(12) if ranges[i % 3] == (lo, hi))
+                    silent = {r.peer_id for r in found}
+                    again = await find_serving_peers(client, "m", usable=lambda r: r.peer_id not in silent,
+                                                     per_range=2, num_layers=8)
+                    assert not silent & {r.peer_id for r in again} and len(again) == 6
+                    everyone = await find_serving_peers(client, "m", walk=False)
+                    assert len(everyone) == 12
+
+    trio.run(main)
+
+
+def test_a_departed_peers_entry_is_replaced_by_its_restart_and_expires_with_its_record():
+    """A peer re-publishing (seq + 1) replaces its entry on every server; a peer that stops publishing leaves the
+    directory when its record expires."""
+
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(3) as (boot, a, b):
+                ann_a, ann_b = Announcer(a), Announcer(b)
+                await ann_a.update(ServingOffer("m", 0, 8, 1.0, 1, ttl=3, fingerprint=FP, num_layers=8))
+                await ann_b.update(ServingOffer("m", 0, 8, 2.0, 1, ttl=60, fingerprint=FP, num_layers=8))
+                await ann_b.update(ServingOffer("m", 0, 8, 5.0, 1, ttl=60, fingerprint=FP, num_layers=8))
+                async with open_host(config(bootstrap_addrs=(first_addr(boot),), dht_server=False),
+                                     key_pair=generate_key_pair()) as client:
+                    found = await find_serving_peers(client, "m")
+                    assert {r.peer_id: r.throughput for r in found} == {str(a.peer_id): 1.0, str(b.peer_id): 5.0}
+                    await trio.sleep(3.5)
+                    found = await find_serving_peers(client, "m")
+                    assert [r.peer_id for r in found] == [str(b.peer_id)]
+
+    trio.run(main)
