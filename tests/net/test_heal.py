@@ -15,7 +15,8 @@ from sangama_p2p.net.discovery import Announcer, ServingOffer
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
 from sangama_p2p.net.node import Node
-from sangama_p2p.net.records import provider_key, record_key
+from sangama_p2p.net.directory import directory_key
+from sangama_p2p.net.records import provider_key
 from sangama_p2p.net.relay import RelayServiceConfig
 from sangama_p2p.net.traversal import Traversal, TraversalConfig
 
@@ -125,7 +126,8 @@ def test_a_restarted_relay_holds_the_reservation_again_within_seconds_and_the_ci
 
 
 def test_a_restarted_bootstrap_holds_the_records_and_providers_again_within_seconds() -> None:
-    """Old code: nothing reconnected to the bootstrap node, and the dial that failed while it was away dropped it from
+    """(The record is held in its range's directory.) Old code: nothing reconnected to the bootstrap node, and the dial
+    that failed while it was away dropped it from
     the routing table: its store stayed empty until the next periodic re-publish (60 s here), which reached nobody
     when the routing table had nobody else."""
 
@@ -140,7 +142,7 @@ def test_a_restarted_bootstrap_holds_the_records_and_providers_again_within_seco
             offer = ServingOffer("tiny", 0, 4, fingerprint=FP, num_layers=8)  # 180 s: re-published every 60 s
             await announcer.update(offer)
             stage.nursery.start_soon(announcer.run)
-            rkey = record_key("tiny", stage.peer_id).encode()
+            rkey = directory_key("tiny", 0).encode()  # the directory holding the stage's record
             pkey = bytes.fromhex(provider_key("tiny"))
             assert boot.dht is not None and boot.dht.value_store.get(rkey) is not None
 

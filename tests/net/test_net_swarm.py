@@ -12,6 +12,7 @@ from sangama_p2p.net.dht import providers_from_network
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import generate_key_pair
 from sangama_p2p.net.discovery import Announcer, ServingOffer, find_serving_peers
+from sangama_p2p.net.directory import decode_directory, directory_key, encode_directory
 from sangama_p2p.net.records import provider_key, record_key, sign_record
 
 from .net_swarm import config, first_addr, swarm
@@ -111,9 +112,15 @@ def test_forged_and_stale_records_are_refused_by_remote_peers():
                                       seq=honest.record.seq + 5, ttl=1,
                                       now=time.time() - 10)
                 assert not await attacker.dht.value_store._store_at_peer(store.peer_id, key.encode(), expired.value)
-                stored = store.dht.value_store.get(key.encode())
-                if stored is not None:  # the store may or may not be among the record's closest peers
-                    assert stored.value == honest.value
+                # the same stale and expired records pushed into the range's directory: the store keeps the newest
+                dkey = directory_key(MODEL, 0)
+                for bad in (stale, expired):
+                    await attacker.dht.value_store._store_at_peer(store.peer_id, dkey.encode(),
+                                                                  encode_directory([bad.value]))
+                stored = store.dht.value_store.get(dkey.encode())
+                assert stored is not None  # six servers: every one is among the key's closest
+                assert [(r.peer_id, r.seq) for r, _ in decode_directory(dkey, stored.value)] == [
+                    (victim.peer_id.to_base58(), honest.record.seq)]
                 (found,) = await find_serving_peers(nodes[5], MODEL)
                 assert (found.peer_id, found.end, found.seq) == (victim.peer_id.to_base58(), 4, honest.record.seq)
                 assert ID.from_base58(found.peer_id) == victim.peer_id

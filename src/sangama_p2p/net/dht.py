@@ -368,6 +368,7 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
         return False
 
     asked: set[ID] = {node.peer_id}
+    firsts = list(dict.fromkeys(ask_first))
     got = 0
     done = trio.Event()  # the author answered, or every query finished
 
@@ -403,12 +404,16 @@ async def values_from_network(node: Node, key: str, *, ask_first: Iterable[ID] =
         # DHT servers we know near the key (the bootstrap holding the record), and the network's closest peers
         try:
             async with trio.open_nursery() as nursery:
-                for peer in ask_first:
+                for peer in firsts:
                     nursery.start_soon(ask_once, peer, True)
+                # an author among the closest is asked as the author only (with its retry): it may be the only
+                # holder of its record (issue 25: records are stored in directories, each author keeps its own)
                 for peer in dht.routing_table.find_local_closest_peers(key_bytes, BUCKET_SIZE):
-                    nursery.start_soon(ask_once, peer)
+                    if peer not in firsts:
+                        nursery.start_soon(ask_once, peer)
                 for peer in await _closest(dht, key_bytes):
-                    nursery.start_soon(ask_once, peer)
+                    if peer not in firsts:
+                        nursery.start_soon(ask_once, peer)
         finally:
             done.set()
 

@@ -10,6 +10,7 @@ newest valid record per peer and drops expired ones, so a dead peer disappears o
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,10 +29,11 @@ from .node import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
 __all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "SurveyFacts", "fetch_records", "find_serving_peers",
-           "publish"]
+           "find_starting_at", "publish"]
 
 RECORDS_PROTOCOL = "/sangama/records/1"  # request: nothing; response: msgpack list of signed record values
 AUTHOR_TIMEOUT_S = 5.0  # how long a survey asks a provider itself for its record, once no DHT server had it
+PROVIDE_EVERY_S = 600.0  # how often a serving peer sends its provider entry (the directory entry: every re-publish)
 NO_ANSWER_RETRY_S = (0.5, 2.0)  # pauses before a provider lookup that no DHT server answered is made again
 MAX_RESPONSE = 1 << 20  # bytes a peer may answer a records (or links) request with
 
@@ -73,8 +75,10 @@ def _reachability(node: Node) -> str:
 
 
 async def publish(node: Node, offer: ServingOffer, *, seq: int,
-                  on_signed: Callable[[SignedRecord], None] | None = None) -> SignedRecord:
-    """Sign ``offer`` with the node's key and store it in the DHT, and provide the model's key.
+                  on_signed: Callable[[SignedRecord], None] | None = None, provide: bool = True) -> SignedRecord:
+    """Sign ``offer`` with the node's key and store it in its range's directory in the DHT (and our own copy under
+    its record key, which a survey that enumerates providers asks the author for); ``provide``: provide the model's
+    key too (providers are kept for hours: :class:`Announcer` sends it once per :data:`PROVIDE_EVERY_S`).
 
     ``on_signed`` hears of the record before it travels (storing it on peers behind NATs can take seconds)."""
     if node.dht is None:
@@ -98,11 +102,14 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
     if on_signed is not None:
         on_signed(signed)
     try:
-        # the range's directory first (what clients walk); the record under its own key and the provider entry
-        # stay for a DHT of go-libp2p servers, which keep no /sangama/ values, and for `status`
+        # the range's directory (what clients walk); the provider entry stays for the surveys that enumerate every
+        # peer (`status`, placement, rebalancing, and a DHT of go-libp2p servers, which keep no /sangama/ values):
+        # they ask each provider for its record, which it keeps under its record key. Issue 25 measured each peer
+        # serving ~50 KAD streams a minute when the record was stored on the servers too, at ~5 ms of CPU each
         await put_directory(node, directory_key(offer.model_id, offer.start), encode_directory([signed.value]))
-        await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
-        await node.dht.provide(provider_key(offer.model_id))
+        node.dht.value_store.put(record_key(offer.model_id, node.peer_id).encode(), signed.value)
+        if provide:
+            await node.dht.provide(provider_key(offer.model_id))
     except Exception as exc:  # py-libp2p raises ValueError and others on refusal; ours (RecordError) pass through
         raise translate(exc, NetworkError, f"cannot publish record for {offer.model_id!r}")
     return signed
@@ -121,6 +128,7 @@ class Announcer:
         self._seq = int(time.time() * 1000)
         self._wake = trio.Event()
         self._all_due = False  # a bootstrap node came back: re-publish every offer at once
+        self._provided: dict[str, float] = {}  # model -> when its provider entry was last sent (trio clock)
         self.published: dict[str, SignedRecord] = {}
         self.signed: dict[str, SignedRecord] = {}
         """The newest record signed per model, set as its publication starts (``published``: once it finished)."""
@@ -147,15 +155,20 @@ class Announcer:
         self._offers.pop(model_id, None)
         self.published.pop(model_id, None)
 
-    async def _publish(self, offer: ServingOffer) -> SignedRecord:
+    async def _publish(self, offer: ServingOffer, *, provide: bool = False) -> SignedRecord:
         self._seq += 1
-        signed = await publish(self.node, offer, seq=self._seq,
+        now = trio.current_time()
+        provide = provide or now - self._provided.get(offer.model_id, -math.inf) >= PROVIDE_EVERY_S
+        signed = await publish(self.node, offer, seq=self._seq, provide=provide,
                                on_signed=lambda r: self.signed.__setitem__(offer.model_id, r))
         self.published[offer.model_id] = signed
+        if provide:
+            self._provided[offer.model_id] = now
         return signed
 
     def republish_now(self, *_: object) -> None:
-        """Re-publish every offer at once (``Node.bootstrap_back`` calls it: a restarted bootstrap node holds nothing)."""
+        """Re-publish every offer at once (``Node.bootstrap_back`` calls it: a restarted bootstrap node holds
+        nothing)."""
         self._all_due = True
         self._wake.set()
 
@@ -181,7 +194,7 @@ class Announcer:
             failed = False
             for offer in due:
                 try:
-                    await self._publish(offer)
+                    await self._publish(offer, provide=all_due)  # a restarted bootstrap holds no provider either
                 except NetworkError as exc:
                     log.warning("re-publishing %s failed: %s", offer.model_id, exc)
                     failed = True
@@ -256,6 +269,20 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
             return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
     return await _enumerate(node, model_id, include_self=include_self, fingerprint=fingerprint, facts=facts,
                             ask_authors=ask_authors)
+
+
+async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint: str | None = None,
+                           limit: int = PER_RANGE) -> list[ServingRecord]:
+    """At most ``limit`` peers whose range starts at layer ``start`` (other than us), chosen as a survey chooses
+    candidates, from one directory lookup (a stage's successors); every peer's record is enumerated instead when no
+    directory was found."""
+    entries = await directory_from_network(node, directory_key(model_id, start))
+    me = node.peer_id.to_base58()
+    records = [r for r, _ in entries if r.peer_id != me and (fingerprint is None or r.fingerprint == fingerprint)]
+    if not entries:
+        records = [r for r in await find_serving_peers(node, model_id, include_self=False, fingerprint=fingerprint,
+                                                       walk=False) if r.start == start]
+    return choose_candidates(records, per_range=limit)[:limit]
 
 
 MAX_WALK = 64  # directory lookups one survey makes at most

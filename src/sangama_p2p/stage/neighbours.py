@@ -58,16 +58,15 @@ class LinkMeter:
 
     async def successors(self) -> list[str]:
         """The peers of our checkpoint whose range starts where ours ends (nobody follows the last stage)."""
-        from ..net.discovery import find_serving_peers
+        from ..net.discovery import find_starting_at
 
         s = self.server
         ident = s.identity
         if ident is None or s.model.end >= ident.num_layers:
             return []
-        records = await find_serving_peers(s.node, s.config.model_id, include_self=False,
-                                           fingerprint=ident.fingerprint)
-        peers = sorted({r.peer_id for r in records if r.start == s.model.end})
-        return peers[: s.config.max_measured_links]
+        records = await find_starting_at(s.node, s.config.model_id, s.model.end, fingerprint=ident.fingerprint,
+                                         limit=s.config.max_measured_links)  # one directory lookup
+        return sorted({r.peer_id for r in records})
 
     async def measure(self, peer: str) -> float | None:
         """The smallest of ``PINGS`` round trips to ``peer`` after a first one (None: it did not answer)."""
