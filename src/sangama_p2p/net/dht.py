@@ -36,8 +36,8 @@ from ..errors import NetworkError, RecordError
 from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, RETRY_PAUSE_S, ServerRouting, get_providers, twice
 from .kad_table import ServerTable, offers_dht
 from .node import Node
-from .directory import RecordsAndDirectories, expiry, is_directory, merge_directories
-from .records import NAMESPACE, RecordLedger, RecordValidator
+from .directory import RecordsAndDirectories, encode_directory, is_directory, merge_entries
+from .records import NAMESPACE, RecordLedger
 
 __all__ = ["LookupFacts", "bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
 
@@ -94,16 +94,18 @@ class _CappedValueStore(ValueStore):
     A refused record raises :class:`RecordError`: the PUT_VALUE handler resets the sender's stream.
     """
 
-    def __init__(self, host: Any, local_peer_id: ID, ledger: RecordLedger, records: RecordValidator) -> None:
+    def __init__(self, host: Any, local_peer_id: ID, ledger: RecordLedger, records: RecordsAndDirectories) -> None:
         super().__init__(host, local_peer_id)
         self.ledger = ledger
         self._records = records
+        self._dirs: dict[bytes, dict[str, tuple[Any, bytes]]] = {}  # directory key -> its entries, decoded
 
     def _admit(self, key: bytes, value: bytes, *, own: bool = False) -> None:
         if key.startswith(_PK_PREFIX):
             author, expires_at = "/pk", time.time() + VALUE_TTL
         elif is_directory(value):  # one "author" per directory: its entries' own authors are checked, one each
-            author, expires_at = "/dir/" + key.hex(), expiry(key.decode(), value)
+            author = "/dir/" + key.hex()
+            expires_at = max(record.expires_at for record, _ in self._dirs[key].values())
         else:  # strict validation stores nothing but our namespace and /pk
             record = self._records.checked(key.decode(), value)
             author, expires_at = record.peer_id, record.expires_at
@@ -130,18 +132,21 @@ class _CappedValueStore(ValueStore):
         super().put_record(key, record)
 
     def _merged(self, key: bytes, value: bytes) -> bytes:
-        """A directory entry merged into the directory stored under ``key`` (:mod:`.directory`); other values as
-        they are. Raises :class:`RecordError` when nothing valid is left."""
+        """Directory entries merged into the directory stored under ``key`` (:mod:`.directory`), kept decoded in
+        ``_dirs`` so that only the new entries are checked; other values as they are. Raises
+        :class:`RecordError` when the new entries do not decode."""
         if not is_directory(value):
             return value
-        old = self.get(key)
-        merged = merge_directories(key.decode(), [old.value, value] if old is not None else [value])
-        if merged is None:
+        new = self._records.checked_directory(key.decode(), value)
+        entries = merge_entries(self._dirs.get(key, {}) if key in self.store else {}, new)
+        if not entries:
             raise RecordError("directory holds no valid record")
-        return merged
+        self._dirs[key] = entries
+        return encode_directory(entry for _, entry in entries.values())
 
     def remove(self, key: bytes) -> bool:
         self.ledger.discard(key)
+        self._dirs.pop(key, None)
         return super().remove(key)
 
     def cleanup_expired(self) -> int:
@@ -158,6 +163,7 @@ class _CappedValueStore(ValueStore):
         while True:
             keys = self.ledger.expired(time.time(), batch)
             for key in keys:
+                self._dirs.pop(key, None)
                 super().remove(key)
             total += len(keys)
             if len(keys) < batch:

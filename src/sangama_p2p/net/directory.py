@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ from .records import MAX_RECORD_BYTES, NAMESPACE, RecordValidator, ServingRecord
 
 __all__ = ["DIRECTORY_SCHEMA", "ENOUGH", "MAX_ENTRIES", "PER_RANGE", "DirectoryFacts", "RecordsAndDirectories",
            "choose_candidates", "decode_directory", "directory_from_network", "directory_key", "encode_directory",
-           "expiry", "is_directory", "merge_directories", "put_directory"]
+           "is_directory", "merge_directories", "merge_entries", "put_directory"]
 
 log = logging.getLogger(__name__)
 
@@ -115,28 +116,34 @@ def _entry(key: str, entry: Any, now: float | None) -> ServingRecord:
     return record
 
 
+def merge_entries(into: dict[str, tuple[ServingRecord, bytes]], entries: Iterable[tuple[ServingRecord, bytes]],
+                  *, now: float | None = None) -> dict[str, tuple[ServingRecord, bytes]]:
+    """``into`` (peer id -> (record, its bytes), checked already) with ``entries`` merged in: the newest record per
+    peer, expired ones dropped, at most :data:`MAX_ENTRIES` (the latest-expiring). Nothing is decoded again: a DHT
+    server keeps its directories decoded, so a store checks only the entries it is sent."""
+    now = time.time() if now is None else now
+    best = {peer: e for peer, e in into.items() if e[0].expires_at > now}
+    for record, entry in entries:
+        old = best.get(record.peer_id)
+        if record.expires_at > now and (old is None or (record.seq, record.expires_at) >
+                                        (old[0].seq, old[0].expires_at)):
+            best[record.peer_id] = (record, entry)
+    if len(best) > MAX_ENTRIES:
+        kept = sorted(best.values(), key=lambda e: (-e[0].expires_at, e[0].peer_id))[:MAX_ENTRIES]
+        best = {r.peer_id: (r, entry) for r, entry in kept}
+    return best
+
+
 def merge_directories(key: str, values: Iterable[bytes], *, now: float | None = None) -> bytes | None:
     """One directory holding the newest valid record per peer of all ``values`` (directories that do not decode are
     skipped), at most :data:`MAX_ENTRIES` (the latest-expiring); None when no valid entry is left."""
     best: dict[str, tuple[ServingRecord, bytes]] = {}
     for value in values:
         try:
-            entries = decode_directory(key, value, now=now)
+            best = merge_entries(best, decode_directory(key, value, now=now), now=now)
         except RecordError:
             continue
-        for record, entry in entries:
-            old = best.get(record.peer_id)
-            if old is None or (record.seq, record.expires_at) > (old[0].seq, old[0].expires_at):
-                best[record.peer_id] = (record, entry)
-    if not best:
-        return None
-    kept = sorted(best.values(), key=lambda e: (-e[0].expires_at, e[0].peer_id))[:MAX_ENTRIES]
-    return encode_directory(entry for _, entry in kept)
-
-
-def expiry(key: str, value: bytes) -> float:
-    """When the last entry of a (checked) directory expires: the DHT store drops it then."""
-    return max(record.expires_at for record, _ in decode_directory(key, value))
+    return encode_directory(entry for _, entry in best.values()) if best else None
 
 
 class RecordsAndDirectories(RecordValidator):
@@ -145,12 +152,21 @@ class RecordsAndDirectories(RecordValidator):
     A directory is never ranked against another (``select`` takes the last value: py-libp2p's PUT_VALUE handler
     passes [stored, new] and stores the new one, which the store merges into the stored one)."""
 
+    _last_directory: tuple[str, bytes, list[tuple[ServingRecord, bytes]]] | None = None
+
     def validate(self, key: str, value: bytes) -> None:
         if is_directory(value):
-            decode_directory(key, value)
+            self._last_directory = (key, value, decode_directory(key, value))
             self._last = None
             return
         super().validate(key, value)
+
+    def checked_directory(self, key: str, value: bytes) -> list[tuple[ServingRecord, bytes]]:
+        """The entries of ``value``: those :meth:`validate` just decoded, else decoded (and checked) now."""
+        last = self._last_directory
+        if last is not None and last[0] == key and last[1] == value:
+            return last[2]
+        return decode_directory(key, value)
 
     def select(self, key: str, values: list[bytes]) -> int:
         if any(is_directory(v) for v in values):
@@ -195,10 +211,13 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
     facts.lookups += 1
     dht = node.dht
     key_bytes = key.encode()
-    found: list[bytes] = []
+    found: dict[str, tuple[ServingRecord, bytes]] = {}
     local = dht.value_store.get(key_bytes)
     if local is not None:
-        found.append(local.value)
+        try:
+            found = merge_entries(found, decode_directory(key, local.value))
+        except RecordError:  # every entry of our copy expired
+            pass
     peerstore = node.host.get_peerstore()
     seen: set[ID] = set(dht.routing_table.find_local_closest_peers(key_bytes, BUCKET_SIZE))
     if not seen:
@@ -208,7 +227,7 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
     got = 0
 
     async def ask(peer: ID) -> None:
-        nonlocal got
+        nonlocal got, found
         with trio.move_on_after(QUERY_TIMEOUT):
             try:
                 response = await twice(kad_request, node.host, peer, Message.MessageType.GET_VALUE, key_bytes)
@@ -219,11 +238,11 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
                 return
             if response.HasField("record") and response.record.value:
                 try:
-                    decode_directory(key, response.record.value)
+                    entries = decode_directory(key, response.record.value)
                 except RecordError as exc:
                     log.debug("%s answered a bad directory: %s", peer, exc)
                 else:
-                    found.append(response.record.value)
+                    found = merge_entries(found, entries)
                     facts.answered.add(peer)
                     got += 1
             for info in peer_infos(node.host, peer, response.closerPeers):
@@ -240,8 +259,7 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
         async with trio.open_nursery() as nursery:
             for peer in todo:
                 nursery.start_soon(ask, peer)
-    merged = merge_directories(key, found)
-    return decode_directory(key, merged) if merged is not None else []
+    return list(merge_entries(found, ()).values())  # what expired during the lookup dropped
 
 
 async def put_directory(node: Any, key: str, value: bytes) -> int:
