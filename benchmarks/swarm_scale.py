@@ -144,6 +144,7 @@ def summarize(args: argparse.Namespace, swarm: Swarm, client_files: list[Path], 
                     ghosts += 1
     # streams served per peer per minute, from each process's last stats line (counts since it started)
     kad, rss_per_peer = [], []
+    record_lookups = enumerations = 0  # by the peers: dials that looked a record up, surveys that enumerated
     for index, (_, path) in swarm.procs.items():
         events = read_events(path)
         stats = [e for e in events if e.get("event") == "stats"]
@@ -156,6 +157,8 @@ def summarize(args: argparse.Namespace, swarm: Swarm, client_files: list[Path], 
             continue
         for counts in last["streams"].values():
             kad.append(counts.get("kad", 0) / minutes)
+            record_lookups += counts.get("record_addrs", 0)
+            enumerations += counts.get("_enumerate", 0)
         rss_per_peer.append(last["rss"] / max(1, last["peers"]))
     errors: dict[str, int] = {}
     for g in gens:
@@ -174,6 +177,7 @@ def summarize(args: argparse.Namespace, swarm: Swarm, client_files: list[Path], 
         "ghost_chosen_s": ghost, "ghost_routes": ghosts,
         "kad_streams_per_peer_per_min_p50": percentile(kad, 0.5), "kad_streams_per_peer_per_min_max": max(kad,
                                                                                                             default=None),
+        "peer_record_lookups": record_lookups, "peer_enumerations": enumerations,
         "rss_per_peer_mib": statistics.fmean(rss_per_peer) / (1 << 20) if rss_per_peer else None,
         "errors": errors,
     }

@@ -60,6 +60,21 @@ def count_streams() -> dict[str, dict[str, int]]:
         await real(self, stream)
 
     KadDHT.handle_stream = handle_stream  # type: ignore[method-assign]
+
+    from sangama_p2p.net import dial, discovery
+
+    def counted(module: Any, name: str) -> None:
+        real_fn = getattr(module, name)
+
+        async def wrapper(node: Any, *args: Any, **kwargs: Any) -> Any:
+            bucket = counts.setdefault(node.peer_id.to_base58(), {})
+            bucket[name] = bucket.get(name, 0) + 1
+            return await real_fn(node, *args, **kwargs)
+
+        setattr(module, name, wrapper)
+
+    counted(dial, "record_addrs")  # a dial that looked the peer's record up
+    counted(discovery, "_enumerate")  # a survey that enumerated every provider
     return counts
 
 

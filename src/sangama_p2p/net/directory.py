@@ -42,7 +42,7 @@ from .records import MAX_RECORD_BYTES, NAMESPACE, RecordValidator, ServingRecord
 
 __all__ = ["DIRECTORY_SCHEMA", "ENOUGH", "MAX_ENTRIES", "PER_RANGE", "DirectoryFacts", "RecordsAndDirectories",
            "choose_candidates", "decode_directory", "directory_from_network", "directory_key", "encode_directory",
-           "is_directory", "merge_directories", "merge_entries", "put_directory"]
+           "is_directory", "merge_directories", "merge_entries", "put_directory", "Closest"]
 
 log = logging.getLogger(__name__)
 
@@ -262,29 +262,60 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
     return list(merge_entries(found, ()).values())  # what expired during the lookup dropped
 
 
-async def put_directory(node: Any, key: str, value: bytes) -> int:
+class Closest:
+    """The DHT servers closest to each directory key a peer publishes to, looked up at most once per
+    :data:`CLOSEST_TTL_S` (a stage re-publishes as its load changes: the lookup was half of each publication's KAD
+    streams). Servers that failed a store are looked up again at the next publication."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, tuple[float, list[ID]]] = {}
+
+    async def get(self, node: Any, key: str) -> list[ID]:
+        now = trio.current_time()
+        cached = self._found.get(key)
+        if cached is not None and now - cached[0] < CLOSEST_TTL_S:
+            return cached[1]
+        peers = [p for p in await node.dht.peer_routing.find_closest_peers_network(key.encode())
+                 if p != node.peer_id]
+        self._found[key] = (now, peers)
+        return peers
+
+    def forget(self, key: str) -> None:
+        self._found.pop(key, None)
+
+
+CLOSEST_TTL_S = 60.0
+
+
+async def put_directory(node: Any, key: str, value: bytes, closest: Closest | None = None) -> int:
     """Store our directory entry ``value`` locally and at the DHT servers closest to ``key`` (they merge it into
-    theirs); how many servers took it. Raises :class:`RecordError` for an entry that does not decode."""
+    theirs; ``closest`` remembers who they are); how many servers took it. Raises :class:`RecordError` for an entry
+    that does not decode."""
     decode_directory(key, value)
     dht = node.dht
     key_bytes = key.encode()
     dht.value_store.put(key_bytes, value)  # merged by the store
     entry = make_signed_put_record(key_bytes, value, node.host.get_private_key())  # ours alone goes out
-    peers = [p for p in await dht.peer_routing.find_closest_peers_network(key_bytes) if p != node.peer_id]
-    stored = 0
+    closest = closest or Closest()
+    peers = await closest.get(node, key)
+    stored = failed = 0
     limiter = trio.CapacityLimiter(STORE_ALPHA)
 
     async def store(peer: ID) -> None:
-        nonlocal stored
+        nonlocal stored, failed
         async with limiter:
             with trio.move_on_after(QUERY_TIMEOUT):
                 try:
                     if await dht.value_store._store_at_peer(peer, key_bytes, value, record=entry):
                         stored += 1
+                        return
                 except Exception as exc:  # one server that fails must not stop the others
                     log.debug("storing a directory entry at %s failed: %s", peer, exc)
+            failed += 1
 
     async with trio.open_nursery() as nursery:
         for peer in peers:
             nursery.start_soon(store, peer)
+    if failed:
+        closest.forget(key)
     return stored

@@ -23,8 +23,8 @@ from libp2p.peer.id import ID
 from ..errors import NetworkError, RecordError, translate
 from .dht import BUCKET_SIZE, LookupFacts, providers_from_network, values_from_network
 from .dial import dial_peer, remember
-from .directory import ENOUGH, PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key, \
-    encode_directory, put_directory
+from .directory import (ENOUGH, PER_RANGE, Closest, DirectoryFacts, choose_candidates, directory_from_network,
+                        directory_key, encode_directory, put_directory)
 from .node import Node
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
@@ -75,7 +75,8 @@ def _reachability(node: Node) -> str:
 
 
 async def publish(node: Node, offer: ServingOffer, *, seq: int,
-                  on_signed: Callable[[SignedRecord], None] | None = None, provide: bool = True) -> SignedRecord:
+                  on_signed: Callable[[SignedRecord], None] | None = None, provide: bool = True,
+                  closest: Closest | None = None) -> SignedRecord:
     """Sign ``offer`` with the node's key and store it in its range's directory in the DHT (and our own copy under
     its record key, which a survey that enumerates providers asks the author for); ``provide``: provide the model's
     key too (providers are kept for hours: :class:`Announcer` sends it once per :data:`PROVIDE_EVERY_S`).
@@ -107,7 +108,8 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
         # they ask each provider for its record, which it keeps under its record key (a NATed peer stores it on the
         # servers too, for dials: net/dial.py record_addrs). Issue 25 measured each peer serving ~50 KAD streams a
         # minute when every record was stored on the servers too, at ~5 ms of CPU each
-        await put_directory(node, directory_key(offer.model_id, offer.start), encode_directory([signed.value]))
+        await put_directory(node, directory_key(offer.model_id, offer.start), encode_directory([signed.value]),
+                            closest)
         if signed.record.reachability == "direct":
             node.dht.value_store.put(record_key(offer.model_id, node.peer_id).encode(), signed.value)
         else:  # a peer behind a NAT: a dialler that cannot reach it looks its circuit addresses up by peer id
@@ -133,6 +135,7 @@ class Announcer:
         self._wake = trio.Event()
         self._all_due = False  # a bootstrap node came back: re-publish every offer at once
         self._provided: dict[str, float] = {}  # model -> when its provider entry was last sent (trio clock)
+        self._closest = Closest()  # the servers each directory entry goes to
         self.published: dict[str, SignedRecord] = {}
         self.signed: dict[str, SignedRecord] = {}
         """The newest record signed per model, set as its publication starts (``published``: once it finished)."""
@@ -163,7 +166,7 @@ class Announcer:
         self._seq += 1
         now = trio.current_time()
         provide = provide or now - self._provided.get(offer.model_id, -math.inf) >= PROVIDE_EVERY_S
-        signed = await publish(self.node, offer, seq=self._seq, provide=provide,
+        signed = await publish(self.node, offer, seq=self._seq, provide=provide, closest=self._closest,
                                on_signed=lambda r: self.signed.__setitem__(offer.model_id, r))
         self.published[offer.model_id] = signed
         if provide:
@@ -174,6 +177,7 @@ class Announcer:
         """Re-publish every offer at once (``Node.bootstrap_back`` calls it: a restarted bootstrap node holds
         nothing)."""
         self._all_due = True
+        self._closest = Closest()  # the servers it knew may not include the one that came back
         self._wake.set()
 
     async def run(self) -> None:
@@ -278,14 +282,12 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
 async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint: str | None = None,
                            limit: int = PER_RANGE) -> list[ServingRecord]:
     """At most ``limit`` peers whose range starts at layer ``start`` (other than us), chosen as a survey chooses
-    candidates, from one directory lookup (a stage's successors); every peer's record is enumerated instead when no
-    directory was found."""
+    candidates, from one directory lookup (a stage's successors). None where no directory was found (a DHT of
+    go-libp2p servers keeps none): enumerating every peer's record instead cost a loaded 60-peer swarm more than
+    the measurement it served."""
     entries = await directory_from_network(node, directory_key(model_id, start))
     me = node.peer_id.to_base58()
     records = [r for r, _ in entries if r.peer_id != me and (fingerprint is None or r.fingerprint == fingerprint)]
-    if not entries:
-        records = [r for r in await find_serving_peers(node, model_id, include_self=False, fingerprint=fingerprint,
-                                                       walk=False) if r.start == start]
     return choose_candidates(records, per_range=limit)[:limit]
 
 

@@ -2,9 +2,9 @@
 
 The record is published when the server starts, re-published by :class:`~sangama_p2p.net.discovery.Announcer`
 before it expires, and refreshed every ``StageConfig.announce_every`` seconds when the figures moved (throughput by
-more than 10 %, or free sessions changed), so routing clients see a stage's real load without flooding the DHT; and
-at once when :meth:`StageAnnouncer.publish_soon` is called (the peer calls it when its reachability or relay
-reservations change, so the record's ``/p2p-circuit`` addresses are never a minute late).
+more than 10 %, free sessions by a quarter or to or from none), so routing clients see a stage's real load without
+flooding the DHT; and at once when :meth:`StageAnnouncer.publish_soon` is called (the peer calls it when its
+reachability or relay reservations change, so the record's ``/p2p-circuit`` addresses are never a minute late).
 """
 
 from __future__ import annotations
@@ -53,10 +53,15 @@ class StageAnnouncer:
                      links=s.link_meter.snapshot())
 
     def changed(self, offer: ServingOffer) -> bool:
+        """Whether ``offer``'s figures moved enough to publish: throughput by more than 10 %, free sessions by a
+        quarter (or to or from none). Clients read the exact load from a probe; every publication costs the swarm
+        ~40 KAD streams, and a stage republished on each session opened or closed (issue 25)."""
         old = self.offer
         if old is None:
             return True
-        if old.free_sessions != offer.free_sessions:
+        if (old.free_sessions == 0) != (offer.free_sessions == 0):
+            return True
+        if abs(old.free_sessions - offer.free_sessions) >= max(1, old.free_sessions // 4):
             return True
         base = max(old.throughput, 1e-9)
         return abs(offer.throughput - old.throughput) / base > 0.1
