@@ -74,8 +74,46 @@ def count_streams() -> dict[str, dict[str, int]]:
         setattr(module, name, wrapper)
 
     counted(dial, "record_addrs")  # a dial that looked the peer's record up
+    outbound(counts)
     counted(discovery, "_enumerate")  # a survey that enumerated every provider
     return counts
+
+
+def outbound(counts: dict[str, dict[str, int]]) -> None:
+    """Count the KAD requests each local peer sends, by kind (under ``"out"``)."""
+    from libp2p.kad_dht.peer_routing import PeerRouting
+    from libp2p.kad_dht.provider_store import ProviderStore
+    from libp2p.kad_dht.value_store import ValueStore
+
+    from sangama_p2p.net import kad_rpc
+
+    totals = counts.setdefault("out", {})
+
+    def bump(kind: str) -> None:
+        totals[kind] = totals.get(kind, 0) + 1
+
+    real_request = kad_rpc.kad_request
+
+    async def kad_request(host: Any, peer: Any, kind: int, key: bytes) -> Any:
+        bump({0: "put", 1: "get_value", 2: "add_provider", 3: "get_providers", 4: "find_node"}.get(kind, str(kind)))
+        return await real_request(host, peer, kind, key)
+
+    kad_rpc.kad_request = kad_request
+    from sangama_p2p.net import directory
+
+    directory.kad_request = kad_request
+    for cls, name, kind in ((ValueStore, "_store_at_peer", "store"), (ValueStore, "_get_from_peer", "get_from_peer"),
+                            (ProviderStore, "_send_add_provider", "add_provider_lib"),
+                            (PeerRouting, "_query_peer_for_closest", "find_node_lib")):
+        real = getattr(cls, name)
+
+        def make(real: Any = real, kind: str = kind) -> Any:
+            async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+                bump(kind)
+                return await real(self, *args, **kwargs)
+            return wrapper
+
+        setattr(cls, name, make())
 
 
 def host_config(boot: list[str], *, server: bool = True) -> Any:

@@ -59,7 +59,8 @@ class DialPolicy:
     direct_timeout_s: float = 3.0
     circuit_timeout_s: float = 10.0
     record_timeout_s: float = 4.0
-    record_after_s: float = 0.5  # the record is looked up once the known addresses failed this long (not at once)
+    record_after_s: float = 2.0  # the record is looked up once the known addresses failed this long (not at once:
+    # on a loaded machine a dial to a live peer's known address takes over half a second)
 
     def __post_init__(self) -> None:
         if self.stagger_s < 0 or min(self.direct_timeout_s, self.circuit_timeout_s, self.record_timeout_s) <= 0:

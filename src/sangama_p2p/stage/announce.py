@@ -2,7 +2,7 @@
 
 The record is published when the server starts, re-published by :class:`~sangama_p2p.net.discovery.Announcer`
 before it expires, and refreshed every ``StageConfig.announce_every`` seconds when the figures moved (throughput by
-more than 10 %, free sessions by a quarter or to or from none), so routing clients see a stage's real load without
+more than 25 %, free sessions by a quarter or to or from none), so routing clients see a stage's real load without
 flooding the DHT; and at once when :meth:`StageAnnouncer.publish_soon` is called (the peer calls it when its
 reachability or relay reservations change, so the record's ``/p2p-circuit`` addresses are never a minute late).
 """
@@ -53,7 +53,7 @@ class StageAnnouncer:
                      links=s.link_meter.snapshot())
 
     def changed(self, offer: ServingOffer) -> bool:
-        """Whether ``offer``'s figures moved enough to publish: throughput by more than 10 %, free sessions by a
+        """Whether ``offer``'s figures moved enough to publish: throughput by more than 25 %, free sessions by a
         quarter (or to or from none). Clients read the exact load from a probe; every publication costs the swarm
         ~40 KAD streams, and a stage republished on each session opened or closed (issue 25)."""
         old = self.offer
@@ -64,7 +64,7 @@ class StageAnnouncer:
         if abs(old.free_sessions - offer.free_sessions) >= max(1, old.free_sessions // 4):
             return True
         base = max(old.throughput, 1e-9)
-        return abs(offer.throughput - old.throughput) / base > 0.1
+        return abs(offer.throughput - old.throughput) / base > 0.25
 
     async def publish(self) -> None:
         if self._withdrawn:
