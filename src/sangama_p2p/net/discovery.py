@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import msgpack
@@ -280,15 +280,18 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
 
 
 async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint: str | None = None,
-                           limit: int = PER_RANGE) -> list[ServingRecord]:
-    """At most ``limit`` peers whose range starts at layer ``start`` (other than us), chosen as a survey chooses
-    candidates, from one directory lookup (a stage's successors). None where no directory was found (a DHT of
+                           limit: int = PER_RANGE, keep: Collection[str] = ()) -> list[ServingRecord]:
+    """At most ``limit`` peers whose range starts at layer ``start`` (other than us), from one directory lookup (a
+    stage's successors): those in ``keep`` still there first (a stage measuring the same successors publishes no new
+    set each round), the rest chosen as a survey chooses candidates. None where no directory was found (a DHT of
     go-libp2p servers keeps none): enumerating every peer's record instead cost a loaded 60-peer swarm more than
     the measurement it served."""
     entries = await directory_from_network(node, directory_key(model_id, start))
     me = node.peer_id.to_base58()
     records = [r for r, _ in entries if r.peer_id != me and (fingerprint is None or r.fingerprint == fingerprint)]
-    return choose_candidates(records, per_range=limit)[:limit]
+    kept = sorted((r for r in records if r.peer_id in keep), key=lambda r: r.peer_id)[:limit]
+    rest = [r for r in records if r.peer_id not in keep]
+    return kept + choose_candidates(rest, per_range=limit)[:limit - len(kept)]
 
 
 MAX_WALK = 64  # directory lookups one survey makes at most

@@ -65,7 +65,7 @@ class LinkMeter:
         if ident is None or s.model.end >= ident.num_layers:
             return []
         records = await find_starting_at(s.node, s.config.model_id, s.model.end, fingerprint=ident.fingerprint,
-                                         limit=s.config.max_measured_links)  # one directory lookup
+                                         limit=s.config.max_measured_links, keep=self.rtts)  # one directory lookup
         return sorted({r.peer_id for r in records})
 
     async def measure(self, peer: str) -> float | None:
