@@ -160,6 +160,8 @@ def summarize(args: argparse.Namespace, swarm: Swarm, client_files: list[Path], 
             record_lookups += counts.get("record_addrs", 0)
             enumerations += counts.get("_enumerate", 0)
         rss_per_peer.append(last["rss"] / max(1, last["peers"]))
+    join_failures = sum(1 for _, path in swarm.procs.values() for e in read_events(path)
+                        if e.get("event") == "join_failed")
     errors: dict[str, int] = {}
     for g in gens:
         if g["error"]:
@@ -177,7 +179,7 @@ def summarize(args: argparse.Namespace, swarm: Swarm, client_files: list[Path], 
         "ghost_chosen_s": ghost, "ghost_routes": ghosts,
         "kad_streams_per_peer_per_min_p50": percentile(kad, 0.5), "kad_streams_per_peer_per_min_max": max(kad,
                                                                                                             default=None),
-        "peer_record_lookups": record_lookups, "peer_enumerations": enumerations,
+        "join_failures": join_failures, "peer_record_lookups": record_lookups, "peer_enumerations": enumerations,
         "rss_per_peer_mib": statistics.fmean(rss_per_peer) / (1 << 20) if rss_per_peer else None,
         "errors": errors,
     }

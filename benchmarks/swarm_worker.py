@@ -27,6 +27,8 @@ from typing import Any
 import trio
 
 STATS_EVERY_S = 20.0
+JOIN_TRIES = 5
+JOIN_RETRY_S = 5.0
 
 
 class Events:
@@ -140,6 +142,7 @@ async def run_boot(args: argparse.Namespace, events: Events) -> None:
 
 
 async def run_peers(args: argparse.Namespace, events: Events) -> None:
+    from sangama_p2p.errors import NetworkError
     from sangama_p2p.model.checkpoint import open_checkpoint
     from sangama_p2p.net.host import open_host
     from sangama_p2p.net.identity import generate_key_pair
@@ -152,14 +155,20 @@ async def run_peers(args: argparse.Namespace, events: Events) -> None:
 
         async def serve(index: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             start, end = ranges[index % len(ranges)]
-            async with open_host(host_config(args.boot), key_pair=generate_key_pair()) as node:
-                cfg = StageConfig(model_id=args.model_id, start=start, end=end, batch_invariant=True,
-                                  max_sessions=args.max_sessions)
-                server = await trio.to_thread.run_sync(StageServer.load, node, ckpt, cfg)
-                async with server:
-                    events.write(event="up", peer=node.peer_id.to_base58(), start=start, end=end)
-                    task_status.started()
-                    await trio.sleep_forever()
+            for attempt in range(JOIN_TRIES):  # as a supervisor restarts a peer that could not join
+                try:
+                    async with open_host(host_config(args.boot), key_pair=generate_key_pair()) as node:
+                        cfg = StageConfig(model_id=args.model_id, start=start, end=end, batch_invariant=True,
+                                          max_sessions=args.max_sessions)
+                        server = await trio.to_thread.run_sync(StageServer.load, node, ckpt, cfg)
+                        async with server:
+                            events.write(event="up", peer=node.peer_id.to_base58(), start=start, end=end)
+                            task_status.started()
+                            await trio.sleep_forever()
+                except NetworkError as exc:  # the join failed (a bootstrap too busy to finish a handshake)
+                    events.write(event="join_failed", attempt=attempt, error=str(exc)[:300])
+                    await trio.sleep(JOIN_RETRY_S)
+            raise SystemExit(f"peer {index} could not join in {JOIN_TRIES} tries")
 
         for i in range(args.count):
             await nursery.start(serve, args.first + i)

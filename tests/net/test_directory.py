@@ -127,3 +127,49 @@ def test_a_departed_peers_entry_is_replaced_by_its_restart_and_expires_with_its_
                     assert [r.peer_id for r in found] == [str(b.peer_id)]
 
     trio.run(main)
+
+
+def test_one_network_holds_at_most_a_few_entries_of_a_directory():
+    """Keys are free, addresses are not: Sybils of one /24 filling a directory with signed records would leave a
+    client walking it only their peers to choose from. A server takes at most DIRECTORY_PER_NETWORK entries of a
+    directory from senders of one network; those it holds are still renewed, other networks still get in."""
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+    from libp2p.peer.id import ID
+
+    from sangama_p2p.net.addrs import source_keys
+    from sangama_p2p.net.dht_store import DIRECTORY_PER_NETWORK, PUT_SOURCE, CappedValueStore
+    from sangama_p2p.net.directory import RecordsAndDirectories
+    from sangama_p2p.net.records import RecordLedger
+
+    own = generate_key_pair()
+
+    class Host:
+        def get_private_key(self):
+            return own.private_key
+
+    store = CappedValueStore(Host(), ID.from_pubkey(own.public_key), RecordLedger(max_records=100, max_per_peer=4),
+                             RecordsAndDirectories())
+    key = directory_key("m", 0)
+
+    def put(ip: str, signed) -> None:
+        token = PUT_SOURCE.set(source_keys(ip))
+        try:
+            store.put_record(key.encode(), Record(key=key.encode(), value=encode_directory([signed.value])))
+        finally:
+            PUT_SOURCE.reset(token)
+
+    def held() -> set[str]:
+        return {r.peer_id for r, _ in decode_directory(key, store.get(key.encode()).value)}
+
+    sybils = [_signed() for _ in range(DIRECTORY_PER_NETWORK + 4)]
+    for i, (_, signed) in enumerate(sybils):
+        put(f"203.0.113.{i + 1}", signed)
+    assert held() == {s.record.peer_id for _, s in sybils[:DIRECTORY_PER_NETWORK]}
+    first_key, first = sybils[0]
+    _, renewed = _signed(key=first_key, seq=first.record.seq + 1)
+    put("203.0.113.99", renewed)  # a peer it holds re-publishes: taken
+    assert {r.seq for r, _ in decode_directory(key, store.get(key.encode()).value)
+            if r.peer_id == first.record.peer_id} == {renewed.record.seq}
+    _, honest = _signed()
+    put("198.51.100.7", honest)  # another network
+    assert honest.record.peer_id in held() and len(held()) == DIRECTORY_PER_NETWORK + 1

@@ -14,7 +14,6 @@ after a failed query).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -22,21 +21,21 @@ from typing import Any
 
 import trio
 from libp2p.kad_dht.common import BUCKET_SIZE, PROTOCOL_ID
-from libp2p.kad_dht.common import DEFAULT_TTL as VALUE_TTL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
-from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.records.pubkey import PublicKeyValidator
 from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
 
-from ..errors import NetworkError, RecordError
+from ..errors import NetworkError
 from .kad_rpc import CONCURRENCY, QUERY_TIMEOUT, RETRY_PAUSE_S, ServerRouting, get_providers, twice
 from .kad_table import ServerTable, offers_dht
 from .node import Node
-from .directory import RecordsAndDirectories, encode_directory, is_directory, merge_entries
+from .addrs import stream_source
+from .dht_store import PUT_SOURCE, CappedValueStore
+from .directory import RecordsAndDirectories
 from .records import NAMESPACE, RecordLedger
 
 __all__ = ["LookupFacts", "bootstrap", "offers_dht", "providers_from_network", "run_dht", "values_from_network"]
@@ -57,7 +56,7 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
     """Run the node's DHT until cancelled: server mode answers queries, client mode only asks.
 
     Validation is strict: only our namespace (and ``/pk``) is stored, so nobody can park arbitrary data on us; and
-    the store is capped (``HostConfig.dht_max_records``, ``dht_records_per_peer``: see :class:`_CappedValueStore`).
+    the store is capped (``HostConfig.dht_max_records``, ``dht_records_per_peer``: see :class:`CappedValueStore`).
     """
     records = RecordsAndDirectories()
     validator = NamespacedValidator({NAMESPACE: records, "pk": PublicKeyValidator()}, strict_validation=True)
@@ -65,7 +64,7 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
     async with trio.open_nursery() as nursery:
         dht = _ServerDHT(node.host, mode, nursery, validator=validator, validator_changed=True, strict_validation=True)
         ledger = RecordLedger(max_records=node.config.dht_max_records, max_per_peer=node.config.dht_records_per_peer)
-        dht.value_store = _CappedValueStore(node.host, dht.local_peer_id, ledger, records)
+        dht.value_store = CappedValueStore(node.host, dht.local_peer_id, ledger, records)
         node.dht = dht
         node.dial_failed.append(dht.forget)
         try:
@@ -79,96 +78,6 @@ async def run_dht(node: Node, *, task_status: trio.TaskStatus[None] = trio.TASK_
 
 SWEEP_S = 30.0  # how often a node drops expired records from its DHT store (records live 180 s by default)
 SWEEP_BATCH = 256  # records dropped between two checkpoints of a sweep
-_PK_PREFIX = b"/pk/"
-
-
-class _CappedValueStore(ValueStore):
-    """py-libp2p's value store with a :class:`RecordLedger` beside it: capped per author and in total, and swept by
-    expiry time alone.
-
-    Why: py-libp2p stores every valid value (up to 50,000), for its own hard-coded 24 h. The audit stored 5
-    identities x 2,000 signed records on a bootstrap node, and the old sweep re-validated all 10k (signatures
-    included) in one go on the event loop: 5-10 s stalls, new joins failing their handshake. A record is now checked
-    once, when stored (its author and signed expiry come from the validator's check of the same bytes); ``/pk``
-    values have no author and count as one (``/pk``), so a flood of them gives way first, and live py-libp2p's 24 h.
-    A refused record raises :class:`RecordError`: the PUT_VALUE handler resets the sender's stream.
-    """
-
-    def __init__(self, host: Any, local_peer_id: ID, ledger: RecordLedger, records: RecordsAndDirectories) -> None:
-        super().__init__(host, local_peer_id)
-        self.ledger = ledger
-        self._records = records
-        self._dirs: dict[bytes, dict[str, tuple[Any, bytes]]] = {}  # directory key -> its entries, decoded
-
-    def _admit(self, key: bytes, value: bytes, *, own: bool = False) -> None:
-        if key.startswith(_PK_PREFIX):
-            author, expires_at = "/pk", time.time() + VALUE_TTL
-        elif is_directory(value):  # one "author" per directory: its entries' own authors are checked, one each
-            author = "/dir/" + key.hex()
-            expires_at = max(record.expires_at for record, _ in self._dirs[key].values())
-        else:  # strict validation stores nothing but our namespace and /pk
-            record = self._records.checked(key.decode(), value)
-            author, expires_at = record.peer_id, record.expires_at
-        for old in self.ledger.admit(key, author, expires_at, own=own):
-            super().remove(old)
-
-    def put(self, key: bytes, value: bytes, validity: float = 0.0, *, own: bool = True) -> None:
-        """The node's own ``put_value``: never refused (a Sybil flood must not stop a peer publishing its record).
-        A directory entry is merged into the stored directory (:mod:`.directory`), which py-libp2p never
-        re-publishes on its own (the announcer re-publishes each peer's entry)."""
-        directory = is_directory(value)
-        if directory:
-            value = self._merged(key, value)
-        self._admit(key, value, own=own)
-        super().put(key, value, validity)
-        if directory:
-            self.local_keys.discard(key)
-
-    def put_record(self, key: bytes, record: Record) -> None:
-        if is_directory(record.value):  # merged, so signed again by us (every entry keeps its author's signature)
-            self.put(key, record.value, own=False)
-            return
-        self._admit(key, record.value)
-        super().put_record(key, record)
-
-    def _merged(self, key: bytes, value: bytes) -> bytes:
-        """Directory entries merged into the directory stored under ``key`` (:mod:`.directory`), kept decoded in
-        ``_dirs`` so that only the new entries are checked; other values as they are. Raises
-        :class:`RecordError` when the new entries do not decode."""
-        if not is_directory(value):
-            return value
-        new = self._records.checked_directory(key.decode(), value)
-        entries = merge_entries(self._dirs.get(key, {}) if key in self.store else {}, new)
-        if not entries:
-            raise RecordError("directory holds no valid record")
-        self._dirs[key] = entries
-        return encode_directory(entry for _, entry in entries.values())
-
-    def remove(self, key: bytes) -> bool:
-        self.ledger.discard(key)
-        self._dirs.pop(key, None)
-        return super().remove(key)
-
-    def cleanup_expired(self) -> int:
-        """py-libp2p's own clean-up (past its 24 h), keeping the ledger in step."""
-        now = time.time()
-        gone = [key for key, (_, validity) in self.store.items() if now > validity]
-        for key in gone:
-            self.remove(key)
-        return len(gone)
-
-    async def sweep_expired(self, batch: int) -> int:
-        """Drop records past their own signed expiry, ``batch`` at a time with a checkpoint between; the count."""
-        total = 0
-        while True:
-            keys = self.ledger.expired(time.time(), batch)
-            for key in keys:
-                self._dirs.pop(key, None)
-                super().remove(key)
-            total += len(keys)
-            if len(keys) < batch:
-                return total
-            await trio.sleep(0)
 
 
 class _ServerDHT(KadDHT):
@@ -188,6 +97,13 @@ class _ServerDHT(KadDHT):
         if self.rt_refresh_manager is not None:  # random walk (off by default) adds what it finds to the table
             self.rt_refresh_manager.routing_table = self.routing_table
 
+    async def handle_stream(self, stream: Any) -> None:
+        """py-libp2p's KAD handler, with the sender's address and network where the store can read them
+        (:data:`~.dht_store.PUT_SOURCE`: a directory takes at most :data:`~.dht_store.DIRECTORY_PER_NETWORK` entries
+        from one network)."""
+        PUT_SOURCE.set(stream_source(stream))  # this handler runs in a task of its own
+        await super().handle_stream(stream)
+
     async def add_peer(self, peer_id: ID, *, skip_server_mode_check: bool = False) -> bool:
         """Add ``peer_id`` if identify says it is a DHT server (now or within the table's wait).
 
@@ -201,7 +117,7 @@ class _ServerDHT(KadDHT):
         record stayed on every DHT server, and was served, for a day); the count. A store without a ledger (a DHT
         not started by :func:`run_dht`) has nothing of ours to sweep."""
         store = self.value_store
-        if not isinstance(store, _CappedValueStore):
+        if not isinstance(store, CappedValueStore):
             return 0
         gone = await store.sweep_expired(SWEEP_BATCH)
         if gone:

@@ -12,7 +12,7 @@ what the records say, to probe.
 A peer publishes into one directory (its start) per re-publication: a bounded number of DHT messages whatever the
 swarm's size. py-libp2p's ``put_value`` refuses a value the validator does not rank first, and its PUT_VALUE handler
 keeps one value per key, so directories are stored by :func:`put_directory` and merged by the DHT store
-(:class:`~.dht._CappedValueStore`).
+(:class:`~.dht_store.CappedValueStore`).
 
 Encoding: ``msgpack([DIRECTORY_SCHEMA, [record value, ...]])``; every entry is a record as :func:`~.records.
 decode_record` checks it, under its own record key, and must start at the directory's layer.
