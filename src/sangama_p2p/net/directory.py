@@ -265,7 +265,7 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
 class Closest:
     """The DHT servers closest to each directory key a peer publishes to, looked up at most once per
     :data:`CLOSEST_TTL_S` (a stage re-publishes as its load changes: the lookup was half of each publication's KAD
-    streams). Servers that failed a store are looked up again at the next publication."""
+    streams). After a store that failed, they are looked up again at the next publication."""
 
     def __init__(self) -> None:
         self._found: dict[str, tuple[float, list[ID]]] = {}
@@ -284,7 +284,7 @@ class Closest:
         self._found.pop(key, None)
 
 
-CLOSEST_TTL_S = 60.0
+CLOSEST_TTL_S = 300.0  # (a server that failed a store is looked up again at once)
 
 
 async def put_directory(node: Any, key: str, value: bytes, closest: Closest | None = None) -> int:
