@@ -6,9 +6,10 @@ What it does:
 1. makes the tiny Qwen3.5-MoE model (vocabulary cut to 16) and the local run's greedy tokens of 4 prompts
    (``LocalChain``, batch-invariant);
 2. starts ``--boots`` DHT bootstrap servers (one process, at ``--boot-nice`` -5: a bootstrap runs on a machine of its
-   own, and at 300 peers one process among 33 on two cores got too little CPU to finish handshakes), then ``--peers`` serving peers, ``--per-process`` to a
-   process (benchmarks/swarm_worker.py: real py-libp2p hosts on loopback, each with the real stage server of one of
-   ``--ranges``, batch-invariant, every one a DHT server as a public peer is);
+   own, and at 300 peers one process among 33 on two cores got too little CPU to finish handshakes), then
+   ``--peers`` serving peers, ``--per-process`` to a process (benchmarks/swarm_worker.py: real py-libp2p hosts on
+   loopback, each with the real stage server of one of ``--ranges``, batch-invariant, every one a DHT server as a
+   public peer is; a peer that cannot join is started again, up to 5 times, each failure counted);
 3. starts ``--clients`` client loops (``--client-processes`` processes): each generation is a fresh client (a new host
    and ``ChainClient``), timed from the host's start to its first token, its tokens compared with the local run's;
 4. churns: every ``60 / (churn x processes)`` s one peer process is killed with SIGKILL and a fresh one (new keys,

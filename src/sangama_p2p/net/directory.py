@@ -195,10 +195,12 @@ def choose_candidates(records: Iterable[ServingRecord], *, per_range: int = PER_
 
 @dataclass
 class DirectoryFacts:
-    """Who the lookups asked and who answered with a directory (``asked`` counts toward a survey's dials)."""
+    """Who the lookups asked, who replied and who answered with a directory (``asked`` counts toward a survey's
+    dials)."""
 
     asked: set[ID] = field(default_factory=set)
-    answered: set[ID] = field(default_factory=set)
+    answered: set[ID] = field(default_factory=set)  # with a directory
+    replied: set[ID] = field(default_factory=set)  # at all (a server without the directory names closer ones)
     lookups: int = 0
 
 
@@ -236,6 +238,7 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
                 return
             if response is None:
                 return
+            facts.replied.add(peer)
             if response.HasField("record") and response.record.value:
                 try:
                     entries = decode_directory(key, response.record.value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -23,9 +23,9 @@ from libp2p.peer.id import ID
 from ..errors import NetworkError, RecordError, translate
 from .dht import BUCKET_SIZE, LookupFacts, providers_from_network, values_from_network
 from .dial import dial_peer, remember
-from .directory import (ENOUGH, PER_RANGE, Closest, DirectoryFacts, choose_candidates, directory_from_network,
-                        directory_key, encode_directory, put_directory)
+from .directory import ENOUGH, PER_RANGE, Closest, directory_key, encode_directory, put_directory
 from .node import Node
+from .walk import find_starting_at, walk_directories
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
 
 __all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "SurveyFacts", "fetch_records", "find_serving_peers",
@@ -232,6 +232,7 @@ class SurveyFacts:
     from_authors: bool = False
     directories: int = 0  # directory lookups of the walk (0: the walk found nothing, providers were enumerated)
     candidates: int = 0  # records the walk kept to be probed (``records``: all it found of the checkpoint)
+    replied: int = 0  # DHT servers that replied to the walk's lookups
     contacted: set[str] = field(default_factory=set)  # peers the survey asked (DHT servers; a client adds probes)
 
     def explain(self, model_id: str) -> str:
@@ -269,66 +270,22 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     records of 11 providers); without it they are asked only when no record was found at all."""
     facts = facts if facts is not None else SurveyFacts()
     if walk:
-        walked = await _walk(node, model_id, fingerprint=fingerprint, facts=facts, usable=usable,
-                             per_range=per_range * (3 if thorough else 1), num_layers=num_layers,
-                             enough=BUCKET_SIZE if thorough else ENOUGH)
-        if walked or facts.providers:  # records were found, only none may be chosen now: not a reason to enumerate
-            ours = [r for r in walked if include_self or r.peer_id != node.peer_id.to_base58()]
-            return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
+        for pause in (*NO_ANSWER_RETRY_S, None):
+            walked = await walk_directories(node, model_id, fingerprint=fingerprint, facts=facts, usable=usable,
+                                 per_range=per_range * (3 if thorough else 1), num_layers=num_layers,
+                                 enough=BUCKET_SIZE if thorough else ENOUGH)
+            if walked or facts.providers:  # records were found, only none may be chosen now: no need to enumerate
+                ours = [r for r in walked if include_self or r.peer_id != node.peer_id.to_base58()]
+                return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
+            if facts.replied or not facts.asked:  # servers replied and hold no directory (go-libp2p's): enumerate
+                break
+            if pause is None:  # nobody replied (a busy swarm): enumerating every peer would only add to it
+                return []
+            log.info("no DHT server answered the directory lookup for %r (asked %d): again in %g s", model_id,
+                     facts.asked, pause)
+            await trio.sleep(pause)
     return await _enumerate(node, model_id, include_self=include_self, fingerprint=fingerprint, facts=facts,
                             ask_authors=ask_authors)
-
-
-async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint: str | None = None,
-                           limit: int = PER_RANGE, keep: Collection[str] = ()) -> list[ServingRecord]:
-    """At most ``limit`` peers whose range starts at layer ``start`` (other than us), from one directory lookup (a
-    stage's successors): those in ``keep`` still there first (a stage measuring the same successors publishes no new
-    set each round), the rest chosen as a survey chooses candidates. None where no directory was found (a DHT of
-    go-libp2p servers keeps none): enumerating every peer's record instead cost a loaded 60-peer swarm more than
-    the measurement it served."""
-    entries = await directory_from_network(node, directory_key(model_id, start))
-    me = node.peer_id.to_base58()
-    records = [r for r, _ in entries if r.peer_id != me and (fingerprint is None or r.fingerprint == fingerprint)]
-    kept = sorted((r for r in records if r.peer_id in keep), key=lambda r: r.peer_id)[:limit]
-    rest = [r for r in records if r.peer_id not in keep]
-    return kept + choose_candidates(rest, per_range=limit)[:limit - len(kept)]
-
-
-MAX_WALK = 64  # directory lookups one survey makes at most
-
-
-async def _walk(node: Node, model_id: str, *, fingerprint: str | None, facts: SurveyFacts,
-                usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
-                enough: int) -> list[ServingRecord]:
-    """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones."""
-    lookup, looked, todo = DirectoryFacts(), set(), {0}
-    chosen: list[ServingRecord] = []
-    seen = 0
-    while todo and len(looked) < MAX_WALK:
-        batch = sorted(todo)[:MAX_WALK - len(looked)]
-        looked.update(batch)
-        found: list[ServingRecord] = []
-
-        async def one(start: int) -> None:
-            entries = await directory_from_network(node, directory_key(model_id, start), enough=enough, facts=lookup)
-            found.extend(r for r, _ in entries if r.start == start)
-
-        async with trio.open_nursery() as nursery:
-            for start in batch:
-                nursery.start_soon(one, start)
-        records = [r for r in found if fingerprint is None or r.fingerprint == fingerprint]
-        seen += len(records)
-        records = [r for r in records if usable is None or usable(r)]
-        todo = {r.end for r in records if r.end < (num_layers or r.num_layers)} - looked
-        for record in choose_candidates(records, per_range=per_range):
-            chosen.append(record)
-            remember(node, ID.from_base58(record.peer_id), record.addrs)
-    facts.directories = lookup.lookups
-    facts.asked, facts.answered = len(lookup.asked), len(lookup.answered)
-    facts.contacted.update(p.to_base58() for p in lookup.asked)
-    facts.providers = facts.records = seen
-    facts.candidates = len(chosen)
-    return chosen
 
 
 async def _enumerate(node: Node, model_id: str, *, include_self: bool, fingerprint: str | None, facts: SurveyFacts,

@@ -58,7 +58,7 @@ class LinkMeter:
 
     async def successors(self) -> list[str]:
         """The peers of our checkpoint whose range starts where ours ends (nobody follows the last stage)."""
-        from ..net.discovery import find_starting_at
+        from ..net.walk import find_starting_at
 
         s = self.server
         ident = s.identity

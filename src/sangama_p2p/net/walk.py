@@ -1,0 +1,72 @@
+"""Surveys over the range directories (:mod:`.directory`): the walk from layer 0 that a client's survey makes, one
+lookup per range boundary, and the one lookup of a stage's successors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
+
+import trio
+from libp2p.peer.id import ID
+
+from .dial import remember
+from .directory import PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key
+from .node import Node
+from .records import ServingRecord
+
+if TYPE_CHECKING:
+    from .discovery import SurveyFacts
+
+__all__ = ["MAX_WALK", "find_starting_at", "walk_directories"]
+
+
+async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint: str | None = None,
+                           limit: int = PER_RANGE, keep: Collection[str] = ()) -> list[ServingRecord]:
+    """At most ``limit`` peers whose range starts at layer ``start`` (other than us), from one directory lookup (a
+    stage's successors): those in ``keep`` still there first (a stage measuring the same successors publishes no new
+    set each round), the rest chosen as a survey chooses candidates. None where no directory was found (a DHT of
+    go-libp2p servers keeps none): enumerating every peer's record instead cost a loaded 60-peer swarm more than
+    the measurement it served."""
+    entries = await directory_from_network(node, directory_key(model_id, start))
+    me = node.peer_id.to_base58()
+    records = [r for r, _ in entries if r.peer_id != me and (fingerprint is None or r.fingerprint == fingerprint)]
+    kept = sorted((r for r in records if r.peer_id in keep), key=lambda r: r.peer_id)[:limit]
+    rest = [r for r in records if r.peer_id not in keep]
+    return kept + choose_candidates(rest, per_range=limit)[:limit - len(kept)]
+
+
+MAX_WALK = 64  # directory lookups one survey makes at most
+
+
+async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None, facts: SurveyFacts,
+                usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
+                enough: int) -> list[ServingRecord]:
+    """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones."""
+    lookup, looked, todo = DirectoryFacts(), set(), {0}
+    chosen: list[ServingRecord] = []
+    seen = 0
+    while todo and len(looked) < MAX_WALK:
+        batch = sorted(todo)[:MAX_WALK - len(looked)]
+        looked.update(batch)
+        found: list[ServingRecord] = []
+
+        async def one(start: int) -> None:
+            entries = await directory_from_network(node, directory_key(model_id, start), enough=enough, facts=lookup)
+            found.extend(r for r, _ in entries if r.start == start)
+
+        async with trio.open_nursery() as nursery:
+            for start in batch:
+                nursery.start_soon(one, start)
+        records = [r for r in found if fingerprint is None or r.fingerprint == fingerprint]
+        seen += len(records)
+        records = [r for r in records if usable is None or usable(r)]
+        todo = {r.end for r in records if r.end < (num_layers or r.num_layers)} - looked
+        for record in choose_candidates(records, per_range=per_range):
+            chosen.append(record)
+            remember(node, ID.from_base58(record.peer_id), record.addrs)
+    facts.directories = lookup.lookups
+    facts.asked, facts.answered, facts.replied = len(lookup.asked), len(lookup.replied), len(lookup.replied)
+    facts.contacted.update(p.to_base58() for p in lookup.asked)
+    facts.providers = facts.records = seen
+    facts.candidates = len(chosen)
+    return chosen
