@@ -173,3 +173,43 @@ def test_one_network_holds_at_most_a_few_entries_of_a_directory():
     _, honest = _signed()
     put("198.51.100.7", honest)  # another network
     assert honest.record.peer_id in held() and len(held()) == DIRECTORY_PER_NETWORK + 1
+
+
+def test_a_walk_nobody_replied_to_is_made_again_and_never_enumerates_every_peer(monkeypatch):
+    """At 150 peers on two cores the DHT queries timed out, the walk found nothing, and the survey fell back to
+    enumerating every provider: 94 peers asked, on a swarm already too busy to answer. A walk no server replied to
+    is made again (after 0.5 and 2 s) and then gives up, saying why."""
+    from sangama_p2p.net import directory as directory_mod
+    from sangama_p2p.net import discovery as discovery_mod
+
+    enumerated: list[str] = []
+    real_enumerate = discovery_mod._enumerate
+
+    async def counting(node, model_id, **kwargs):
+        enumerated.append(model_id)
+        return await real_enumerate(node, model_id, **kwargs)
+
+    monkeypatch.setattr(discovery_mod, "_enumerate", counting)
+
+    async def main():
+        with trio.fail_after(60):
+            async with swarm(3) as (boot, a, _):
+                await Announcer(a).update(ServingOffer("m", 0, 8, 1.0, 1, ttl=60, fingerprint=FP, num_layers=8))
+                async with open_host(config(bootstrap_addrs=(first_addr(boot),), dht_server=False),
+                                     key_pair=generate_key_pair()) as client:
+                    real = directory_mod.kad_request
+
+                    async def silent(*args, **kwargs):
+                        raise OSError("fail to read from multiselect communicator")
+
+                    monkeypatch.setattr(directory_mod, "kad_request", silent)
+                    t0 = trio.current_time()
+                    facts = SurveyFacts()
+                    assert await find_serving_peers(client, "m", facts=facts) == []
+                    assert enumerated == [] and trio.current_time() - t0 >= 2.5
+                    assert "no DHT server answered" in facts.explain("m")
+                    monkeypatch.setattr(directory_mod, "kad_request", real)
+                    found = await find_serving_peers(client, "m")
+                    assert enumerated == [] and [r.peer_id for r in found] == [str(a.peer_id)]
+
+    trio.run(main)

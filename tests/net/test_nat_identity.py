@@ -16,7 +16,8 @@ from sangama_p2p.net import dht as dht_module
 from sangama_p2p.net.discovery import ServingOffer, publish
 from sangama_p2p.net.host import open_host
 from sangama_p2p.net.identity import KeyInUse, generate_key_pair, peer_id_of
-from sangama_p2p.net.records import record_key
+from sangama_p2p.net import dht_store
+from sangama_p2p.net.directory import directory_key
 
 from .net_swarm import config, first_addr, swarm
 
@@ -54,7 +55,7 @@ def test_a_wrong_peer_id_in_a_bootstrap_address_is_named_as_such() -> None:
 
 
 def test_records_past_their_expiry_leave_every_dht_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The record lives 60 s; once it is stored, the DHT's clock (only dht.py's) is moved 120 s on, so it expires
+    """The record lives 60 s; once it is stored, the DHT store's clock (only dht_store.py's) is moved 120 s on, so it expires
     then, not while a loaded machine is still publishing it (a 2 s ttl did: issue 22 item 4)."""
     monkeypatch.setattr(dht_module, "SWEEP_S", 0.2)
     offer = ServingOffer("m", 0, 1, ttl=60.0, fingerprint="ab" * 16, num_layers=1)
@@ -65,12 +66,12 @@ def test_records_past_their_expiry_leave_every_dht_server(monkeypatch: pytest.Mo
                 author = nodes[-1]
                 await publish(author, offer, seq=1)
                 await publish(author, ServingOffer("n", 0, 1, ttl=3600.0, fingerprint="ab" * 16, num_layers=1), seq=2)
-                key, lasting = (record_key(m, author.peer_id).encode() for m in ("m", "n"))
+                key, lasting = (directory_key(m, 0).encode() for m in ("m", "n"))  # the records' directories
                 holders = [n for n in nodes if n.dht is not None and key in n.dht.value_store.store]
                 assert len(holders) >= 2, "the record was stored on the other DHT servers"
                 for n in holders:  # what py-libp2p alone would do: keep it for its own 24 h, whatever it says
                     assert n.dht.value_store.store[key][1] - time.time() > 23 * 3600
-                monkeypatch.setattr(dht_module, "time", SimpleNamespace(time=lambda: time.time() + 120))
+                monkeypatch.setattr(dht_store, "time", SimpleNamespace(time=lambda: time.time() + 120))
                 deadline = time.monotonic() + 30  # sweeps every 0.2 s: a bound against a hang, not a timing
                 while any(key in n.dht.value_store.store for n in holders) and time.monotonic() < deadline:
                     await trio.sleep(0.1)

@@ -90,8 +90,8 @@ def test_a_lookup_that_no_dht_server_answered_is_made_again(monkeypatch) -> None
 
 def test_providers_whose_record_no_server_gave_are_asked_themselves_when_the_caller_says_so() -> None:
     """Under load the DHT's GET_VALUEs time out: a liar soak's survey found 5 records of 11 providers, and the
-    client routed as if the other 6 did not exist. A caller that dials the providers anyway (the client's survey)
-    asks those it still trusts to answer for their own record; others ask only when no record was found at all."""
+    client routed as if the other 6 did not exist. A survey asks the providers whose record it lacks for their own
+    (a public peer keeps its record itself since issue 25); ``ask_authors`` says which."""
     from sangama_p2p.net.records import record_key
 
     async def main() -> None:
@@ -107,11 +107,12 @@ def test_providers_whose_record_no_server_gave_are_asked_themselves_when_the_cal
                         if lost in str(key):
                             node.dht.value_store.remove(key)
                 async with open_host(config(bootstrap_addrs=(first_addr(boot),)), key_pair=generate_key_pair()) as c:
-                    plain = await find_serving_peers(c, "m", walk=False)
-                    assert [r.peer_id for r in plain] == [str(a.peer_id)]
+                    plain = await find_serving_peers(c, "m", walk=False)  # asks every author it lacks a record of
+                    assert [r.peer_id for r in plain] == [str(a.peer_id), str(b.peer_id)]
                     asked: list[str] = []
                     facts = SurveyFacts()
-                    both = await find_serving_peers(c, "m", facts=facts, walk=False, ask_authors=lambda p: not asked.append(p))
+                    both = await find_serving_peers(c, "m", facts=facts, walk=False,
+                                                    ask_authors=lambda p: not asked.append(p))
                     assert [r.peer_id for r in both] == [str(a.peer_id), str(b.peer_id)] and facts.from_authors
                     assert asked == [str(b.peer_id)]  # only the one whose record was missing
                     skipped = await find_serving_peers(c, "m", walk=False, ask_authors=lambda p: False)

@@ -265,18 +265,21 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     without a record) and three times ``per_range`` are kept (for a caller that found no route without). Every
     peer is enumerated instead (the provider key, then each provider's record) with ``walk=False``, or when no
     directory was found (a DHT of go-libp2p servers keeps none). ``ask_authors``: which providers whose record no
-    DHT server gave to ask for it themselves even when others' records were found (a caller that dials them next
-    anyway, and knows which ones left: under load the DHT's GET_VALUEs time out, and a liar soak's surveys found 5
-    records of 11 providers); without it they are asked only when no record was found at all."""
+    DHT server gave to ask for it themselves (default: every one; a caller that knows which ones left says)."""
     facts = facts if facts is not None else SurveyFacts()
     if walk:
         for pause in (*NO_ANSWER_RETRY_S, None):
             walked = await walk_directories(node, model_id, fingerprint=fingerprint, facts=facts, usable=usable,
                                  per_range=per_range * (3 if thorough else 1), num_layers=num_layers,
                                  enough=BUCKET_SIZE if thorough else ENOUGH)
-            if walked or facts.providers:  # records were found, only none may be chosen now: no need to enumerate
+            depth = num_layers or max((r.num_layers for r in walked), default=0)
+            if any(r.end >= depth for r in walked) or (facts.providers and not walked):
+                # a chain's worth of records (or records found, only none may be chosen now): no need to enumerate
                 ours = [r for r in walked if include_self or r.peer_id != node.peer_id.to_base58()]
                 return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
+            if walked:  # a range's directory is missing (its peers are DHT clients, it was stored nowhere else)
+                log.info("the range directories of %r reach no end: enumerating its providers", model_id)
+                break
             if facts.replied or not facts.asked:  # servers replied and hold no directory (go-libp2p's): enumerate
                 break
             if pause is None:  # nobody replied (a busy swarm): enumerating every peer would only add to it
@@ -332,15 +335,13 @@ async def _enumerate(node: Node, model_id: str, *, include_self: bool, fingerpri
         for peer in providers:
             nursery.start_soon(fetch, peer)
     missing = [p for p in providers if p.to_base58() not in found]
-    if missing and found and ask_authors is not None:
+    if missing and ask_authors is not None:
         missing = [p for p in missing if ask_authors(p.to_base58())]
-    elif found:
-        missing = []
     if missing:
-        # no DHT server gave these records: none keeps ours (go-libp2p servers keep no /sangama/ values, and NATed
-        # authors are DHT clients that answer no GET_VALUE), or the lookups timed out on a busy swarm, so ask each
-        # provider for its own signed record. Without ``ask_authors``, not while any record was found: a departed
-        # provider would cost every survey a dial timeout.
+        # no DHT server gave these records: a public peer keeps its own (issue 25), go-libp2p servers keep no
+        # /sangama/ values, NATed authors are DHT clients that answer no GET_VALUE, or the lookups timed out on a
+        # busy swarm, so ask each provider for its own signed record (``ask_authors`` says which: a departed
+        # provider costs a dial timeout, and node.backoff spaces its dials out).
         log.info("no DHT server gave the record of %d of the %d provider(s) of %r: asking them directly",
                  len(missing), len(providers), model_id)
         facts.from_authors = True

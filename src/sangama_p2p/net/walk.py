@@ -4,7 +4,7 @@ lookup per range boundary, and the one lookup of a stage's successors."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import Any
 
 import trio
 from libp2p.peer.id import ID
@@ -13,9 +13,6 @@ from .dial import remember
 from .directory import PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key
 from .node import Node
 from .records import ServingRecord
-
-if TYPE_CHECKING:
-    from .discovery import SurveyFacts
 
 __all__ = ["MAX_WALK", "find_starting_at", "walk_directories"]
 
@@ -38,13 +35,14 @@ async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint
 MAX_WALK = 64  # directory lookups one survey makes at most
 
 
-async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None, facts: SurveyFacts,
-                usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
-                enough: int) -> list[ServingRecord]:
-    """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones."""
+async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None, facts: Any,
+                           usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
+                           enough: int) -> list[ServingRecord]:
+    """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones. A peer
+    found in two directories (it moved: its old entry stays until its record expires) counts with its newest record
+    only."""
     lookup, looked, todo = DirectoryFacts(), set(), {0}
-    chosen: list[ServingRecord] = []
-    seen = 0
+    newest: dict[str, ServingRecord] = {}
     while todo and len(looked) < MAX_WALK:
         batch = sorted(todo)[:MAX_WALK - len(looked)]
         looked.update(batch)
@@ -57,16 +55,19 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
         async with trio.open_nursery() as nursery:
             for start in batch:
                 nursery.start_soon(one, start)
-        records = [r for r in found if fingerprint is None or r.fingerprint == fingerprint]
-        seen += len(records)
-        records = [r for r in records if usable is None or usable(r)]
-        todo = {r.end for r in records if r.end < (num_layers or r.num_layers)} - looked
-        for record in choose_candidates(records, per_range=per_range):
-            chosen.append(record)
-            remember(node, ID.from_base58(record.peer_id), record.addrs)
+        for record in found:
+            old = newest.get(record.peer_id)
+            if (fingerprint is None or record.fingerprint == fingerprint) and (
+                    old is None or (record.seq, record.expires_at) > (old.seq, old.expires_at)):
+                newest[record.peer_id] = record
+        todo = {r.end for r in newest.values() if r.end < (num_layers or r.num_layers)} - looked
+    records = [r for r in newest.values() if usable is None or usable(r)]
+    chosen = choose_candidates(records, per_range=per_range)
+    for record in chosen:
+        remember(node, ID.from_base58(record.peer_id), record.addrs)
     facts.directories = lookup.lookups
     facts.asked, facts.answered, facts.replied = len(lookup.asked), len(lookup.replied), len(lookup.replied)
     facts.contacted.update(p.to_base58() for p in lookup.asked)
-    facts.providers = facts.records = seen
+    facts.providers = facts.records = len(newest)
     facts.candidates = len(chosen)
     return chosen
