@@ -218,7 +218,7 @@ async def run_clients(args: argparse.Namespace, events: Events) -> None:
             try:
                 with trio.fail_after(args.timeout):
                     async with open_host(host_config(args.boot, server=False), key_pair=generate_key_pair()) as node:
-                        config = ClientConfig(args.model_id, num_layers=args.num_layers)
+                        config = ClientConfig(args.model_id, num_layers=args.num_layers, walk=True)
                         async with ChainClient(node, config) as client:
                             try:
                                 async for tok in client.stream(prompts[i], args.tokens):

@@ -143,7 +143,7 @@ class ChainClient:
         records = await find_serving_peers(
             self.node, self.config.model_id, include_self=self.local_stage is not None, facts=facts,
             usable=lambda rec: probes.usable(rec, retry_slow), num_layers=self.config.num_layers or 0,
-            walk=not retry_slow,  # a caller that found no route with the walk: every provider, as before issue 25
+            walk=self.config.walk and not retry_slow,  # a caller that found no route with the walk: every provider
             ask_authors=lambda peer: peer not in probes.silent and (retry_slow or not probes.still_slow(peer)))
         self.survey_facts = facts
         offers: list[RouteCandidate] = []

@@ -109,7 +109,8 @@ class ChainTransport:
             except RouteError as exc:
                 # only after a leave, a recorded peer that did not answer (the depth liars' test: every peer
                 # answered, the chain was refused for their claims, and nobody will move)
-                left = client.survey_facts.records > len(client.offers)
+                facts = client.survey_facts  # (an enumeration finds no record of a dead public peer: a provider)
+                left = max(facts.records, facts.providers) > len(client.offers)
                 if not (left and _may_be_covered(client, exclude, exc, deadline)):
                     raise
                 log.info("no chain yet (%s): surveying again in %g s", exc, config.recover_every_s)

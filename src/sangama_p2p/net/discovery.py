@@ -105,15 +105,14 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
     try:
         # the range's directory (what clients walk); the provider entry stays for the surveys that enumerate every
         # peer (`status`, placement, rebalancing, and a DHT of go-libp2p servers, which keep no /sangama/ values):
-        # they ask each provider for its record, which it keeps under its record key (a NATed peer stores it on the
-        # servers too, for dials: net/dial.py record_addrs). Issue 25 measured each peer serving ~50 KAD streams a
-        # minute when every record was stored on the servers too, at ~5 ms of CPU each
+        # they ask each provider for its record, stored under its record key (dials look circuit addresses up there
+        # too: net/dial.py record_addrs)
         await put_directory(node, directory_key(offer.model_id, offer.start), encode_directory([signed.value]),
                             closest)
-        if signed.record.reachability == "direct":
-            node.dht.value_store.put(record_key(offer.model_id, node.peer_id).encode(), signed.value)
-        else:  # a peer behind a NAT: a dialler that cannot reach it looks its circuit addresses up by peer id
-            await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
+        # the record under its own key too, on the servers: the enumerating surveys (a client's retry, the
+        # verifier's second chain, rebalancing) missed live peers on a loaded machine when only authors held their
+        # records, and a liar went unbanned for want of referees (tests/client/test_liars.py, 2 runs of 3)
+        await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
         if provide:
             await node.dht.provide(provider_key(offer.model_id))
     except Exception as exc:  # py-libp2p raises ValueError and others on refusal; ours (RecordError) pass through
