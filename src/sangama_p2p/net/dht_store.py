@@ -96,7 +96,7 @@ class CappedValueStore(ValueStore):
                 log.info("directory entries from %s past its %d refused", network[0], DIRECTORY_PER_NETWORK)
             for record, _ in fresh:
                 sources[record.peer_id] = network[0]
-            new = fresh[:DIRECTORY_PER_NETWORK]
+            new = fresh[:DIRECTORY_PER_NETWORK]  # (one store may carry many entries)
         entries = merge_entries(held, new)
         if not entries:
             raise RecordError("directory holds no valid record")

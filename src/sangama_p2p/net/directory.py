@@ -294,10 +294,9 @@ async def put_directory(node: Any, key: str, value: bytes, closest: Closest | No
     """Store our directory entry ``value`` locally and at the DHT servers closest to ``key`` (they merge it into
     theirs; ``closest`` remembers who they are); how many servers took it. Raises :class:`RecordError` for an entry
     that does not decode."""
-    decode_directory(key, value)
     dht = node.dht
     key_bytes = key.encode()
-    dht.value_store.put(key_bytes, value)  # merged by the store
+    dht.value_store.put(key_bytes, value)  # merged by the store, which decodes (and checks) it
     entry = make_signed_put_record(key_bytes, value, node.host.get_private_key())  # ours alone goes out
     closest = closest or Closest()
     peers = await closest.get(node, key)

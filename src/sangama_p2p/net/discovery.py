@@ -21,9 +21,9 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 from ..errors import NetworkError, RecordError, translate
-from .dht import BUCKET_SIZE, LookupFacts, providers_from_network, values_from_network
+from .dht import LookupFacts, providers_from_network, values_from_network
 from .dial import dial_peer, remember
-from .directory import ENOUGH, PER_RANGE, Closest, directory_key, encode_directory, put_directory
+from .directory import PER_RANGE, Closest, directory_key, encode_directory, put_directory
 from .node import Node
 from .walk import find_starting_at, walk_directories
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
@@ -252,25 +252,22 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
                              fingerprint: str | None = None, facts: SurveyFacts | None = None,
                              ask_authors: Callable[[str], bool] | None = None, walk: bool = True,
                              usable: Callable[[ServingRecord], bool] | None = None, per_range: int = PER_RANGE,
-                             num_layers: int = 0, thorough: bool = False) -> list[ServingRecord]:
+                             num_layers: int = 0) -> list[ServingRecord]:
     """The live peers serving ``model_id`` with their newest valid records, sorted by layer range then peer id;
     ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with);
     ``facts``: filled with what the survey found on its way.
 
     ``walk``: walk the range directories from layer 0 (:mod:`.directory`: one lookup per boundary, whatever the
     swarm's size), keeping ``per_range`` records per range of those ``usable`` says may be chosen; ``num_layers``:
-    the model's depth where the caller knows it (else each record's); ``thorough``: each lookup merges the copies
-    of every server among the closest (not the first few: a store that timed out on a busy machine left some
-    without a record) and three times ``per_range`` are kept (for a caller that found no route without). Every
-    peer is enumerated instead (the provider key, then each provider's record) with ``walk=False``, or when no
-    directory was found (a DHT of go-libp2p servers keeps none). ``ask_authors``: which providers whose record no
+    the model's depth where the caller knows it (else each record's). Every peer is enumerated instead (the
+    provider key, then each provider's record) with ``walk=False``, or when no directory was found (a DHT of
+    go-libp2p servers keeps none). ``ask_authors``: which providers whose record no
     DHT server gave to ask for it themselves (default: every one; a caller that knows which ones left says)."""
     facts = facts if facts is not None else SurveyFacts()
     if walk:
         for pause in (*NO_ANSWER_RETRY_S, None):
             walked = await walk_directories(node, model_id, fingerprint=fingerprint, facts=facts, usable=usable,
-                                 per_range=per_range * (3 if thorough else 1), num_layers=num_layers,
-                                 enough=BUCKET_SIZE if thorough else ENOUGH)
+                                 per_range=per_range, num_layers=num_layers)
             depth = num_layers or max((r.num_layers for r in walked), default=0)
             if any(r.end >= depth for r in walked) or (facts.providers and not walked):
                 # a chain's worth of records (or records found, only none may be chosen now): no need to enumerate

@@ -10,7 +10,7 @@ import trio
 from libp2p.peer.id import ID
 
 from .dial import remember
-from .directory import PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key
+from .directory import ENOUGH, PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key
 from .node import Node
 from .records import ServingRecord
 
@@ -37,7 +37,7 @@ MAX_WALK = 64  # directory lookups one survey makes at most
 
 async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None, facts: Any,
                            usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
-                           enough: int) -> list[ServingRecord]:
+                           enough: int = ENOUGH) -> list[ServingRecord]:
     """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones. A peer
     found in two directories (it moved: its old entry stays until its record expires) counts with its newest record
     only."""
@@ -66,7 +66,8 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
     for record in chosen:
         remember(node, ID.from_base58(record.peer_id), record.addrs)
     facts.directories = lookup.lookups
-    facts.asked, facts.answered, facts.replied = len(lookup.asked), len(lookup.replied), len(lookup.replied)
+    facts.asked = len(lookup.asked)
+    facts.answered = facts.replied = len(lookup.replied)
     facts.contacted.update(p.to_base58() for p in lookup.asked)
     facts.providers = facts.records = len(newest)
     facts.candidates = len(chosen)
