@@ -50,12 +50,14 @@ def test_stage_times_and_network_add_up_to_the_measured_trip(ckpt):
 
 def test_with_the_ring_a_trip_is_the_time_between_two_answers(ckpt):
     """The ring hands each trip on without the client, so a trip's time is from the answer before to its own: the
-    decode trips' times add up to the decode time, and every trip still has one stamp per stage."""
+    decode trips' times add up to the decode time, and every trip still has one stamp per stage. (No verifying: in a
+    public fleet a drawn trip's search for a second chain is client time between two answers that no trip holds - a
+    loaded machine once spent 340 ms on it while the ring answered every later trip.)"""
     async def main():
         with trio.fail_after(60):
             async with fleet(ckpt, SPLIT) as f:
                 peers = [n.peer_id.to_base58() for n, _, _ in f.stages]
-                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=True)) as client:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=True, verify=0)) as client:
                     return peers, await client.generate([1, 2, 3, 4], 12, guesses=2)
 
     peers, res = trio.run(main)
