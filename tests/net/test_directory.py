@@ -4,6 +4,7 @@ walked by a survey boundary by boundary, with a bounded set of candidates per ra
 from __future__ import annotations
 
 import random
+from contextlib import AsyncExitStack
 import time
 
 import msgpack
@@ -211,5 +212,44 @@ def test_a_walk_nobody_replied_to_is_made_again_and_never_enumerates_every_peer(
                     monkeypatch.setattr(directory_mod, "kad_request", real)
                     found = await find_serving_peers(client, "m")
                     assert enumerated == [] and [r.peer_id for r in found] == [str(a.peer_id)]
+
+    trio.run(main)
+
+
+def test_the_first_peers_entry_reaches_the_servers_that_join_after_it():
+    """The first stage of a fleet publishes into a DHT of one server (the bootstrap node); the servers that join
+    later hold the directory clients read. Without handing the entry on (``Closest.top_up``) a walk that asked them
+    missed that stage: a liar test lost its referees, 2 runs of 3, with the walk on. Now every server that joins
+    gets the entry from its author, and a client that bootstraps from a late server finds the first peer by the
+    walk."""
+
+    async def main():
+        with trio.fail_after(90):
+            async with AsyncExitStack() as stack:
+                boot = await stack.enter_async_context(open_host(config(), key_pair=generate_key_pair()))
+                first = await stack.enter_async_context(
+                    open_host(config(bootstrap_addrs=(first_addr(boot),)), key_pair=generate_key_pair()))
+                announcer = Announcer(first)
+                async with trio.open_nursery() as nursery, AsyncExitStack() as joined:
+                    nursery.start_soon(announcer.run)
+                    await announcer.update(ServingOffer("m", 0, 8, 1.0, 1, ttl=60, fingerprint=FP, num_layers=8))
+                    late = [await joined.enter_async_context(
+                        open_host(config(bootstrap_addrs=(first_addr(boot),)), key_pair=generate_key_pair()))
+                        for _ in range(8)]
+                    key = directory_key("m", 0).encode()
+
+                    def holders() -> int:
+                        return sum(n.dht.value_store.get(key) is not None for n in late)
+
+                    with trio.move_on_after(20):
+                        while holders() < len(late):
+                            await trio.sleep(0.1)
+                    assert holders() == len(late)
+                    cfg = config(bootstrap_addrs=(first_addr(late[-1]),), dht_server=False)
+                    async with open_host(cfg, key_pair=generate_key_pair()) as client:
+                        facts = SurveyFacts()
+                        found = await find_serving_peers(client, "m", facts=facts, num_layers=8)
+                        assert [r.peer_id for r in found] == [str(first.peer_id)] and facts.directories == 1, facts
+                    nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -29,9 +29,8 @@ class ClientConfig:
     survey minus the failed peers, which is faster and enough when spares were already announced).
     ``survey_max_age``: a new generation re-uses a survey younger than this (concurrent requests share one;
     one that yields no route is taken again at once). ``walk``: survey by walking the range directories (one DHT
-    lookup per range boundary, at most 6 peers probed per range: issue 25; ``[client] walk = true``); off by default
-    until a liar test that bans with referees found by the walk passes every run (2 of 3 here), every provider is
-    enumerated and probed.
+    lookup per range boundary, at most 6 peers probed per range: issue 25); off (``[client] walk = false``): every
+    provider is enumerated and probed.
     ``max_step_tokens``: a longer prefill or replay is sent in chunks of this many tokens (each trip's hidden
     states must fit the peers' frame limit: 64 MiB holds 4096 fp32 rows of 4096). Prompts up to this length give
     exactly the local chain's tokens; chunked prefills may differ in the last bits, as any other split of the work.
@@ -75,7 +74,7 @@ class ClientConfig:
     max_verify_reroutes: int = 16
     rediscover: bool = True
     survey_max_age: float = 10.0
-    walk: bool = False  # survey by the range directories (issue 25); off: every provider is enumerated
+    walk: bool = True  # survey by the range directories (issue 25); off: every provider is enumerated
     max_step_tokens: int = 1024
     max_frame: int = DEFAULT_MAX_FRAME
     lanes: bool = True

@@ -24,7 +24,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,12 +266,16 @@ async def directory_from_network(node: Any, key: str, *, enough: int = ENOUGH,
 
 
 class Closest:
-    """The DHT servers closest to each directory key a peer publishes to, looked up at most once per
+    """Where a peer's directory entries went: the DHT servers closest to each key, looked up at most once per
     :data:`CLOSEST_TTL_S` (a stage re-publishes as its load changes: the lookup was half of each publication's KAD
-    streams). After a store that failed, they are looked up again at the next publication."""
+    streams; after a store that failed they are looked up again at the next publication), and the servers that took
+    the entry. A server that joins later and is among the :data:`BUCKET_SIZE` closest to a key gets the entry from
+    :meth:`top_up` (a peer that published into a DHT of one server - the first of a fleet - was missing from the
+    directories clients read, which are kept by the servers that joined after it)."""
 
     def __init__(self) -> None:
         self._found: dict[str, tuple[float, list[ID]]] = {}
+        self._sent: dict[str, tuple[bytes, Any, list[ID]]] = {}  # key -> (entry, its signed put, holders by distance)
 
     async def get(self, node: Any, key: str) -> list[ID]:
         now = trio.current_time()
@@ -286,38 +290,71 @@ class Closest:
     def forget(self, key: str) -> None:
         self._found.pop(key, None)
 
+    def sent(self, key: str, value: bytes, entry: Any, holders: Sequence[ID]) -> None:
+        """``value`` (signed as ``entry``) was stored at ``holders`` (a newer entry for ``key`` replaces the last)."""
+        self._sent[key] = (value, entry, sort_peer_ids_by_distance(key.encode(), list(holders))[:BUCKET_SIZE])
+
+    def wants(self, peer: ID) -> bool:
+        """Whether ``peer`` belongs among the holders of one of our entries (it is not one, and fewer than
+        :data:`BUCKET_SIZE` hold it or ``peer`` is closer to the key than the farthest holder)."""
+        return any(self._closer(key, peer) for key in self._sent)
+
+    def _closer(self, key: str, peer: ID) -> bool:
+        holders = self._sent[key][2]
+        if peer in holders:
+            return False
+        return len(holders) < BUCKET_SIZE or sort_peer_ids_by_distance(key.encode(), [holders[-1], peer])[0] == peer
+
+    async def top_up(self, node: Any) -> int:
+        """Store each entry at the servers of our routing table that belong among its holders (no network lookup:
+        the table hears of every server that joins and talks to us); how many took one."""
+        stored = 0
+        for key, (value, entry, holders) in list(self._sent.items()):
+            new = [p for p in node.dht.routing_table.find_local_closest_peers(key.encode(), BUCKET_SIZE)
+                   if p != node.peer_id and self._closer(key, p)]
+            if not new:
+                continue
+            took = await _store_at(node, key.encode(), value, entry, new)
+            if self._sent.get(key, (None, None))[0] is value:  # (no newer entry went out meanwhile)
+                self.sent(key, value, entry, [*holders, *took])
+            stored += len(took)
+        return stored
+
 
 CLOSEST_TTL_S = 300.0  # (a server that failed a store is looked up again at once)
 
 
-async def put_directory(node: Any, key: str, value: bytes, closest: Closest | None = None) -> int:
-    """Store our directory entry ``value`` locally and at the DHT servers closest to ``key`` (they merge it into
-    theirs; ``closest`` remembers who they are); how many servers took it. Raises :class:`RecordError` for an entry
-    that does not decode."""
-    dht = node.dht
-    key_bytes = key.encode()
-    dht.value_store.put(key_bytes, value)  # merged by the store, which decodes (and checks) it
-    entry = make_signed_put_record(key_bytes, value, node.host.get_private_key())  # ours alone goes out
-    closest = closest or Closest()
-    peers = await closest.get(node, key)
-    stored = failed = 0
+async def _store_at(node: Any, key_bytes: bytes, value: bytes, entry: Any, peers: Sequence[ID]) -> list[ID]:
+    """Store a directory entry at ``peers``, :data:`STORE_ALPHA` at a time; those that took it."""
+    took: list[ID] = []
     limiter = trio.CapacityLimiter(STORE_ALPHA)
 
     async def store(peer: ID) -> None:
-        nonlocal stored, failed
         async with limiter:
             with trio.move_on_after(QUERY_TIMEOUT):
                 try:
-                    if await dht.value_store._store_at_peer(peer, key_bytes, value, record=entry):
-                        stored += 1
-                        return
+                    if await node.dht.value_store._store_at_peer(peer, key_bytes, value, record=entry):
+                        took.append(peer)
                 except Exception as exc:  # one server that fails must not stop the others
                     log.debug("storing a directory entry at %s failed: %s", peer, exc)
-            failed += 1
 
     async with trio.open_nursery() as nursery:
         for peer in peers:
             nursery.start_soon(store, peer)
-    if failed:
+    return took
+
+
+async def put_directory(node: Any, key: str, value: bytes, closest: Closest | None = None) -> int:
+    """Store our directory entry ``value`` locally and at the DHT servers closest to ``key`` (they merge it into
+    theirs; ``closest`` remembers who they are, and who took it); how many servers took it. Raises
+    :class:`RecordError` for an entry that does not decode."""
+    key_bytes = key.encode()
+    node.dht.value_store.put(key_bytes, value)  # merged by the store, which decodes (and checks) it
+    entry = make_signed_put_record(key_bytes, value, node.host.get_private_key())  # ours alone goes out
+    closest = closest or Closest()
+    peers = await closest.get(node, key)
+    took = await _store_at(node, key_bytes, value, entry, peers)
+    if len(took) < len(peers):
         closest.forget(key)
-    return stored
+    closest.sent(key, value, entry, took)
+    return len(took)

@@ -33,6 +33,7 @@ __all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "SurveyFacts", "fetc
 
 RECORDS_PROTOCOL = "/sangama/records/1"  # request: nothing; response: msgpack list of signed record values
 AUTHOR_TIMEOUT_S = 5.0  # how long a survey asks a provider itself for its record, once no DHT server had it
+TOP_UP_DELAY_S = 0.5  # after a DHT server joins close to a directory key of ours, before it gets our entry
 PROVIDE_EVERY_S = 600.0  # how often a serving peer sends its provider entry (the directory entry: every re-publish)
 NO_ANSWER_RETRY_S = (0.5, 2.0)  # pauses before a provider lookup that no DHT server answered is made again
 MAX_RESPONSE = 1 << 20  # bytes a peer may answer a records (or links) request with
@@ -135,6 +136,7 @@ class Announcer:
         self._all_due = False  # a bootstrap node came back: re-publish every offer at once
         self._provided: dict[str, float] = {}  # model -> when its provider entry was last sent (trio clock)
         self._closest = Closest()  # the servers each directory entry goes to
+        self._top_up = trio.Event()  # a DHT server joined close to one of our directory keys
         self.published: dict[str, SignedRecord] = {}
         self.signed: dict[str, SignedRecord] = {}
         """The newest record signed per model, set as its publication starts (``published``: once it finished)."""
@@ -180,12 +182,34 @@ class Announcer:
         self._wake.set()
 
     async def run(self) -> None:
-        """Re-publish forever (run it in the node's nursery), and at once when a bootstrap node comes back."""
+        """Re-publish forever (run it in the node's nursery), and at once when a bootstrap node comes back; hand
+        the directory entries on to DHT servers that join close to their keys (:meth:`Closest.top_up`)."""
         self.node.bootstrap_back.append(self.republish_now)
+        joined = getattr(self.node.dht.routing_table, "on_added", None)  # (a ServerTable: ours)
+        if joined is not None:
+            joined.append(self._server_joined)
         try:
-            await self._run()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._top_ups)
+                await self._run()
         finally:
             self.node.bootstrap_back.remove(self.republish_now)
+            if joined is not None:
+                joined.remove(self._server_joined)
+
+    def _server_joined(self, peer: ID) -> None:
+        if self._closest.wants(peer):
+            self._top_up.set()
+
+    async def _top_ups(self) -> None:
+        while True:
+            await self._top_up.wait()
+            await trio.sleep(TOP_UP_DELAY_S)  # the servers that join together, in one round
+            self._top_up = trio.Event()
+            try:
+                await self._closest.top_up(self.node)
+            except Exception as exc:  # a DHT that fails now is tried at the next join or re-publication
+                log.info("handing directory entries on to new DHT servers failed: %s", exc)
 
     async def _run(self) -> None:
         while True:

@@ -18,6 +18,7 @@ to drop it, so only our own code (bootstrap nodes, peers that answered a KAD que
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -50,14 +51,23 @@ class ServerTable(RoutingTable):
         self._nursery = nursery
         self._identifying: set[ID] = set()
         self.refused = 0  # peers kept out (clients, or not identified), for tests and logs
+        self.on_added: list[Callable[[ID], None]] = []  # told of each server new to the table
+
+    async def _admit(self, peer_obj: PeerInfo | ID, peer_id: ID) -> bool:
+        new = not self.peer_in_table(peer_id)
+        added = await super().add_peer(peer_obj, skip_server_mode_check=True)
+        if added and new:
+            for tell in list(self.on_added):
+                tell(peer_id)
+        return added
 
     async def add_peer(self, peer_obj: PeerInfo | ID, *, skip_server_mode_check: bool = False) -> bool:
         peer_id = peer_obj.peer_id if isinstance(peer_obj, PeerInfo) else peer_obj
         if skip_server_mode_check:  # our own callers only: a bootstrap node, a peer that answered a KAD query
-            return await super().add_peer(peer_obj, skip_server_mode_check=True)
+            return await self._admit(peer_obj, peer_id)
         server = offers_dht(self.host, peer_id)
         if server:
-            return await super().add_peer(peer_obj, skip_server_mode_check=True)
+            return await self._admit(peer_obj, peer_id)
         self.refused += 1
         if server is False:
             self.remove_peer(peer_id)
@@ -75,6 +85,6 @@ class ServerTable(RoutingTable):
                 while offers_dht(self.host, peer_id) is None:
                     await trio.sleep(0.05)
                 if offers_dht(self.host, peer_id) and self.host.get_network().get_connections(peer_id):
-                    await super().add_peer(peer_id, skip_server_mode_check=True)
+                    await self._admit(peer_id, peer_id)
         finally:
             self._identifying.discard(peer_id)
