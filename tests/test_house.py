@@ -22,15 +22,16 @@ MAY_IMPORT: dict[str, set[str]] = {
     "guesses": {"errors", "wire"},
     "tensors": {"errors", "wire"},
     "positions": {"errors"},
-    "generation": {"errors", "positions"},
+    "clock": set(),  # the network code's time: trio's clock (a MockClock in a simulation), the wall
+    "generation": {"errors", "positions", "clock"},
     "placement": set(),  # pure: peers, speeds, links, depth -> ranges; imports nothing of ours
     "model": {"errors", "guesses", "wire", "positions", "generation"},
-    "net": {"errors", "wire", "_version"},
+    "net": {"errors", "wire", "_version", "clock"},
     "hub": {"errors", "model"},
     "dashboard": {"errors", "net"},  # the swarm's web page and /metrics: a survey and its view, no torch
     "api": {"errors", "guesses", "model"},
-    "client": {"errors", "guesses", "net", "wire", "_version", "positions", "generation"},
-    "stage": {"errors", "guesses", "model", "net", "tensors", "wire", "_version", "positions", "placement"},
+    "client": {"errors", "guesses", "net", "wire", "_version", "positions", "generation", "clock"},
+    "stage": {"errors", "guesses", "model", "net", "tensors", "wire", "_version", "positions", "placement", "clock"},
     "config": {"errors", "guesses", "model", "net", "wire", "api", "client", "stage"},
     "peer": {"errors", "guesses", "model", "net", "wire", "api", "client", "stage", "config", "_version", "placement",
              "dashboard"},

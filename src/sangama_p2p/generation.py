@@ -20,12 +20,12 @@ or not, and all position arithmetic is ``positions.py``'s.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .clock import now as clock_now
 from .positions import next_start
 
 __all__ = ["Answer", "Generation", "GenerationLoop", "GenerationResult", "Rewind", "Transport", "Trip"]
@@ -170,7 +170,7 @@ class Generation:
     """
 
     def __init__(self, result: GenerationResult, max_new: int, stop: Iterable[int] = (), *, index: int = 0,
-                 max_step_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 max_step_tokens: int | None = None, clock: Callable[[], float] = clock_now) -> None:
         self.result = result
         self.max_new = max_new
         self.stop = frozenset(stop)

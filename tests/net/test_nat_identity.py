@@ -71,7 +71,7 @@ def test_records_past_their_expiry_leave_every_dht_server(monkeypatch: pytest.Mo
                 assert len(holders) >= 2, "the record was stored on the other DHT servers"
                 for n in holders:  # what py-libp2p alone would do: keep it for its own 24 h, whatever it says
                     assert n.dht.value_store.store[key][1] - time.time() > 23 * 3600
-                monkeypatch.setattr(dht_store, "time", SimpleNamespace(time=lambda: time.time() + 120))
+                monkeypatch.setattr(dht_store, "clock", SimpleNamespace(wall=lambda: time.time() + 120))
                 deadline = time.monotonic() + 30  # sweeps every 0.2 s: a bound against a hang, not a timing
                 while any(key in n.dht.value_store.store for n in holders) and time.monotonic() < deadline:
                     await trio.sleep(0.1)

@@ -208,3 +208,25 @@ def test_an_unset_memory_budget_comes_from_the_device(stages):
     assert SessionTable(first, StageConfig(MODEL, 0, 4, memory_budget=12345)).memory_budget == 12345
     with pytest.raises(StageError, match="memory_budget must be positive"):
         StageConfig(MODEL, 0, 4, memory_budget=0)
+
+
+def test_idle_sessions_expire_in_simulated_time(stages):
+    """The clock seam (issue 25): a session's idle time is read on ``sangama_p2p.clock``, the trio run's clock, so
+    under a MockClock a session idle for ``session_idle_s`` simulated seconds is freed, and a stepped one is not."""
+    import trio
+    import trio.testing
+
+    from sangama_p2p import clock
+
+    first, _ = stages
+
+    async def main():
+        t = SessionTable(first, StageConfig(MODEL, 0, 4, max_sessions=8, session_idle_s=600.0))
+        idle, busy = t.open(_open(b"1" * 16), "A", None), t.open(_open(b"2" * 16), "A", None)
+        for _ in range(4):
+            await clock.sleep(200.0)
+            t.authorize_step(busy.session_id, "A")
+            t.expire_idle()
+        assert set(t.sessions) == {busy.session_id} and idle.session_id in t.expired
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

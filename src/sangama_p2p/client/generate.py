@@ -43,6 +43,7 @@ from ..generation import Generation, GenerationLoop, GenerationResult
 from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
 from ..net.discovery import SurveyFacts, find_serving_peers
 from ..net.lineup import choose_lineup
+from ..net.seam import Network
 from .config import ClientConfig
 from .links import LinkPool
 from .probes import SLOW_PROBE_FACTOR, ProbeMemory
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 class ChainClient:
     """Drives generations through the swarm; an ``async with`` object owning its links' tasks (see module doc)."""
 
-    def __init__(self, node: Any, config: ClientConfig, *,
+    def __init__(self, node: Network, config: ClientConfig, *,
                  local_stage: Callable[[], Awaitable[Any]] | None = None) -> None:
         """``local_stage``: for a node that also serves a stage, the server's ``open_local_stream`` (its own stage
         can then be part of a chain; without it the node's own peer id is left out of surveys)."""

@@ -10,7 +10,6 @@ how a chain notices a dead peer without waiting for a timeout.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,8 +17,10 @@ from typing import Any
 
 import trio
 
+from .. import clock
 from ..errors import NetworkError, SangamaError
 from ..net.lane import LaneDialer
+from ..net.seam import Network
 from ..net.stage_stream import open_stage_stream
 from ..net.streams import FramedStream
 from ..wire.messages import InfoRequest, InfoResponse, Message
@@ -65,13 +66,13 @@ class Link:
         """``InfoRequest`` on this stream: the peer's fresh figures and the round-trip time in seconds."""
         send, recv = trio.open_memory_channel[InfoResponse](1)
         self._probes.append(send)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         await self.fs.send(InfoRequest())
         try:
             info = await recv.receive()
         except trio.EndOfChannel as exc:
             raise NetworkError(f"link to {self.peer} closed during a probe") from exc
-        return info, time.perf_counter() - t0
+        return info, clock.now() - t0
 
     async def read_loop(self) -> None:
         reason = "stream closed"
@@ -111,7 +112,7 @@ class Link:
 class LinkPool:
     """Links by peer id, opened on first use; a lost link is replaced by a fresh one on the next ``get``."""
 
-    def __init__(self, node: Any, nursery: trio.Nursery, *, max_frame: int, connect_timeout: float,
+    def __init__(self, node: Network, nursery: trio.Nursery, *, max_frame: int, connect_timeout: float,
                  local_stage: Callable[[], Awaitable[Any]] | None = None, lanes: bool = True,
                  lane_timeout: float = 2.0) -> None:
         self.node = node

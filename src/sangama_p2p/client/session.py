@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import trio
 
+from .. import clock
 from ..errors import ChainBroken, ErrorCode, NonFiniteHidden, SangamaError, StageRefused
+from ..net.stage_stream import describe_stage_stream
 from ..positions import is_decode_step, ring_next, step_guesses
 from ..wire.messages import CloseSession, ErrorMessage, OpenSession, SessionOpened, Step, StepResult
-from ..net.stage_stream import describe_stage_stream
 from .links import Delivery, Link, LinkLost, LinkPool
 from .routing import RouteCandidate
 
@@ -166,7 +166,7 @@ class ChainSession:
                               "take it")
         ring = ring or handed is not None  # a trip the ring handed on is one too: the ring goes on after it
         if handed is None:
-            t0 = time.perf_counter()
+            t0 = clock.now()
             await self._send_to(self.links[0], Step(self.session_id, step, start, tuple(token_ids), None, guesses,
                                                     (), ring=ring))
         else:
@@ -244,7 +244,7 @@ class ChainSession:
     def _answered(self, got: StepResult, start: int, token_ids: Sequence[int], n_guesses: int, ring: bool,
                   decode: bool, t0: float) -> tuple[StepResult, float]:
         """A trip's checked answer: its time, and the trip the ring hands on after it (if any)."""
-        now = time.perf_counter()
+        now = clock.now()
         trip_s, self._answered_at, self._last_answer = now - t0, now, got.step
         if decode:
             self._decode_trips += 1

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from .. import clock
 
 __all__ = ["RECENT", "ClientStats"]
 
@@ -37,7 +38,7 @@ class ClientStats:
         self.failovers += result.failovers
         self.verified_trips += result.verified_trips or 0
         self.unverified_trips += result.unverified_trips or 0
-        self.recent.appendleft({"ended_at": round(time.time(), 3), "prompt_tokens": len(result.prompt_ids),
+        self.recent.appendleft({"ended_at": round(clock.wall(), 3), "prompt_tokens": len(result.prompt_ids),
                                 "tokens": len(result.tokens), "tokens_per_s": round(result.decode_tokens_per_s, 2),
                                 "first_token_ms": round(result.prefill_s * 1e3, 1), "route": list(result.route or ()),
                                 "failovers": result.failovers, "verified_trips": result.verified_trips,

@@ -27,13 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from .. import clock
 from ..errors import ErrorCode, SangamaError, StageRefused, VerifyingTripLate
 from ..generation import Trip
 from ..net.bans import BanList
@@ -136,11 +136,11 @@ class TripVerifier:
         self.owner.trips += 1
         if not should_verify(self.rng, self.owner.fraction):
             return
-        t0 = time.perf_counter()
+        t0 = clock.now()
         try:
             await self._check(session, start, sent, n_guesses, tokens, prompt, out, history)
         finally:
-            self.owner.seconds += time.perf_counter() - t0
+            self.owner.seconds += clock.now() - t0
 
     async def _check(self, session: ChainSession, start: int, sent: Sequence[int], n_guesses: int,
                      tokens: Sequence[int], prompt: Sequence[int], out: list[int], history: Sequence[Trip]) -> None:
@@ -252,10 +252,10 @@ class TripVerifier:
 
         alt_route = list(alt.route)
         await self._drop_alt()
-        t0 = time.perf_counter()
+        t0 = clock.now()
         verdict = await find_liar(run, session.route, alt_route, offers, exclude=banned, recheck=recheck,
                                   rechecks=2 * RECHECKS, rng=self.rng)
-        self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, time.perf_counter() - t0))
+        self.owner.events.append(VerifyEvent(self.trip, self.trips_verified, verdict, clock.now() - t0))
         if verdict.liar is None:
             log.warning("trip %d: %s", self.trip, verdict.reason)
             self.owner.disputed |= verdict.disputed
@@ -317,16 +317,16 @@ class TripVerifier:
         if route is None:
             return None
         alt = self._session(route)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         try:
             await alt.open()
         except SangamaError as exc:
-            self.owner.open_seconds += time.perf_counter() - t0
+            self.owner.open_seconds += clock.now() - t0
             log.info("cannot open a verifying chain on %s: %s", [o.peer_id for o in route], exc)
             await alt.close()
             self.skip |= {o.peer_id for o in route}
             return None
-        self.owner.open_seconds += time.perf_counter() - t0
+        self.owner.open_seconds += clock.now() - t0
         self.alt, self.alt_pos, self.alt_step = alt, 0, 0
         return alt
 

@@ -20,10 +20,10 @@ address, a client chaining a stage from a live serving record) skip the check: s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from ..clock import wall
 from ..errors import NetworkError
 
 __all__ = ["BackoffPolicy", "DialBackoff"]
@@ -51,9 +51,9 @@ class _Failed:
 
 
 class DialBackoff:
-    """The backoff table of one node. ``clock``: seconds (``time.time`` by default: records' times are wall-clock)."""
+    """The backoff table of one node. ``clock``: seconds (:func:`~sangama_p2p.clock.wall` by default: records' times are wall-clock)."""
 
-    def __init__(self, policy: BackoffPolicy = BackoffPolicy(), clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, policy: BackoffPolicy = BackoffPolicy(), clock: Callable[[], float] = wall) -> None:
         self.policy = policy
         self._clock = clock
         self._failed: dict[Hashable, _Failed] = {}

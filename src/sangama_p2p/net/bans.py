@@ -12,17 +12,17 @@ Usage::
     bans.banned()                 # frozenset of peer ids banned now (expired bans are dropped)
     for b in bans.active(): print(b.peer_id, b.reason, b.until)
 
-Times are wall-clock seconds (``time.time()``), since bans outlive the process.
+Times are wall-clock seconds (:func:`~sangama_p2p.clock.wall`), since bans outlive the process.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..clock import wall
 from ..errors import NetworkError, translate
 
 __all__ = ["DEFAULT_BAN_S", "Ban", "BanList", "default_bans_path", "load_bans"]
@@ -75,7 +75,7 @@ class BanList:
     """The bans of one node; ``path``: a JSON file they are loaded from and saved to on every change (None: kept
     in memory only)."""
 
-    def __init__(self, path: Path | None = None, *, clock=time.time) -> None:  # noqa: ANN001
+    def __init__(self, path: Path | None = None, *, clock=wall) -> None:  # noqa: ANN001
         self.path = Path(path).expanduser() if path is not None else None
         self.clock = clock
         self._bans: dict[str, Ban] = {}

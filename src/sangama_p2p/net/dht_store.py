@@ -4,7 +4,6 @@ range directories (:mod:`.directory`) with at most :data:`DIRECTORY_PER_NETWORK`
 from __future__ import annotations
 
 import logging
-import time
 from contextvars import ContextVar
 from typing import Any
 
@@ -14,6 +13,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 
+from .. import clock
 from ..errors import RecordError
 from .directory import RecordsAndDirectories, encode_directory, is_directory, merge_entries
 from .records import RecordLedger
@@ -50,7 +50,7 @@ class CappedValueStore(ValueStore):
 
     def _admit(self, key: bytes, value: bytes, *, own: bool = False) -> None:
         if key.startswith(_PK_PREFIX):
-            author, expires_at = "/pk", time.time() + VALUE_TTL
+            author, expires_at = "/pk", clock.wall() + VALUE_TTL
         elif is_directory(value):  # one "author" per directory: its entries' own authors are checked, one each
             author = "/dir/" + key.hex()
             expires_at = max(record.expires_at for record, _ in self._dirs[key].values())
@@ -113,7 +113,7 @@ class CappedValueStore(ValueStore):
 
     def cleanup_expired(self) -> int:
         """py-libp2p's own clean-up (past its 24 h), keeping the ledger in step."""
-        now = time.time()
+        now = clock.wall()
         gone = [key for key, (_, validity) in self.store.items() if now > validity]
         for key in gone:
             self.remove(key)
@@ -123,7 +123,7 @@ class CappedValueStore(ValueStore):
         """Drop records past their own signed expiry, ``batch`` at a time with a checkpoint between; the count."""
         total = 0
         while True:
-            keys = self.ledger.expired(time.time(), batch)
+            keys = self.ledger.expired(clock.wall(), batch)
             for key in keys:
                 self._dirs.pop(key, None)
                 self._sources.pop(key, None)

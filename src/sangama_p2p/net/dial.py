@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ import trio
 from libp2p.abc import INetConn
 from libp2p.peer.id import ID
 
+from .. import clock
 from ..errors import NetworkError, PeerBackedOff
 from .addrs import is_site_local
 from .dht import values_from_network
@@ -132,7 +132,7 @@ async def race(attempts: Sequence[Attempt], dial_one: DialOne, *, stagger_s: flo
 
     async def one(attempt: Attempt) -> None:
         nonlocal running, failed
-        t0 = time.monotonic()
+        t0 = clock.now()
         try:
             with trio.move_on_after(attempt.timeout_s) as scope:
                 conn = await dial_one(attempt)
@@ -140,7 +140,7 @@ async def race(attempts: Sequence[Attempt], dial_one: DialOne, *, stagger_s: flo
                 failures.append(NetworkError(f"{attempt.addr}: no answer in {attempt.timeout_s:g} s"))
             elif not winner:
                 winner.append(conn)
-                log.info("reached %s at %s (%s) in %.2f s", peer, attempt.addr, attempt.kind, time.monotonic() - t0)
+                log.info("reached %s at %s (%s) in %.2f s", peer, attempt.addr, attempt.kind, clock.now() - t0)
                 nursery.cancel_scope.cancel()
                 return
         except NetworkError as exc:

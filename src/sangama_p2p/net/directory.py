@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.records.record import make_signed_put_record
 
+from .. import clock
 from ..errors import RecordError, translate
 from .kad_rpc import QUERY_TIMEOUT, closest_servers, kad_request, peer_infos, twice
 from .records import MAX_RECORD_BYTES, NAMESPACE, RecordValidator, ServingRecord, decode_record, record_key
@@ -121,7 +121,7 @@ def merge_entries(into: dict[str, tuple[ServingRecord, bytes]], entries: Iterabl
     """``into`` (peer id -> (record, its bytes), checked already) with ``entries`` merged in: the newest record per
     peer, expired ones dropped, at most :data:`MAX_ENTRIES` (the latest-expiring). Nothing is decoded again: a DHT
     server keeps its directories decoded, so a store checks only the entries it is sent."""
-    now = time.time() if now is None else now
+    now = clock.wall() if now is None else now
     best = {peer: e for peer, e in into.items() if e[0].expires_at > now}
     for record, entry in entries:
         old = best.get(record.peer_id)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,13 +19,14 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
+from .. import clock
 from ..errors import NetworkError, RecordError, translate
 from .dht import LookupFacts, providers_from_network, values_from_network
 from .dial import dial_peer, remember
 from .directory import PER_RANGE, Closest, directory_key, encode_directory, put_directory
 from .node import Node
-from .walk import find_starting_at, walk_directories
 from .records import DEFAULT_TTL, ServingRecord, SignedRecord, decode_record, provider_key, record_key, sign_record
+from .walk import find_starting_at, walk_directories
 
 __all__ = ["RECORDS_PROTOCOL", "Announcer", "ServingOffer", "SurveyFacts", "fetch_records", "find_serving_peers",
            "find_starting_at", "publish"]
@@ -131,7 +131,7 @@ class Announcer:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._offers: dict[str, ServingOffer] = {}
-        self._seq = int(time.time() * 1000)
+        self._seq = int(clock.wall() * 1000)
         self._wake = trio.Event()
         self._all_due = False  # a bootstrap node came back: re-publish every offer at once
         self._provided: dict[str, float] = {}  # model -> when its provider entry was last sent (trio clock)
@@ -145,7 +145,7 @@ class Announcer:
     async def _serve_records(self, stream: INetStream) -> None:
         """``/sangama/records/1``: answer with our current signed records (``sangama-peer status`` asks)."""
         try:
-            values = [s.value for s in self.published.values() if s.record.expires_at > time.time()]
+            values = [s.value for s in self.published.values() if s.record.expires_at > clock.wall()]
             await stream.write(msgpack.packb(values, use_bin_type=True))
         except Exception as exc:  # the asker went away; nothing to clean up beyond the stream
             log.debug("records request failed: %s", exc)
@@ -213,7 +213,7 @@ class Announcer:
 
     async def _run(self) -> None:
         while True:
-            now = time.time()
+            now = clock.wall()
             all_due, self._all_due = self._all_due, False
             due = [
                 offer
@@ -231,7 +231,7 @@ class Announcer:
                     failed = True
                     retry = 1.0  # the DHT is unreachable for now: retry each second, not in a tight loop
             waits = [
-                self.published[m].record.expires_at - offer.ttl * 2 / 3 - time.time()
+                self.published[m].record.expires_at - offer.ttl * 2 / 3 - clock.wall()
                 for m, offer in self._offers.items()
                 if m in self.published
             ]
@@ -392,7 +392,7 @@ async def fetch_records(
     """Ask ``peer_id`` for its signed records: the valid ones and the request's round trip in ms (None: serves none)."""
     with trio.move_on_after(timeout):
         await dial_peer(node, peer_id, timeout=timeout)  # record addresses found by discovery are in the peerstore
-        start = time.perf_counter()
+        start = clock.now()
         try:
             stream = await node.host.new_stream(peer_id, [RECORDS_PROTOCOL])
         except Exception as exc:  # no handler: the peer serves nothing (a bootstrap node, a client)
@@ -413,7 +413,7 @@ async def fetch_records(
                 raise translate(exc, NetworkError, f"reading records from {peer_id} failed")
         finally:
             await stream.close()
-        rtt_ms = (time.perf_counter() - start) * 1000
+        rtt_ms = (clock.now() - start) * 1000
         try:
             values = msgpack.unpackb(b"".join(chunks), raw=False)
         except Exception as exc:  # untrusted bytes: msgpack raises several types

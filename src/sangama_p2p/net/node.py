@@ -21,7 +21,6 @@ callers. Only ``explicit`` dials skip the check (see :meth:`Node.connect`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.transport.exceptions import OpenConnectionError, SecurityUpgradeFailure
 
+from .. import clock
 from ..errors import NetworkError, PeerBackedOff, SangamaError, describe, translate
 from .addrs import is_relayed, order_addrs, strip_p2p
 from .backoff import DialBackoff
@@ -170,7 +170,7 @@ class Node:
                 raise PeerBackedOff(f"{peer_id} failed to answer {self.backoff.failures(peer_id)} time(s): not dialled "
                                     f"again for {wait:.0f} s", wait)
         self._dialing[peer_id] = trio.Event()
-        started = time.monotonic()
+        started = clock.now()
         outcome = "cancelled"  # or an error that is not ours: either way the caller stopped waiting
         try:
             conn = await self._connect(peer_id, addrs)
@@ -182,7 +182,7 @@ class Node:
             self._dialing.pop(peer_id).set()
             if outcome == "ok" or self.connections(peer_id):
                 self.backoff.succeeded(peer_id)
-            elif outcome == "failed" or time.monotonic() - started >= CANCELLED_IS_FAILURE_S:
+            elif outcome == "failed" or clock.now() - started >= CANCELLED_IS_FAILURE_S:
                 self._dial_failed(peer_id)
         return conn
 

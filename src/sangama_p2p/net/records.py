@@ -16,7 +16,6 @@ import hashlib
 import heapq
 import math
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
+from .. import clock
 from .._version import __version__
 from ..errors import RecordError, translate
 
@@ -87,7 +87,7 @@ class ServingRecord:
 
     @property
     def ttl_left(self) -> float:
-        return self.expires_at - time.time()
+        return self.expires_at - clock.wall()
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def sign_record(
     if version == "":
         version = __version__
     peer_id = ID.from_pubkey(key_pair.public_key)
-    exp = (time.time() if now is None else now) + ttl
+    exp = (clock.wall() if now is None else now) + ttl
     body = {
         "schema": SCHEMA,
         "model": model_id,
@@ -204,7 +204,7 @@ def decode_record(key: str, value: bytes, *, now: float | None = None) -> Servin
         raise translate(exc, RecordError, "record signature check failed")
     if not valid:
         raise RecordError(f"record signature of {record.peer_id} is invalid (tampered or forged)")
-    now = time.time() if now is None else now
+    now = clock.wall() if now is None else now
     if record.expires_at <= now:
         raise RecordError(f"record of {record.peer_id} expired {now - record.expires_at:.1f} s ago")
     if record.expires_at > now + MAX_TTL + 60:  # 60 s allowance for clock skew
@@ -340,7 +340,7 @@ class RecordValidator(Validator):
     def checked(self, key: str, value: bytes) -> ServingRecord:
         """The record ``value`` holds: the one :meth:`validate` just decoded, else decoded (and checked) now."""
         last = self._last
-        if last is not None and last[0] == key and last[1] == value and last[2].expires_at > time.time():
+        if last is not None and last[0] == key and last[1] == value and last[2].expires_at > clock.wall():
             return last[2]
         return decode_record(key, value)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
+from .. import clock
 from ..errors import NotARelayError, RelayError
 from .node import offers_protocol
 from .relay_hop import CircuitProtocol, InboundCallback, RelayServiceConfig
@@ -74,7 +74,7 @@ class Reservation:
     circuit_addrs: tuple[str, ...]
 
     def valid(self, now: float | None = None) -> bool:
-        return (time.time() if now is None else now) < self.expires_at
+        return (clock.wall() if now is None else now) < self.expires_at
 
 
 def circuit_addr(relay_addr: Multiaddr | str, relay_id: ID | str, peer_id: ID | str) -> Multiaddr:
@@ -165,7 +165,7 @@ class RelayClient:
     @property
     def reservations(self) -> tuple[Reservation, ...]:
         """Reservations that are still valid now."""
-        now = time.time()
+        now = clock.wall()
         return tuple(r for r in self._reservations.values() if r.valid(now))
 
     def circuit_addrs(self) -> list[Multiaddr]:
@@ -199,7 +199,7 @@ class RelayClient:
         if status != StatusCode.OK or not reply.HasField("reservation"):
             raise RelayError(f"relay {relay.peer_id} refused the reservation (status {status})", status)
         expires = float(reply.reservation.expire)
-        if not math.isfinite(expires) or expires <= time.time():
+        if not math.isfinite(expires) or expires <= clock.wall():
             raise RelayError(f"relay {relay.peer_id} granted an already expired reservation ({expires})")
         relay_addrs = [str(a) for a in relay.addrs]
         for raw in reply.reservation.addrs:

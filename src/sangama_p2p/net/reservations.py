@@ -19,7 +19,6 @@ held or being tried, the next relay of the list is kept as well (a stage keeps m
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -28,6 +27,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from .. import clock
 from ..errors import NotARelayError, RelayError
 from .watch import PeerWatch, open_connections
 
@@ -145,7 +145,7 @@ class ReservationKeeper:
                 self.refreshes += 1
             retry = self._retry_s
             self._set(key, HELD)
-            if await self._until_refresh_or_lost(relay.peer_id, reservation.expires_at - time.time()):
+            if await self._until_refresh_or_lost(relay.peer_id, reservation.expires_at - clock.wall()):
                 lost_at = trio.current_time()
                 logger.info("connection to relay %s closed: reserving again", relay.peer_id)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -21,10 +20,11 @@ import msgpack
 import trio
 from libp2p.peer.id import ID
 
+from .. import clock
 from ..errors import NetworkError, SangamaError
+from .bans import Ban, load_bans
 from .discovery import MAX_RESPONSE, fetch_records, find_serving_peers
 from .holepunch import link_info
-from .bans import Ban, load_bans
 from .lineup import Lineup, choose_lineup
 from .node import Node
 from .records import ServingRecord
@@ -67,7 +67,7 @@ class SwarmStatus:
         from pathlib import Path
 
         p = Path(str(path)).expanduser()
-        return replace(self, bans=tuple(load_bans(p, now=time.time())) if p.exists() else ())
+        return replace(self, bans=tuple(load_bans(p, now=clock.wall())) if p.exists() else ())
 
     def models(self) -> dict[str, list[tuple[str, int, int]]]:
         """model id -> [(peer id, start, end)] sorted by start."""
@@ -96,7 +96,7 @@ class SwarmStatus:
 
 def ban_lines(status: SwarmStatus, *, now: float | None = None) -> list[str]:
     """One plain-text line per local ban: the peer, whether it is in the swarm now, until when, and why."""
-    now = time.time() if now is None else now
+    now = clock.wall() if now is None else now
     present = {p.peer_id for p in status.peers}
     lines = []
     for b in status.bans:
@@ -212,4 +212,4 @@ async def survey(node: Node, *, models: Iterable[str] = (), timeout: float = 5.0
             return (0, first.model_id, first.start, p.peer_id)
         return (1, "", 0, p.peer_id)
 
-    return SwarmStatus(tuple(sorted(results, key=order)), time.time())
+    return SwarmStatus(tuple(sorted(results, key=order)), clock.wall())

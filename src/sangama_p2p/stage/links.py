@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
-from functools import partial
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any, Union
 
 import trio
 
+from .. import clock
 from ..errors import ErrorCode, NetworkError, OutboxFull, SangamaError, translate
 from ..net.streams import FramedStream
 from ..wire.messages import ErrorMessage, InfoRequest, InfoResponse, Message
@@ -310,7 +310,7 @@ class NextHops:
         bounds the wait; a link that fails meanwhile raises :class:`NetworkError`."""
         link = self.get(peer)
         send, recv = trio.open_memory_channel[float](1)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         if not link.put(InfoRequest()):
             raise NetworkError(f"the link to {peer} is full")
         # answers come back in the order the requests left: a ping given up on keeps its place (closed), so that
@@ -349,7 +349,7 @@ class NextHops:
                     waiting = self._pings.get(fs.peer)
                     if waiting:
                         try:
-                            waiting.popleft().send_nowait(time.perf_counter())
+                            waiting.popleft().send_nowait(clock.now())
                         except trio.ClosedResourceError:  # that ping was given up on
                             pass
         except (SangamaError, trio.BrokenResourceError) as exc:

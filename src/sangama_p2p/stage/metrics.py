@@ -10,7 +10,6 @@ direct) when Prometheus asks. Metric names are listed in docs/operations.md.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .. import clock
 from ..net.bans import load_bans
 from ..net.movable import TRAFFIC
 from ..net.streams import FRAME_BYTES
@@ -88,7 +88,7 @@ class StageCollector:
         if self.bans_path is not None:
             bans = GaugeMetricFamily("sangama_bans", "peers banned on this machine (its ban file), in force")
             try:
-                bans.add_metric([], len(load_bans(self.bans_path, now=time.time())) if self.bans_path.exists()
+                bans.add_metric([], len(load_bans(self.bans_path, now=clock.wall())) if self.bans_path.exists()
                                 else 0)
             except Exception as exc:  # an unreadable ban file must not fail the scrape
                 log.debug("ban file %s: %s", self.bans_path, exc)

@@ -30,6 +30,7 @@ import trio
 from ..errors import SangamaError
 from ..net.discovery import find_serving_peers
 from ..net.lane import LaneDialer
+from ..net.seam import Network
 from ..net.stage_stream import open_stage_stream
 from ..placement.rebalance import choose_move, first_mover
 from ..wire.messages import InfoRequest, InfoResponse
@@ -52,7 +53,7 @@ class Move:
     at: float
 
 
-async def ask_ranges(node: Any, records: Sequence[Any], model_id: str, timeout: float = 5.0,
+async def ask_ranges(node: Network, records: Sequence[Any], model_id: str, timeout: float = 5.0,
                      lanes: LaneDialer | None = None) -> dict[str, Range]:
     """Peer id -> the range each of ``records``' peers says it serves now (``InfoRequest`` over its stage stream, all
     at once); a peer that does not answer within ``timeout`` is left out: a record outlives its peer by up to its
@@ -90,7 +91,7 @@ async def ask_ranges(node: Any, records: Sequence[Any], model_id: str, timeout: 
 class Rebalancer:
     """Periodic re-checks of the swarm and moves of one auto-placed stage (see the module docstring)."""
 
-    def __init__(self, node: Any, model_id: str, fingerprint: str, *, num_layers: int, span: int,
+    def __init__(self, node: Network, model_id: str, fingerprint: str, *, num_layers: int, span: int,
                  current: Callable[[], Range], move: Callable[[int, int], Awaitable[Any]], every: float = 20.0,
                  confirm_s: float = 2.0, probe_timeout: float = 5.0, margin: int | None = 2, max_defer: int = 2,
                  rng: random.Random | None = None) -> None:

@@ -48,6 +48,7 @@ from ..model.fingerprint import parts_of, stage_identity
 from ..model.stage import StageModel
 from ..net.lane import LaneDialer, LaneListener, lanes_offered
 from ..net.movable import STAGE_MOVABLE_PROTOCOL, MovableAcceptor
+from ..net.seam import Network
 from ..net.stage_stream import open_stage_stream
 from ..net.streams import FramedStream, MemoryStream, memory_stream_pair
 from ..wire.messages import (CloseSession, ErrorMessage, InfoRequest, InfoResponse, Message, OpenSession, SessionOpened,
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 class StageServer:
     """One stage served on one node; an ``async with`` object (see the module docstring)."""
 
-    def __init__(self, node: Any, model: Any, config: StageConfig, identity: Any = None) -> None:
+    def __init__(self, node: Network, model: Any, config: StageConfig, identity: Any = None) -> None:
         """``model``: a loaded :class:`~sangama_p2p.model.stage.StageModel` for ``config.start``..``config.end``;
         ``identity``: its checkpoint's :class:`~sangama_p2p.model.fingerprint.ModelIdentity` (what the DHT record
         announces; :meth:`load` computes it, and a stage without one cannot announce)."""
@@ -103,7 +104,7 @@ class StageServer:
         self.lanes = LaneDialer(node, enabled=config.lanes, timeout=config.lane_timeout, max_frame=config.max_frame)
 
     @classmethod
-    def load(cls, node: Any, checkpoint: Any, config: StageConfig) -> StageServer:
+    def load(cls, node: Network, checkpoint: Any, config: StageConfig) -> StageServer:
         """Load only this stage's tensors from ``checkpoint`` (a ``model.checkpoint.Checkpoint``) and fingerprint
         the checkpoint (metadata, content samples, and the full bytes of the parts loaded); blocking."""
         model = StageModel.load(checkpoint.spec, checkpoint.source, config.start, config.end, dtype=config.dtype,

@@ -17,11 +17,11 @@ last ``EXPIRED_KEPT``) so that its owner coming back is told ``EXPIRED`` rather 
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import clock
 from ..errors import CapacityError, ErrorCode, StageError
 from ..model.constraint import TokenConstraint
 from ..model.decode import Decoder
@@ -102,7 +102,7 @@ class StageSession:
     ring_drop: set[int] = field(default_factory=set)
     source: tuple[str, ...] = ()  # the owner's address and network (net.addrs.source_keys), counted like its id
     closed: bool = False
-    last_active: float = field(default_factory=time.monotonic)  # opened or last stepped (monotonic s)
+    last_active: float = field(default_factory=clock.now)  # opened or last stepped (monotonic s)
     trips: TripClock = field(default_factory=TripClock)  # the last stage's trip times, for ``auto`` guesses
 
 
@@ -238,7 +238,7 @@ class SessionTable:
         last stage that closes the ring); raises NOT_OWNER/UNKNOWN_SESSION."""
         session = self.lookup(session_id)
         if peer == session.owner or peer == session.upstream or (peer == session.ring and self.model.is_first):
-            session.last_active = time.monotonic()
+            session.last_active = clock.now()
             return session
         if session.upstream is None:
             raise StageError("only the client that opened the session may step it", ErrorCode.NOT_OWNER)
@@ -260,8 +260,8 @@ class SessionTable:
         return gone
 
     def expire_idle(self, now: float | None = None) -> list[StageSession]:
-        """Free every session with no step for ``session_idle_s`` (``now``: a ``time.monotonic()`` reading)."""
-        now = time.monotonic() if now is None else now
+        """Free every session with no step for ``session_idle_s`` (``now``: a :func:`~sangama_p2p.clock.now` reading)."""
+        now = clock.now() if now is None else now
         gone = [s for s in self.sessions.values() if now - s.last_active >= self.config.session_idle_s]
         for s in gone:
             self._drop(s)

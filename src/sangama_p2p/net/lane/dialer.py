@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import time
 from typing import Any
 
 import trio
 
+from ... import clock
 from ...errors import LaneError, NetworkError, StreamClosed, WireError, describe, translate
 from ...wire.framing import DEFAULT_MAX_FRAME
 from ...wire.messages import ErrorMessage, LaneOffer
@@ -98,7 +98,7 @@ class LaneDialer:
             return None
         key = peer_id.to_base58()
         failed = self.failed.get(key)
-        if failed is not None and time.monotonic() - failed[0] < self.retry_after:
+        if failed is not None and clock.now() - failed[0] < self.retry_after:
             return None
         try:
             lane = await open_lane(self.node, peer_id, timeout=self.timeout, max_frame=self.max_frame)
@@ -106,7 +106,7 @@ class LaneDialer:
             exc = exc if isinstance(exc, LaneError) else LaneError(f"{type(exc).__name__}: {exc}")
             log.info("no lane to %s, using libp2p streams: %s", key, exc)
             if exc.lasting:
-                self.failed[key] = (time.monotonic(), str(exc))
+                self.failed[key] = (clock.now(), str(exc))
             return None
         self.failed.pop(key, None)
         return lane

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from ... import clock
 from ...errors import ErrorCode, LaneError, StreamClosed, WireError, translate
 from ...wire.framing import DEFAULT_MAX_FRAME, ByteBudget
 from ...wire.messages import LANE_TOKEN_BYTES, ErrorMessage, LaneOffer
@@ -118,7 +118,7 @@ class LaneListener:
         """A fresh single-use offer for ``peer_id``. At most ``max_offers_per_peer`` stay pending per peer and
         ``max_offers`` in all (the oldest go first), so one peer asking again and again cannot push out the
         offers of others."""
-        now = time.monotonic()
+        now = clock.now()
         for token in [t for t, (_, _, expiry) in self._offers.items() if expiry < now]:
             del self._offers[token]
         mine = [t for t, (pid, _, _) in self._offers.items() if pid == peer_id]
@@ -208,7 +208,7 @@ class LaneListener:
         """Read the whole hello, then (without yielding) check it and claim its offer; answer ready."""
         hello = parse_hello(await receive_exactly(sock, HELLO_BYTES, "the lane hello"))
         entry = self._offers.get(hello.token)
-        if entry is None or entry[2] < time.monotonic():
+        if entry is None or entry[2] < clock.now():
             raise LaneError("unknown, used or expired lane token")
         peer_id, offer_key, _ = entry
         if not open_hello(hello, offer_key):  # a stolen token without the key: the offer stays for its owner
