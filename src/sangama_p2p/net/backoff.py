@@ -51,7 +51,7 @@ class _Failed:
 
 
 class DialBackoff:
-    """The backoff table of one node. ``clock``: seconds (:func:`~sangama_p2p.clock.wall` by default: records' times are wall-clock)."""
+    """The backoff table of one node. ``clock``: seconds (``clock.wall`` by default: records' times are wall-clock)."""
 
     def __init__(self, policy: BackoffPolicy = BackoffPolicy(), clock: Callable[[], float] = wall) -> None:
         self.policy = policy

@@ -260,7 +260,7 @@ class SessionTable:
         return gone
 
     def expire_idle(self, now: float | None = None) -> list[StageSession]:
-        """Free every session with no step for ``session_idle_s`` (``now``: a :func:`~sangama_p2p.clock.now` reading)."""
+        """Free every session with no step for ``session_idle_s`` (``now``: a ``clock.now()`` reading)."""
         now = clock.now() if now is None else now
         gone = [s for s in self.sessions.values() if now - s.last_active >= self.config.session_idle_s]
         for s in gone:
