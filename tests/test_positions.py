@@ -109,4 +109,4 @@ def test_positions_and_the_loop_import_only_the_package_root():
     for name in ("positions.py", "generation.py"):
         tree = ast.parse((root / name).read_text())
         project = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
-        assert set(project) <= {"errors", "positions"}, (name, project)
+        assert set(project) <= {"errors", "positions", "clock"}, (name, project)

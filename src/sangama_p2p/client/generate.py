@@ -46,7 +46,7 @@ from ..net.lineup import choose_lineup
 from ..net.seam import Network
 from .config import ClientConfig
 from .links import LinkPool
-from .probes import SLOW_PROBE_FACTOR, ProbeMemory
+from .probes import SETTLE_FACTOR, SETTLE_MIN_S, ProbeMemory, covers, probe_peer
 from .routing import RouteCandidate, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
 from .stats import ClientStats
@@ -150,32 +150,38 @@ class ChainClient:
         offers: list[RouteCandidate] = []
         probes.seen(records)
 
-        async def probe(rec: Any) -> None:
-            facts.contacted.add(rec.peer_id)
-            with trio.move_on_after(self._probe_s * (SLOW_PROBE_FACTOR if rec.peer_id in probes.slow else 1.0)):
-                try:
-                    link = await pool.get(rec.peer_id, tuple(rec.addrs))
-                    info, rtt = await link.probe()
-                except SangamaError as exc:
-                    log.info("peer %s does not answer: %s", rec.peer_id, exc)
-                    probes.mark_silent(rec.peer_id)
-                    return
-                if info.model_id != self.config.model_id or info.peer != rec.peer_id:
-                    return
-                offers.append(RouteCandidate(rec.peer_id, info.start, info.end, info.throughput, info.queue,
-                                             info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint,
-                                             rec.num_layers, rec.layer_hashes, rec.links, link.fs.source))
-                probes.answered(rec.peer_id)
-                return
-            probes.mark_slow(rec.peer_id, self._probe_s)  # alive maybe (a busy machine), only late: asked again later
+        usable = [rec for rec in records if probes.usable(rec, retry_slow)]
+        # excluded peers are probed too: the survey is shared by later generations, the exclusion is this one's (a
+        # peer that refused a too-long session was missing from every route for survey_max_age)
+        left, changed, returned = [len(usable)], [trio.Event()], [False]
 
-        async with trio.open_nursery() as nursery:
-            for rec in records:
-                # excluded peers are probed too: the survey is shared by later generations, the exclusion is this
-                # one's (a peer that refused a too-long session was missing from every route for survey_max_age)
-                if probes.usable(rec, retry_slow):
-                    nursery.start_soon(probe, rec)
-        self.offers = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
+        async def probe(rec: Any) -> None:
+            try:
+                await probe_peer(pool, rec, offers, facts, probes, self.config.model_id, self._probe_s)
+            finally:
+                left[0] -= 1
+                changed[0].set()
+                if returned[0] and self.offers is surveyed:  # a late answer joins the survey it belongs to
+                    surveyed[:] = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
+
+        surveyed: list[RouteCandidate] = []
+        for rec in usable:  # in the client's nursery: those still out when the survey settles answer into it later
+            pool.nursery.start_soon(probe, rec)
+        depth = self.config.num_layers or max((r.end for r in records), default=0)
+        settle = math.inf
+        with trio.CancelScope() as scope:
+            while left[0]:
+                if scope.deadline == math.inf and not retry_slow and covers(offers, depth):
+                    # a route exists: the others get a short while more, not a dead peer's whole probe timeout
+                    settle = max(SETTLE_MIN_S, SETTLE_FACTOR * max(o.rtt or 0.0 for o in offers))
+                    scope.deadline = trio.current_time() + settle
+                changed[0] = trio.Event()
+                await changed[0].wait()
+        if scope.cancelled_caught:
+            log.info("survey of %s settled after %.2f s with %d of %d peers answered (the rest answer into it)",
+                     self.config.model_id, settle, len(offers), len(usable))
+        surveyed[:] = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
+        self.offers, returned[0] = surveyed, True
         self.surveyed_at = trio.current_time()
         return [o for o in self.offers if o.peer_id not in exclude]
 

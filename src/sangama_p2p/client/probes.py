@@ -4,17 +4,41 @@ which answered late (skipped for a while, ever longer). Surveys skip both before
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import trio
 
-__all__ = ["SLOW_PROBE_FACTOR", "SLOW_RETRY_MAX_S", "SLOW_RETRY_S", "ProbeMemory"]
+from ..errors import SangamaError
+from .routing import RouteCandidate
+
+__all__ = ["SETTLE_FACTOR", "SETTLE_MIN_S", "SLOW_PROBE_FACTOR", "SLOW_RETRY_MAX_S", "SLOW_RETRY_S", "ProbeMemory",
+           "covers", "probe_peer"]
 
 log = logging.getLogger(__name__)
 
 SLOW_RETRY_S = 30.0  # a peer whose probe timed out is left out of surveys this long (unless a caller retries it)
 SLOW_RETRY_MAX_S = 480.0  # twice as long after each further time-out in a row, up to this
 SLOW_PROBE_FACTOR = 3.0  # a late peer asked again (``retry_slow``) gets this many times the probe's time
+SETTLE_MIN_S = 0.25  # once the peers that answered cover the model, a survey waits this long for the others at least
+SETTLE_FACTOR = 4.0  # ... or this many times the slowest answer so far (the rest answer into the survey later)
+
+
+def covers(offers: Sequence[Any], depth: int) -> bool:
+    """Whether the ranges of ``offers`` of one checkpoint fingerprint chain from layer 0 to ``depth``."""
+    if depth <= 0:
+        return False
+    groups: dict[str, list[Any]] = {}
+    for o in offers:
+        groups.setdefault(o.fingerprint, []).append(o)
+    for group in groups.values():
+        reach = {0}
+        for o in sorted(group, key=lambda o: o.start):
+            if o.start in reach and o.end > o.start:
+                reach.add(o.end)
+        if depth in reach:
+            return True
+    return False
 
 
 class ProbeMemory:
@@ -62,3 +86,27 @@ class ProbeMemory:
     @property
     def late_peers(self) -> int:  # how many peers are skipped for now because their last probe was late
         return sum(map(self.still_slow, self.slow))
+
+
+async def probe_peer(pool: Any, rec: Any, offers: list[RouteCandidate], facts: Any, probes: ProbeMemory,
+                     model_id: str, probe_s: float) -> None:
+    """Ask ``rec``'s peer over its stage stream for its figures and the round trip, within ``probe_s`` (a late
+    peer's :data:`SLOW_PROBE_FACTOR` x that); an answer goes into ``offers``, a refusal or failure marks it silent,
+    a time-out slow."""
+    facts.contacted.add(rec.peer_id)
+    with trio.move_on_after(probe_s * (SLOW_PROBE_FACTOR if rec.peer_id in probes.slow else 1.0)):
+        try:
+            link = await pool.get(rec.peer_id, tuple(rec.addrs))
+            info, rtt = await link.probe()
+        except SangamaError as exc:
+            log.info("peer %s does not answer: %s", rec.peer_id, exc)
+            probes.mark_silent(rec.peer_id)
+            return
+        if info.model_id != model_id or info.peer != rec.peer_id:
+            return
+        offers.append(RouteCandidate(rec.peer_id, info.start, info.end, info.throughput, info.queue,
+                                     info.free_sessions, rtt, tuple(rec.addrs), rec.fingerprint, rec.num_layers,
+                                     rec.layer_hashes, rec.links, link.fs.source))
+        probes.answered(rec.peer_id)
+        return
+    probes.mark_slow(rec.peer_id, probe_s)  # alive maybe (a busy machine), only late: asked again later
