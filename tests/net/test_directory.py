@@ -253,3 +253,34 @@ def test_the_first_peers_entry_reaches_the_servers_that_join_after_it():
                     nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_rebalancers_look_dials_only_the_peers_of_thinly_served_ranges(monkeypatch):
+    """Every auto-placed peer looks at the swarm every 20 s; probing every serving peer made each look O(swarm)
+    dials. Now the records come from the directories and only ranges with at most PROBE_UP_TO records are asked
+    (a leave there can open a gap); the peers of a crowded range count as recorded."""
+    from sangama_p2p.stage import rebalance
+    from sangama_p2p.stage.rebalance import PROBE_UP_TO, Rebalancer
+
+    asked: list[str] = []
+
+    async def ask_ranges(node, records, model_id, timeout=5.0, lanes=None):
+        asked.extend(r.peer_id for r in records)
+        return {r.peer_id: (r.start, r.end) for r in records}  # (these peers run no stage: say they answered)
+
+    monkeypatch.setattr(rebalance, "ask_ranges", ask_ranges)
+
+    async def main():
+        with trio.fail_after(90):
+            async with swarm(12) as nodes:
+                ranges = [(0, 3)] * 2 + [(3, 5)] * 8 + [(5, 8)]
+                for node, (lo, hi) in zip(nodes[1:], ranges):
+                    await Announcer(node).update(ServingOffer("m", lo, hi, 1.0, 1, ttl=60, fingerprint=FP,
+                                                              num_layers=8))
+                reb = Rebalancer(nodes[0], "m", FP, num_layers=8, span=3, current=lambda: (0, 3), move=None)
+                live = await reb.live_ranges()
+                return live, {str(n.peer_id): r for n, r in zip(nodes[1:], ranges)}
+
+    live, want = trio.run(main)
+    assert live == want  # every peer, each with its range
+    assert sorted(want[p] for p in asked) == [(0, 3), (0, 3), (5, 8)] and PROBE_UP_TO < 8

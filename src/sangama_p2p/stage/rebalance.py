@@ -1,10 +1,11 @@
 """``Rebalancer``: a peer that joined with ``--layers auto`` re-checks the swarm now and then and moves its stage.
 
 Every ``every`` seconds (times a random factor in 0.75..1.25, so the peers of a swarm do not all look at once) it
-lists the model's serving peers (:func:`~sangama_p2p.net.discovery.find_serving_peers`), keeps those of its own
-checkpoint fingerprint, and asks each over its stage stream for its live range (``InfoRequest``): a record outlives
-its peer by up to its TTL (180 s by default), so a peer that does not answer within ``probe_timeout`` counts as
-gone. :func:`~sangama_p2p.placement.rebalance.choose_move` decides on the live ranges. When peers with lower ids
+lists the model's serving peers of its own checkpoint fingerprint from the range directories
+(:func:`~sangama_p2p.net.discovery.find_serving_peers`), and asks each peer of a range that few serve over its stage
+stream for its live range (``InfoRequest``): a record outlives its peer by up to its TTL (180 s by default), so a
+peer that does not answer within ``probe_timeout`` counts as gone (the peers of a crowded range count as recorded:
+:meth:`Rebalancer.live_ranges`). :func:`~sangama_p2p.placement.rebalance.choose_move` decides on the live ranges. When peers with lower ids
 would make the same move (:func:`~sangama_p2p.placement.rebalance.first_mover`), it holds back for up to
 ``max_defer`` re-checks (one of them moves; a fixed-range peer never does, hence the bound). Then it waits a short
 random delay (``confirm_s`` times 0.5..1.5: another spare may have moved), looks again, and moves only if the same
@@ -28,6 +29,7 @@ from typing import Any
 import trio
 
 from ..errors import SangamaError
+from ..net.directory import MAX_ENTRIES
 from ..net.discovery import find_serving_peers
 from ..net.lane import LaneDialer
 from ..net.seam import Network
@@ -38,6 +40,8 @@ from ..wire.messages import InfoRequest, InfoResponse
 __all__ = ["Move", "Rebalancer", "ask_ranges"]
 
 log = logging.getLogger(__name__)
+
+PROBE_UP_TO = 3  # a range with at most this many records has each of its peers asked what it serves now
 
 Range = tuple[int, int]
 
@@ -117,11 +121,22 @@ class Rebalancer:
 
     # ---- looking -------------------------------------------------------------------------------------------
     async def live_ranges(self) -> dict[str, Range]:
-        """Peer id -> the range each other live peer of our fingerprint serves now (as it answers, not as
-        recorded)."""
+        """Peer id -> the range each other peer of our fingerprint serves: as it answers now where its range has
+        at most :data:`PROBE_UP_TO` records (a leave there can open a gap), as recorded where more serve it.
+
+        The records come from the range directories (one lookup per boundary; with a gap, the walk reaches no end
+        and every provider is enumerated, as before directories). Both bounds keep a look's cost to the number of
+        ranges, not of peers: every auto-placed peer looks every ``every`` s, and probing every peer of a swarm
+        of N made each look N dials (N x N a period, swarm-wide)."""
         records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint,
-                                           walk=False)  # every range, gaps and all: it looks for gaps
-        return await ask_ranges(self.node, records, self.model_id, self.probe_timeout, self._lanes)
+                                           per_range=MAX_ENTRIES, num_layers=self.num_layers)
+        by_range: dict[Range, list[Any]] = {}
+        for rec in records:
+            by_range.setdefault((rec.start, rec.end), []).append(rec)
+        crowded = {rec.peer_id: key for key, recs in by_range.items() if len(recs) > PROBE_UP_TO for rec in recs}
+        few = [rec for recs in by_range.values() if len(recs) <= PROBE_UP_TO for rec in recs]
+        live = await ask_ranges(self.node, few, self.model_id, self.probe_timeout, self._lanes)
+        return dict(sorted({**crowded, **live}.items()))
 
     async def check(self) -> Range | None:
         """The range to move to now, or None (one look at the swarm)."""
