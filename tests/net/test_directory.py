@@ -220,8 +220,8 @@ def test_the_first_peers_entry_reaches_the_servers_that_join_after_it():
     """The first stage of a fleet publishes into a DHT of one server (the bootstrap node); the servers that join
     later hold the directory clients read. Without handing the entry on (``Closest.top_up``) a walk that asked them
     missed that stage: a liar test lost its referees, 2 runs of 3, with the walk on. Now every server that joins
-    gets the entry from its author, and a client that bootstraps from a late server finds the first peer by the
-    walk."""
+    gets the entry from its author, and its next version, and a client that bootstraps from a late server finds the
+    first peer by the walk."""
 
     async def main():
         with trio.fail_after(90):
@@ -245,6 +245,11 @@ def test_the_first_peers_entry_reaches_the_servers_that_join_after_it():
                         while holders() < len(late):
                             await trio.sleep(0.1)
                     assert holders() == len(late)
+                    # a re-publication reaches them too, not only the servers of its (minutes-old) lookup
+                    await announcer.update(ServingOffer("m", 0, 8, 2.0, 1, ttl=60, fingerprint=FP, num_layers=8))
+                    assert all([r.throughput for r, _ in decode_directory(directory_key("m", 0),
+                                                                          n.dht.value_store.get(key).value)] == [2.0]
+                               for n in late)
                     cfg = config(bootstrap_addrs=(first_addr(late[-1]),), dht_server=False)
                     async with open_host(cfg, key_pair=generate_key_pair()) as client:
                         facts = SurveyFacts()

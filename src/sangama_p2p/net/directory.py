@@ -294,6 +294,10 @@ class Closest:
         """``value`` (signed as ``entry``) was stored at ``holders`` (a newer entry for ``key`` replaces the last)."""
         self._sent[key] = (value, entry, sort_peer_ids_by_distance(key.encode(), list(holders))[:BUCKET_SIZE])
 
+    def holders(self, key: str) -> list[ID]:
+        """The servers that took our last entry for ``key``, closest first."""
+        return list(self._sent[key][2]) if key in self._sent else []
+
     def wants(self, peer: ID) -> bool:
         """Whether ``peer`` belongs among the holders of one of our entries (it is not one, and fewer than
         :data:`BUCKET_SIZE` hold it or ``peer`` is closer to the key than the farthest holder)."""
@@ -352,7 +356,10 @@ async def put_directory(node: Any, key: str, value: bytes, closest: Closest | No
     node.dht.value_store.put(key_bytes, value)  # merged by the store, which decodes (and checks) it
     entry = make_signed_put_record(key_bytes, value, node.host.get_private_key())  # ours alone goes out
     closest = closest or Closest()
-    peers = await closest.get(node, key)
+    found = await closest.get(node, key)
+    # and the servers that hold our last entry: those it was handed on to joined after the lookup (a lookup is
+    # kept for minutes), and would keep the old entry until it expired
+    peers = list(dict.fromkeys([*found, *closest.holders(key)]))
     took = await _store_at(node, key_bytes, value, entry, peers)
     if len(took) < len(peers):
         closest.forget(key)
