@@ -357,9 +357,11 @@ async def put_directory(node: Any, key: str, value: bytes, closest: Closest | No
     entry = make_signed_put_record(key_bytes, value, node.host.get_private_key())  # ours alone goes out
     closest = closest or Closest()
     found = await closest.get(node, key)
-    # and the servers that hold our last entry: those it was handed on to joined after the lookup (a lookup is
-    # kept for minutes), and would keep the old entry until it expired
-    peers = list(dict.fromkeys([*found, *closest.holders(key)]))
+    # with the servers that hold our last entry and the closest our routing table knows: those it was handed on to
+    # joined after the lookup (kept for minutes), and would keep the old entry until it expired
+    known = node.dht.routing_table.find_local_closest_peers(key_bytes, BUCKET_SIZE)
+    peers = sort_peer_ids_by_distance(key_bytes, list({*found, *closest.holders(key), *known} - {node.peer_id}))
+    peers = peers[:BUCKET_SIZE]
     took = await _store_at(node, key_bytes, value, entry, peers)
     if len(took) < len(peers):
         closest.forget(key)
