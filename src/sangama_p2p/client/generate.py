@@ -46,7 +46,7 @@ from ..net.lineup import choose_lineup
 from ..net.seam import Network
 from .config import ClientConfig
 from .links import LinkPool
-from .probes import SETTLE_FACTOR, SETTLE_MIN_S, ProbeMemory, covers, probe_peer
+from .probes import ProbeMemory, ProbeRound, probe_peer
 from .routing import RouteCandidate, plan_route
 from .session import RETRYABLE, ChainBroken, ChainSession, SessionParams, StageRefused
 from .stats import ClientStats
@@ -147,41 +147,30 @@ class ChainClient:
             walk=self.config.walk and not retry_slow,  # a caller that found no route with the walk: every provider
             ask_authors=lambda peer: peer not in probes.silent and (retry_slow or not probes.still_slow(peer)))
         self.survey_facts = facts
-        offers: list[RouteCandidate] = []
         probes.seen(records)
-
-        usable = [rec for rec in records if probes.usable(rec, retry_slow)]
         # excluded peers are probed too: the survey is shared by later generations, the exclusion is this one's (a
         # peer that refused a too-long session was missing from every route for survey_max_age)
-        left, changed, returned = [len(usable)], [trio.Event()], [False]
+        usable = [rec for rec in records if probes.usable(rec, retry_slow)]
+        round_ = ProbeRound(left=len(usable))
+        surveyed: list[RouteCandidate] = []
 
         async def probe(rec: Any) -> None:
             try:
-                await probe_peer(pool, rec, offers, facts, probes, self.config.model_id, self._probe_s)
+                await probe_peer(pool, rec, round_.offers, facts, probes, self.config.model_id, self._probe_s)
             finally:
-                left[0] -= 1
-                changed[0].set()
-                if returned[0] and self.offers is surveyed:  # a late answer joins the survey it belongs to
-                    surveyed[:] = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
+                round_.ended()
+                if round_.settled and self.offers is surveyed:  # a late answer joins the survey it belongs to
+                    surveyed[:] = round_.sorted()
 
-        surveyed: list[RouteCandidate] = []
         for rec in usable:  # in the client's nursery: those still out when the survey settles answer into it later
             pool.nursery.start_soon(probe, rec)
-        depth = self.config.num_layers or max((r.end for r in records), default=0)
-        settle = math.inf
-        with trio.CancelScope() as scope:
-            while left[0]:
-                if scope.deadline == math.inf and not retry_slow and covers(offers, depth):
-                    # a route exists: the others get a short while more, not a dead peer's whole probe timeout
-                    settle = max(SETTLE_MIN_S, SETTLE_FACTOR * max(o.rtt or 0.0 for o in offers))
-                    scope.deadline = trio.current_time() + settle
-                changed[0] = trio.Event()
-                await changed[0].wait()
-        if scope.cancelled_caught:
+        grace = await round_.settle(self.config.num_layers or max((r.end for r in records), default=0),
+                                    wait_all=retry_slow)
+        if grace is not None:
             log.info("survey of %s settled after %.2f s with %d of %d peers answered (the rest answer into it)",
-                     self.config.model_id, settle, len(offers), len(usable))
-        surveyed[:] = sorted(offers, key=lambda o: (o.start, o.end, o.peer_id))
-        self.offers, returned[0] = surveyed, True
+                     self.config.model_id, grace, len(round_.offers), len(usable))
+        surveyed[:] = round_.sorted()
+        self.offers = surveyed
         self.surveyed_at = trio.current_time()
         return [o for o in self.offers if o.peer_id not in exclude]
 

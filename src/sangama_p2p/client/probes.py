@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -13,7 +14,7 @@ from ..errors import SangamaError
 from .routing import RouteCandidate
 
 __all__ = ["SETTLE_FACTOR", "SETTLE_MIN_S", "SLOW_PROBE_FACTOR", "SLOW_RETRY_MAX_S", "SLOW_RETRY_S", "ProbeMemory",
-           "covers", "probe_peer"]
+           "ProbeRound", "covers", "probe_peer"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,39 @@ class ProbeMemory:
     @property
     def late_peers(self) -> int:  # how many peers are skipped for now because their last probe was late
         return sum(map(self.still_slow, self.slow))
+
+
+@dataclass
+class ProbeRound:
+    """The probes of one survey: the answers so far (``offers``) and how many probes are still out (``left``)."""
+
+    left: int
+    offers: list[RouteCandidate] = field(default_factory=list)
+    settled: bool = False  # the survey returned: later answers join it
+    _changed: trio.Event = field(default_factory=trio.Event)
+
+    def ended(self) -> None:
+        """One probe ended (answered or not)."""
+        self.left -= 1
+        self._changed.set()
+
+    def sorted(self) -> list[RouteCandidate]:
+        return sorted(self.offers, key=lambda o: (o.start, o.end, o.peer_id))
+
+    async def settle(self, depth: int, *, wait_all: bool) -> float | None:
+        """Return once every probe ended or, unless ``wait_all``, once the answers chain layers 0 to ``depth``
+        (:func:`covers`) and :data:`SETTLE_MIN_S` or :data:`SETTLE_FACTOR` x the slowest answer more went by
+        (a dead peer's probe would hold the survey up for its whole time-out); that grace when it ran out."""
+        grace: float | None = None
+        with trio.CancelScope() as scope:
+            while self.left:
+                if grace is None and not wait_all and covers(self.offers, depth):
+                    grace = max(SETTLE_MIN_S, SETTLE_FACTOR * max(o.rtt or 0.0 for o in self.offers))
+                    scope.deadline = trio.current_time() + grace
+                self._changed = trio.Event()
+                await self._changed.wait()
+        self.settled = True
+        return grace if scope.cancelled_caught else None
 
 
 async def probe_peer(pool: Any, rec: Any, offers: list[RouteCandidate], facts: Any, probes: ProbeMemory,

@@ -105,13 +105,13 @@ async def publish(node: Node, offer: ServingOffer, *, seq: int,
         on_signed(signed)
     try:
         # the range's directory (what clients walk); the provider entry stays for the surveys that enumerate every
-        # peer (`status`, placement, rebalancing, and a DHT of go-libp2p servers, which keep no /sangama/ values):
-        # they ask each provider for its record, stored under its record key (dials look circuit addresses up there
-        # too: net/dial.py record_addrs)
+        # peer (`status`, placement at join, a client's retry, and a DHT of go-libp2p servers, which keep no
+        # /sangama/ values): they ask each provider for its record, stored under its record key (dials look circuit
+        # addresses up there too: net/dial.py record_addrs)
         await put_directory(node, directory_key(offer.model_id, offer.start), encode_directory([signed.value]),
                             closest)
         # the record under its own key too, on the servers: the enumerating surveys (a client's retry, the
-        # verifier's second chain, rebalancing) missed live peers on a loaded machine when only authors held their
+        # verifier's second chain) missed live peers on a loaded machine when only authors held their
         # records, and a liar went unbanned for want of referees (tests/client/test_liars.py, 2 runs of 3)
         await node.dht.put_value(record_key(offer.model_id, node.peer_id), signed.value)
         if provide:

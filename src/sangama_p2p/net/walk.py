@@ -10,7 +10,7 @@ import trio
 from libp2p.peer.id import ID
 
 from .dial import remember
-from .directory import ENOUGH, PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key
+from .directory import PER_RANGE, DirectoryFacts, choose_candidates, directory_from_network, directory_key
 from .node import Node
 from .records import ServingRecord
 
@@ -36,8 +36,8 @@ MAX_WALK = 64  # directory lookups one survey makes at most
 
 
 async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None, facts: Any,
-                           usable: Callable[[ServingRecord], bool] | None, per_range: int, num_layers: int,
-                           enough: int = ENOUGH) -> list[ServingRecord]:
+                           usable: Callable[[ServingRecord], bool] | None, per_range: int,
+                           num_layers: int) -> list[ServingRecord]:
     """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones. A peer
     found in two directories (it moved: its old entry stays until its record expires) counts with its newest record
     only."""
@@ -49,7 +49,7 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
         found: list[ServingRecord] = []
 
         async def one(start: int) -> None:
-            entries = await directory_from_network(node, directory_key(model_id, start), enough=enough, facts=lookup)
+            entries = await directory_from_network(node, directory_key(model_id, start), facts=lookup)
             found.extend(r for r, _ in entries if r.start == start)
 
         async with trio.open_nursery() as nursery:
