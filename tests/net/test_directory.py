@@ -260,18 +260,20 @@ def test_the_first_peers_entry_reaches_the_servers_that_join_after_it():
     trio.run(main)
 
 
-def test_a_rebalancers_look_dials_only_the_peers_of_thinly_served_ranges(monkeypatch):
+def test_a_rebalancers_look_dials_a_few_peers_per_range_and_sybil_records_hide_no_gap(monkeypatch):
     """Every auto-placed peer looks at the swarm every 20 s; probing every serving peer made each look O(swarm)
-    dials. Now the records come from the directories and only ranges with at most PROBE_UP_TO records are asked
-    (a leave there can open a gap); the peers of a crowded range count as recorded."""
+    dials. Now the records come from the directories and a look asks every peer of a thin range but only
+    PROBE_UP_TO drawn from a crowded one, whose others count as recorded when those answered. A crowded range of
+    records whose peers never answer (Sybils, or peers that left) is asked whole, and shows as the gap it is."""
     from sangama_p2p.stage import rebalance
     from sangama_p2p.stage.rebalance import PROBE_UP_TO, Rebalancer
 
-    asked: list[str] = []
+    asked: list[list[str]] = []
+    silent: set[str] = set()
 
     async def ask_ranges(node, records, model_id, timeout=5.0, lanes=None):
-        asked.extend(r.peer_id for r in records)
-        return {r.peer_id: (r.start, r.end) for r in records}  # (these peers run no stage: say they answered)
+        asked.append([r.peer_id for r in records])
+        return {r.peer_id: (r.start, r.end) for r in records if r.peer_id not in silent}  # (no stage runs here)
 
     monkeypatch.setattr(rebalance, "ask_ranges", ask_ranges)
 
@@ -283,9 +285,15 @@ def test_a_rebalancers_look_dials_only_the_peers_of_thinly_served_ranges(monkeyp
                     await Announcer(node).update(ServingOffer("m", lo, hi, 1.0, 1, ttl=60, fingerprint=FP,
                                                               num_layers=8))
                 reb = Rebalancer(nodes[0], "m", FP, num_layers=8, span=3, current=lambda: (0, 3), move=None)
+                want = {str(n.peer_id): r for n, r in zip(nodes[1:], ranges)}
                 live = await reb.live_ranges()
-                return live, {str(n.peer_id): r for n, r in zip(nodes[1:], ranges)}
+                assert live == want  # every peer, each with its range
+                assert len(asked) == 1 and sorted(want[p] for p in asked[0]) == [
+                    (0, 3), (0, 3), *[(3, 5)] * PROBE_UP_TO, (5, 8)] and PROBE_UP_TO < 8
+                asked.clear()
+                silent.update(p for p, r in want.items() if r == (3, 5))  # 8 records, nobody behind them
+                live = await reb.live_ranges()
+                assert live == {p: r for p, r in want.items() if r != (3, 5)}
+                assert sum(map(len, asked)) == len(want)  # the rest of 3:5 asked too, once
 
-    live, want = trio.run(main)
-    assert live == want  # every peer, each with its range
-    assert sorted(want[p] for p in asked) == [(0, 3), (0, 3), (5, 8)] and PROBE_UP_TO < 8
+    trio.run(main)

@@ -2,15 +2,15 @@
 
 Every ``every`` seconds (times a random factor in 0.75..1.25, so the peers of a swarm do not all look at once) it
 lists the model's serving peers of its own checkpoint fingerprint from the range directories
-(:func:`~sangama_p2p.net.discovery.find_serving_peers`), and asks each peer of a range that few serve over its stage
-stream for its live range (``InfoRequest``): a record outlives its peer by up to its TTL (180 s by default), so a
-peer that does not answer within ``probe_timeout`` counts as gone (the peers of a crowded range count as recorded:
-:meth:`Rebalancer.live_ranges`). :func:`~sangama_p2p.placement.rebalance.choose_move` decides on the live ranges. When peers with lower ids
-would make the same move (:func:`~sangama_p2p.placement.rebalance.first_mover`), it holds back for up to
-``max_defer`` re-checks (one of them moves; a fixed-range peer never does, hence the bound). Then it waits a short
-random delay (``confirm_s`` times 0.5..1.5: another spare may have moved), looks again, and moves only if the same
-answer comes back; ``move(start, end)`` (the peer's) does the move. Each move is logged at INFO and kept
-in :attr:`Rebalancer.moves` for status answers.
+(:func:`~sangama_p2p.net.discovery.find_serving_peers`), and asks peers over their stage streams for their live
+ranges (``InfoRequest``; a few of a crowded range, :meth:`Rebalancer.live_ranges`): a record outlives its peer by up
+to its TTL (180 s by default), so a peer that does not answer within ``probe_timeout`` counts as gone.
+:func:`~sangama_p2p.placement.rebalance.choose_move` decides on the live ranges. When peers with lower ids would
+make the same move (:func:`~sangama_p2p.placement.rebalance.first_mover`), it holds back for up to ``max_defer``
+re-checks (one of them moves; a fixed-range peer never does, hence the bound). Then it waits a short random delay
+(``confirm_s`` times 0.5..1.5: another spare may have moved), looks again, and moves only if the same answer comes
+back; ``move(start, end)`` (the peer's) does the move. Each move is logged at INFO and kept in
+:attr:`Rebalancer.moves` for status answers.
 
 Usage (trio)::
 
@@ -41,7 +41,7 @@ __all__ = ["Move", "Rebalancer", "ask_ranges"]
 
 log = logging.getLogger(__name__)
 
-PROBE_UP_TO = 3  # a range with at most this many records has each of its peers asked what it serves now
+PROBE_UP_TO = 3  # peers of a range asked what they serve now at each look (all of a range with no more)
 
 Range = tuple[int, int]
 
@@ -121,22 +121,35 @@ class Rebalancer:
 
     # ---- looking -------------------------------------------------------------------------------------------
     async def live_ranges(self) -> dict[str, Range]:
-        """Peer id -> the range each other peer of our fingerprint serves: as it answers now where its range has
-        at most :data:`PROBE_UP_TO` records (a leave there can open a gap), as recorded where more serve it.
+        """Peer id -> the range each other peer of our fingerprint serves, as it answers now: every peer of a range
+        with at most :data:`PROBE_UP_TO` records (a leave there can open a gap), :data:`PROBE_UP_TO` drawn at random
+        of a crowded range - whose other peers count as recorded if all of those answered, and are asked too if
+        one did not (records of peers that left, or that never served: Sybils' records must not hide a gap).
 
         The records come from the range directories (one lookup per boundary; with a gap, the walk reaches no end
-        and every provider is enumerated, as before directories). Both bounds keep a look's cost to the number of
-        ranges, not of peers: every auto-placed peer looks every ``every`` s, and probing every peer of a swarm
-        of N made each look N dials (N x N a period, swarm-wide)."""
+        and every provider is enumerated, as before directories). A look costs dials per range, not per peer:
+        every auto-placed peer looks every ``every`` s, and probing every peer of a swarm of N made each look N
+        dials (N x N a period, swarm-wide)."""
         records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint,
                                            per_range=MAX_ENTRIES, num_layers=self.num_layers)
         by_range: dict[Range, list[Any]] = {}
         for rec in records:
             by_range.setdefault((rec.start, rec.end), []).append(rec)
-        crowded = {rec.peer_id: key for key, recs in by_range.items() if len(recs) > PROBE_UP_TO for rec in recs}
-        few = [rec for recs in by_range.values() if len(recs) <= PROBE_UP_TO for rec in recs]
-        live = await ask_ranges(self.node, few, self.model_id, self.probe_timeout, self._lanes)
-        return dict(sorted({**crowded, **live}.items()))
+        drawn = {key: recs if len(recs) <= PROBE_UP_TO else self.rng.sample(recs, PROBE_UP_TO)
+                 for key, recs in by_range.items()}
+        live = await self._ask([rec for recs in drawn.values() for rec in recs])
+        rest: list[Any] = []
+        for key, recs in by_range.items():
+            others = [rec for rec in recs if rec not in drawn[key]]
+            if all(rec.peer_id in live for rec in drawn[key]):
+                live.update((rec.peer_id, key) for rec in others)
+            else:
+                rest += others
+        live.update(await self._ask(rest) if rest else {})
+        return dict(sorted(live.items()))
+
+    async def _ask(self, records: Sequence[Any]) -> dict[str, Range]:
+        return await ask_ranges(self.node, records, self.model_id, self.probe_timeout, self._lanes)
 
     async def check(self) -> Range | None:
         """The range to move to now, or None (one look at the swarm)."""
