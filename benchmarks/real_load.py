@@ -1,4 +1,5 @@
-"""Load time and memory of a whole-model stage of each real SmolLM2 file, fused and dequantized per use.
+"""Load time and memory of a whole-model stage of each real SmolLM2 file: ggml's kernels on the file's blocks,
+torch's int4 kernels on a repacking (``SANGAMA_KERNELS=torch``), and dequantized per use.
 
     python benchmarks/real_load.py [--rounds 2] [--files LABEL=PATH ...]
 
@@ -38,17 +39,20 @@ def main() -> None:
     else:
         files = {label: cache / f"SmolLM2-135M-Instruct.{label}.gguf" for label in ("Q4_1", "F16", "Q8_0", "Q4_K_M")}
     files = {k: v for k, v in files.items() if v.exists()}
-    runs: dict[tuple[str, bool], list[dict]] = {}
+    # (path, fused, SANGAMA_KERNELS): ggml's kernels on the file's blocks, torch's int4 repacking, dequantize per use
+    paths = [("ggml", True, "ggml"), ("int4", True, "torch"), ("per use", False, "torch")]
+    runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):
         for label, path in files.items():
-            for fused in (True, False):
+            for name, fused, kernels in paths:
                 out = subprocess.run([sys.executable, str(PROBE), str(path), "1" if fused else "0"], check=True,
-                                     capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-                runs.setdefault((label, fused), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                                     capture_output=True, text=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1", SANGAMA_KERNELS=kernels))
+                runs.setdefault((label, name), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     rows = []
-    for (label, fused), got in runs.items():
+    for (label, name), got in runs.items():
         in_file = got[0]["in_file"]
-        rows.append({"file": label, "path": "fused" if fused else "per use", "file_mib": round(
+        rows.append({"file": label, "path": name, "file_mib": round(
             files[label].stat().st_size / 2**20, 1), "stage_tensors_mib": round(in_file / 2**20, 1),
             "open_s": statistics.median(g["open_s"] for g in got), "load_s": statistics.median(g["load_s"] for g in got),
             "held_after_load_x": round(statistics.median(g["after_load"] for g in got) / in_file, 3),

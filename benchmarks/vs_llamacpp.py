@@ -139,12 +139,13 @@ def llama_bench(bin_dir: Path, path: Path, threads: int, *, prompt: int, gen: in
     return float(json.loads(out)[0]["avg_ts"]), rss
 
 
-def ours(path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, float]:
+def ours(path: Path, threads: int, *, prompt: int, gen: int, kernels: str = "auto") -> tuple[float, float]:
     """Our runtime in a fresh process (this script's ``--ours`` mode), warmed up by one run of the same request
     first, as llama-bench warms up before it times: a fresh process's first prefill pays for growing the heap
-    (page faults of new memory: SmolLM2 F16's 512-token prefill took 1.47 s first and 0.99 s after, 2 threads)."""
+    (page faults of new memory: SmolLM2 F16's 512-token prefill took 1.47 s first and 0.99 s after, 2 threads).
+    ``kernels``: ``SANGAMA_KERNELS`` of the child (ggml's kernels, torch's int4 ones, or auto)."""
     cmd = [sys.executable, __file__, "--ours", str(path), str(threads), str(prompt), str(gen)]
-    out, rss, _ = run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1"))
+    out, rss, _ = run_measured(cmd, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1", SANGAMA_KERNELS=kernels))
     doc = json.loads(out)
     if gen > 1:
         return float(doc["decode_tokens_per_s"]), rss
@@ -217,6 +218,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--kernels", default="ggml,torch",
+                    help="our kernels to measure, each against the same llama.cpp run (SANGAMA_KERNELS values)")
     ap.add_argument("--files", nargs="*", default=None, metavar="LABEL=PATH")
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: CPU ms per decode token of both programs at one thread (cpu_per_token)")
@@ -253,14 +256,15 @@ def main() -> None:
                 for kind, prompt, gen in kinds:
                     a = llama_bench(bin_dir, path, t, prompt=prompt if kind == "prefill" else 0,
                                     gen=gen if kind == "decode" else 0)
-                    b = ours(path, t, prompt=prompt, gen=gen)
-                    samples.setdefault((label, t, kind), []).append((a, b))
+                    for kern in args.kernels.split(","):
+                        b = ours(path, t, prompt=prompt, gen=gen, kernels=kern)
+                        samples.setdefault((label, t, kind, kern), []).append((a, b))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     base = baseline_rss()
     rows = []
-    for (label, t, kind), pairs in samples.items():
+    for (label, t, kind, kern), pairs in samples.items():
         ratios = [b[0] / a[0] for a, b in pairs]
-        rows.append({"file": label, "threads": t, "kind": kind,
+        rows.append({"file": label, "threads": t, "kind": kind, "kernels": kern,
                      "llama_cpp_tps": round(statistics.median(a[0] for a, _ in pairs), 2),
                      "ours_tps": round(statistics.median(b[0] for _, b in pairs), 2),
                      "ratio_median": round(statistics.median(ratios), 3),
@@ -270,10 +274,12 @@ def main() -> None:
                      "file_mib": round(files[label].stat().st_size / 2**20, 1)})
     print(f"\nours vs llama.cpp (medians of {args.rounds} alternating rounds; baseline RSS of python+torch+package "
           f"{base:.0f} MiB is in our column)")
-    print(f"{'file':<24} {'thr':>3} {'kind':<8} {'llama.cpp t/s':>13} {'ours t/s':>9} {'ratio':>6} {'range':>13} "
+    print(f"{'file':<24} {'thr':>3} {'kind':<8} {'ours':<6} {'llama.cpp t/s':>13} {'ours t/s':>9} {'ratio':>6} "
+          f"{'range':>13} "
           f"{'RSS MiB llama.cpp / ours':>25} {'file MiB':>8}")
     for row in rows:
-        print(f"{row['file']:<24} {row['threads']:>3} {row['kind']:<8} {row['llama_cpp_tps']:>13.1f} "
+        print(f"{row['file']:<24} {row['threads']:>3} {row['kind']:<8} {row['kernels']:<6} "
+              f"{row['llama_cpp_tps']:>13.1f} "
               f"{row['ours_tps']:>9.1f} {row['ratio_median']:>6.2f} {row['ratio_min']:>6.2f}-{row['ratio_max']:<6.2f} "
               f"{row['llama_cpp_peak_rss_mib']:>12.0f} / {row['ours_peak_rss_mib']:<10.0f} {row['file_mib']:>8.1f}")
     RESULTS.mkdir(exist_ok=True)

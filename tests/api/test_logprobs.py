@@ -18,7 +18,7 @@ from .conftest import openai_client, smol_api_over  # noqa: E402
 MODEL = "made"
 SPLIT = ["0:10", "10:20", "20:30"]
 TOL = 1e-3
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")

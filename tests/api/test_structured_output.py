@@ -86,7 +86,7 @@ def test_json_object_and_a_completion_hold_to_json(smol_api):
 
 def test_unconstrained_replies_are_unchanged_and_bad_formats_are_400(smol_api):
     client = openai_client(smol_api)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.0)
     text = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.0,
                                           response_format={"type": "text"})

@@ -33,6 +33,11 @@ _BLOCK = {QType.Q4_0: 32, Q4_1: 32, QType.Q5_0: 32, Q5_1: 32, QType.Q8_0: 32, QT
 _TYPE_SIZE = {Q4_1: 20, Q5_1: 24, QType.Q5_K: 176}
 
 
+@pytest.fixture(autouse=True)
+def _int4(torch_kernels) -> None:
+    """These are the tests of torch's int4 layouts: ggml's kernels (tests/gguf/test_ggml_kernels.py) stay out."""
+
+
 def _blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, row_bytes]: our quantizer's blocks of Gaussian weights where it has one, else random bytes with
     sane fp16 scales (Q4_1, Q5_1, Q5_K)."""

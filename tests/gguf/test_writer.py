@@ -117,7 +117,10 @@ QUANT_CASES = [
 
 
 @pytest.mark.parametrize("arch,qtype,bounds", QUANT_CASES, ids=[f"{a}-{q}" for a, q, _ in QUANT_CASES])
-def test_quantized_chain_close_to_float_chain(tmp_path: Path, tiny, arch: str, qtype: str, bounds) -> None:
+def test_quantized_chain_close_to_float_chain(tmp_path: Path, tiny, arch: str, qtype: str, bounds,
+                                             torch_kernels) -> None:
+    """(The bounds are the writer's quantization through torch's int4 kernels, bfloat16 activations; ggml's kernels
+    quantize the activations too: test_fused_stage.py holds their agreement.)"""
     ck = open_checkpoint(tiny[arch])
     (out,) = write_gguf(tiny[arch], tmp_path / "m.gguf", qtype)
     spec, src, tok = open_gguf(out)

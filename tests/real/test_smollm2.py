@@ -98,7 +98,7 @@ def test_teacher_forced_top1_agrees_with_llamacpp(smollm2_files: dict[str, Path]
     assert agree / total >= bound, f"{label}: top-1 agrees on {agree} of {total}"
 
 
-CHAT = "What is the capital of France?"
+CHAT = "What is the capital of France? Answer in one sentence."
 
 
 def test_readme_chat_example_answers_paris_on_the_default_path(smollm2_gguf: Path) -> None:
@@ -111,8 +111,9 @@ def test_readme_chat_example_answers_paris_on_the_default_path(smollm2_gguf: Pat
 @pytest.mark.parametrize("label", LABELS)
 def test_fused_head_scores_are_float32_products_of_the_stored_weight(smollm2_files: dict[str, Path],
                                                                      label: str) -> None:
-    """The scores that decide the chat answer's first token ("The" 25.33 against "L" 25.24 in float32, one value in
-    the int4 kernel's bfloat16) are float32 products of the head as the file stores it."""
+    """The scores that decide the chat answer's first token are float32 products of the head as the file stores
+    it. (The README's first prompt was "What is the capital of France?": there "The" 25.33 against "L" 25.24 in
+    float32 after torch's int4 layers, and "L" after ggml's, as llama.cpp answers: "L'Etoile, la Marseillaise".)"""
     from sangama_p2p.model.chat import load_chat_template, render_chat
     from sangama_p2p.model.weights import dense
 

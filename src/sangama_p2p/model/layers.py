@@ -21,7 +21,7 @@ from .linear import MIN_ROWS, DenseMLP, FusedLinear, Loader, linear, norm_weight
 from .ops import apply_rope, attend_invariant, rms_norm, rotate_half_index
 from .spec import FULL, ModelSpec
 from .state import AttentionLayerState, Segment
-from .weights import Weight, dense
+from .weights import FusedWeight, GroupedExperts, Weight, dense
 
 __all__ = ["Attention", "DecoderLayer", "MoE"]
 
@@ -127,7 +127,17 @@ class MoE:
     def __init__(self, spec: ModelSpec, load: Loader) -> None:
         self.spec = spec
         self.router = load("mlp.gate.weight")
-        self.experts = [DenseMLP(load, f"mlp.experts.{e}") for e in range(spec.num_experts)]
+        # experts whose weights group (one product per projection for all of them: ggml's, model/gguf/ggml_kernels.py)
+        # run as one; the others each as its own MLP
+        loaded = {f"mlp.experts.{e}.{p}_proj.weight": load(f"mlp.experts.{e}.{p}_proj.weight")
+                  for e in range(spec.num_experts) for p in ("gate", "up", "down")}
+        first = loaded["mlp.experts.0.gate_proj.weight"]
+        self.grouped: GroupedExperts | None = type(first).group_experts(
+            *[[loaded[f"mlp.experts.{e}.{p}_proj.weight"] for e in range(spec.num_experts)]
+              for p in ("gate", "up", "down")]) if isinstance(first, FusedWeight) else None
+        self.experts = [] if self.grouped is not None else [
+            DenseMLP(lambda name: loaded.pop(name) if name in loaded else load(name), f"mlp.experts.{e}")
+            for e in range(spec.num_experts)]
         self.shared = DenseMLP(load, "mlp.shared_expert") if spec.shared_expert_intermediate_size else None
         self.shared_gate = load("mlp.shared_expert_gate.weight") if self.shared else None
         self.stacked = StackedExperts.build(self.experts)  # many-row steps in a few products (model/experts.py)
@@ -139,6 +149,8 @@ class MoE:
 
     def weights(self) -> Iterator[Weight]:
         yield self.router
+        if self.grouped is not None:
+            yield from self.grouped.weights()
         for e in self.experts:
             yield from e.weights()
         if self.shared is not None:
@@ -153,6 +165,9 @@ class MoE:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
         n, st = x.shape[0], self.stacked
+        if self.grouped is not None:
+            out = self.grouped(x, top_i, top_w).to(x.dtype)
+            return self._decode_shared(x, out) if n == 1 and not MIN_ROWS.get() else self._add_shared(x, out)
         if st is not None and st.dense_ok and (MIN_ROWS.get() or n * st.per_row <= DENSE_MAX):
             # small experts: every expert on every row in a few products, one row included (cheaper than the loop
             # below: 46 vs 95 us per layer for one row of the tiny model); the batch-invariant mode always
@@ -188,10 +203,16 @@ class MoE:
         for slot, e in sorted(enumerate(experts), key=lambda se: se[1]):
             mlp = self.experts[e]
             out.add_(mlp.forward_native(xin) if native else mlp.forward(x), alpha=weights[slot])
+        return self._decode_shared(x, out)
+
+    def _decode_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (one row's experts) plus the shared expert with its sigmoid gate, taken as one number."""
         if self.shared is not None:
             logit = (x * dense(self.shared_gate, x.dtype).reshape(1, -1)).sum()
             gate = float(torch.sigmoid(logit))
-            out.add_(self.shared.forward_native(xin) if native else self.shared.forward(x), alpha=gate)
+            native = self.shared.native and self.shared.takes is not None
+            y = self.shared.forward_native(x.to(self.shared.takes)) if native else self.shared.forward(x)
+            out.add_(y, alpha=gate)
         return out
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from ..errors import CheckpointError, UnsupportedModelError, translate
 
 __all__ = [
     "FusedWeight",
+    "GroupedExperts",
     "QuantWeight",
     "SafetensorsSource",
     "TensorSource",
@@ -81,6 +82,21 @@ class FusedWeight(abc.ABC):
     @staticmethod
     def concat(parts: list["FusedWeight"]) -> "FusedWeight | None":
         return None
+
+    @staticmethod
+    def group_experts(gates: list[Weight], ups: list[Weight], downs: list[Weight]) -> "GroupedExperts | None":
+        """A MoE layer's experts (one weight per expert and projection) as one grouped product, or None (the layer
+        then runs each expert's own products)."""
+        return None
+
+
+class GroupedExperts(Protocol):
+    """A MoE layer's experts run together: ``x [N, H]`` through each row's experts ``top_i [N, k]``, summed with
+    the weights ``top_w [N, k]``, as ``[N, H]`` (any float dtype)."""
+
+    def weights(self) -> list["Weight"]: ...
+
+    def __call__(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor: ...
 
 
 Weight = Union[torch.Tensor, QuantWeight, FusedWeight]

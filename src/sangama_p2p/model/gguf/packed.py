@@ -49,6 +49,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ..weights import FusedWeight, Weight
 from .dense import TEMP_BYTES, FloatLinear, dequantize_chunked, trim_heap
+from .ggml_kernels import ggml_weight
 from .quants import QK_K, QType, QuantTensor, _k_scale_min, fp16_at, q6_k_parts, type_name
 
 __all__ = ["FloatLinear", "Int4Weight", "INT4_TYPES", "cuda_int4_works", "repack", "trim_heap"]
@@ -388,6 +389,8 @@ def repack(w: Weight, dtype: torch.dtype, release: Callable[[torch.Tensor], None
         if head and w.qtype == QType.Q6_K:
             dense_w = dequantize_chunked(w, torch.float16, release)
             return FloatLinear(dense_w if dense_w is not None else dequantize_chunked(w, torch.bfloat16, release))
+        if not head and (g := ggml_weight(w)) is not None:  # multiplied as stored, by ggml (ggml_kernels.py)
+            return g
         if w.qtype in INT4_TYPES:
             return pack_int4(w, release)
         return w

@@ -1,0 +1,394 @@
+"""GGUF weights multiplied as they are stored, in their blocks, by ggml's own CPU kernels (the ``ggml-python``
+binding: llama.cpp's tensor library, built on the user's machine by pip).
+
+Why: per product 1.4-1.7x faster than torch's int4 kernel on the 4-bit types and 2-3.8x on the types our int4 layout
+holds as two codes a weight (Q5_*, Q6_K, Q8_0), measured here (docs/architecture.md, "Kernels"); and the weight is
+the file's bytes, not a repacking of them (held == file). The activations are quantized per call to the weight's
+dot-product type (Q8_K for the K-quants, Q8_0/Q8_1 for the 32-blocks), as llama.cpp does: the products are llama.cpp's.
+
+How: a product is one ggml graph of tensor headers whose data are ours (a context that allocates nothing): the weight
+points at the blocks, the input and output at each call's torch tensors, intermediates at a scratch tensor; a call is
+one ``ggml_graph_compute`` (ctypes releases the GIL). Graphs are kept per (row count, threads) for small row counts
+(decode, verification windows) and built per call for big ones (prefill, where building costs ~1% of the product).
+
+A MoE layer's experts (:class:`GgmlExperts`) are three 3-D ggml tensors over the stacked blocks of the file
+(``ffn_*_exps``, one view per projection), and a step's rows go through their routed experts with
+``ggml_mul_mat_id`` - gate, up, SwiGLU and down in one graph, one call a layer whatever the batch - as llama.cpp does.
+
+Selection: ``SANGAMA_KERNELS=torch`` keeps torch's int4 kernels (``packed.py``), ``ggml`` or unset uses these where
+the binding loads and passes its probe (:func:`binding`). The output head stays on torch's kernel: its coarse
+logits' error bound (``head.REL``) assumes activations rounded to bfloat16, not quantized per block.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ...errors import UnsupportedModelError
+from ..weights import FusedWeight
+from .quants import QuantTensor, dequantize_rows, type_name
+
+__all__ = ["KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight"]
+
+log = logging.getLogger(__name__)
+
+KERNELS_ENV = "SANGAMA_KERNELS"
+_F32, _I32 = 0, 26  # ggml_type ids
+_CACHED_ROWS = 64  # graphs for at most this many rows are kept (per weight); bigger ones are built per call
+_CACHED_GRAPHS = 8  # per weight
+
+
+@functools.cache
+def binding() -> Any | None:
+    """ggml-python's ``ggml`` module, or None: not installed, switched off (``SANGAMA_KERNELS=torch``), or failing
+    its probe - a child process that runs a batched product and an expert product of each family of types once
+    (a build for instructions that the CPU reports but the machine does not allow dies with SIGILL there, not here)."""
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower()
+    if choice == "torch":
+        return None
+    if choice not in ("auto", "ggml"):
+        raise UnsupportedModelError(f"{KERNELS_ENV}={choice!r}: expected 'ggml', 'torch' or 'auto'")
+    try:
+        from ggml import ggml as G  # the binding loads libggml at import
+    except (ImportError, OSError) as exc:
+        (log.warning if choice == "ggml" else log.info)("ggml kernels unavailable (%s): torch's int4 kernels", exc)
+        return None
+    if not _probe_passes():
+        log.warning("ggml's kernels failed their probe on this machine: torch's int4 kernels are used instead")
+        return None
+    G.ggml_cpu_init()
+    return G
+
+
+def _probe_passes() -> bool:
+    """Run :func:`probe` in a child process; True when it exits cleanly. A pass is remembered on disk per library
+    build and CPU (``~/.cache/sangama/ggml-probe-*``), so each process does not pay the child's start-up."""
+    from ggml import ggml as G
+
+    lib = os.path.realpath(getattr(G.lib, "_name", "") or "")
+    try:
+        st = os.stat(lib)
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    except OSError:
+        st, flags = None, ""
+    key = hashlib.sha256(f"{lib}|{st and (st.st_size, st.st_mtime_ns)}|{flags}|{sys.executable}".encode())
+    mark = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sangama" / \
+        f"ggml-probe-{key.hexdigest()[:16]}"
+    if mark.exists():
+        return True
+    try:
+        done = subprocess.run([sys.executable, "-c", f"from {__name__} import probe; probe()"], timeout=120,
+                              capture_output=True)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("ggml probe could not run: %s", exc)
+        return False
+    if done.returncode != 0:
+        log.warning("ggml probe exited %s: %s", done.returncode, done.stderr.decode(errors="replace")[-500:])
+        return False
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    except OSError:
+        pass
+    return True
+
+
+def probe() -> None:
+    """One batched product of each kernel family (32-blocks, K-quants) and one expert product, with random bytes
+    (run in a child process by :func:`binding`)."""
+    from ggml import ggml as G
+
+    G.ggml_cpu_init()
+    gen = torch.Generator().manual_seed(0)
+    for qtype in (2, 8, 12, 14):  # Q4_0, Q8_0, Q4_K, Q6_K
+        rows, cols = 64, 512
+        blocks = torch.randint(0, 256, (rows, G.ggml_row_size(qtype, cols)), dtype=torch.uint8, generator=gen)
+        blocks.view(-1)[:2].zero_()  # (the bytes are never checked: only that the kernels run)
+        w = GgmlWeight(blocks, qtype, cols, lib=G)
+        for m in (1, 32):
+            w.product(torch.randn(m, cols, generator=gen))
+
+
+# ---- graphs ---------------------------------------------------------------------------------------------------
+
+
+class _Graph:
+    """A ggml graph over memory we own: ``build(ctx)`` creates the tensors and returns (inputs, output,
+    intermediates); inputs and output are re-pointed per call, weights were pointed at their blocks by ``build``, and
+    the intermediates and ggml's work area live in the calling thread's arena (:func:`_arena`: one buffer a thread,
+    not one a graph - a stage keeps graphs for every weight and several row counts)."""
+
+    def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], Any, list[Any]]]) -> None:
+        self.lib = lib
+        size = lib.ggml_tensor_overhead() * 16 + lib.ggml_graph_overhead_custom(16, False)
+        self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        try:
+            inputs, out, between = build(self.ctx)
+            self.graph = lib.ggml_new_graph_custom(self.ctx, 16, False)
+            lib.ggml_build_forward_expand(self.graph, out)
+            self.between = [(t.contents, -(-lib.ggml_nbytes(t) // 64) * 64) for t in between]
+            self.plan = lib.ggml_graph_plan(self.graph, threads, None)
+            self.need = sum(s for _, s in self.between) + int(self.plan.work_size)
+            self.plan_p = ctypes.pointer(self.plan)
+            self.base = -1  # the arena's address the intermediates point into
+            self.inputs = [t.contents for t in inputs]  # the structs, so a call writes one field each
+            self.out = out.contents
+        except BaseException:
+            lib.ggml_free(self.ctx)
+            raise
+
+    def __call__(self, inputs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        base = _arena(self.need)
+        if base != self.base:
+            at = base
+            for t, s in self.between:
+                t.data = at
+                at += s
+            self.plan.work_data = ctypes.cast(at, ctypes.POINTER(ctypes.c_uint8))
+            self.base = base
+        for t, x in zip(self.inputs, inputs):
+            t.data = x.data_ptr()
+        self.out.data = out.data_ptr()
+        status = self.lib.ggml_graph_compute(self.graph, self.plan_p)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        return out
+
+    def __del__(self) -> None:
+        ctx, self.ctx = getattr(self, "ctx", None), None
+        if ctx:
+            self.lib.ggml_free(ctx)
+
+
+_local = threading.local()
+
+
+def _arena(size: int) -> int:
+    """The address of this thread's scratch buffer, grown to at least ``size`` bytes (graphs that used the old one
+    re-point at the next call: their ``base`` differs)."""
+    buf: torch.Tensor | None = getattr(_local, "arena", None)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(max(size, 1 << 16, 2 * (0 if buf is None else buf.numel())), dtype=torch.uint8)
+        _local.arena = buf
+    return buf.data_ptr()
+
+
+class _Graphs:
+    """A weight's graphs by (rows, threads): the small ones kept (least recently used dropped), big ones per call.
+    One call at a time per weight (a lock: the graphs' inputs are re-pointed per call)."""
+
+    def __init__(self, make: Callable[[int, int], _Graph]) -> None:
+        self.make = make
+        self.kept: collections.OrderedDict[tuple[int, int], _Graph] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def run(self, rows: int, inputs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        key = (rows, torch.get_num_threads())
+        with self.lock:
+            g = self.kept.get(key)
+            if g is None:
+                g = self.make(*key)
+                if rows <= _CACHED_ROWS:
+                    self.kept[key] = g
+                    if len(self.kept) > _CACHED_GRAPHS:
+                        self.kept.popitem(last=False)
+            else:
+                self.kept.move_to_end(key)
+            return g(inputs, out)
+
+
+# ---- weights --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class GgmlWeight(FusedWeight):
+    """``W [n, k]`` as GGML blocks (uint8 ``[n, row_bytes]``, often a view of the mapped file), multiplied by ggml.
+    ``in_perm``: the file's columns are ``x[:, in_perm]`` (llama.cpp reordered them: ``ssm_out``)."""
+
+    blocks: torch.Tensor
+    qtype: int
+    k: int
+    in_perm: torch.Tensor | None = None
+    lib: Any = None
+    product_dtype: ClassVar[torch.dtype] = torch.float32
+
+    def __post_init__(self) -> None:
+        self.lib = self.lib or binding()
+        if self.lib is None:
+            raise UnsupportedModelError("ggml's kernels are not available")
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or not self.blocks.is_contiguous():
+            raise UnsupportedModelError("ggml weights are contiguous uint8 rows of blocks")
+        if self.lib.ggml_row_size(self.qtype, self.k) != self.blocks.shape[1]:
+            raise UnsupportedModelError(
+                f"{type_name(self.qtype)} rows of {self.k} are not {self.blocks.shape[1]} bytes")
+        self._graphs = _Graphs(self._graph)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.blocks.shape[0]), self.k)
+
+    @property
+    def n(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.numel())
+
+    @property
+    def type_name(self) -> str:
+        return f"{type_name(self.qtype)} (ggml)"
+
+    def _graph(self, rows: int, threads: int) -> _Graph:
+        lib = self.lib
+
+        def build(ctx: Any) -> tuple[list[Any], Any, list[Any]]:
+            w = lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
+            w.contents.data = self.blocks.data_ptr()
+            x = lib.ggml_new_tensor_2d(ctx, _F32, self.k, rows)
+            return [x], lib.ggml_mul_mat(ctx, w, x), []
+
+        return _Graph(lib, threads, build)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, k]`` (any float dtype) times the weight: ``[M, n]`` float32."""
+        x = x.float()
+        if self.in_perm is not None:
+            x = x.index_select(1, self.in_perm)
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n)
+        return self._graphs.run(x.shape[0], [x], out)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.product(x.reshape(-1, self.k)).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.n)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = dequantize_rows(self.qtype, self.blocks, self.k)
+        if self.in_perm is not None:
+            w = w.index_select(1, torch.argsort(self.in_perm))
+        return w.to(dtype)
+
+    def to(self, device: torch.device | str) -> "GgmlWeight":
+        if torch.device(device).type != "cpu":
+            raise UnsupportedModelError(f"ggml weights are multiplied on the CPU; {device} takes repacked ones")
+        return self
+
+    @staticmethod
+    def joinable(parts: list[FusedWeight]) -> bool:
+        return all(isinstance(p, GgmlWeight) and p.qtype == parts[0].qtype and p.k == parts[0].k  # type: ignore
+                   and p.in_perm is None for p in parts)
+
+    @staticmethod
+    def group_experts(gates: list[Any], ups: list[Any], downs: list[Any]) -> "GgmlExperts | None":
+        return GgmlExperts.build(gates, ups, downs)
+
+    @staticmethod
+    def concat(parts: list[FusedWeight]) -> "GgmlWeight | None":
+        """The parts' rows as one weight (one product for q/k/v or gate/up): a copy of their blocks, which replaces
+        them (the same bytes as the file's)."""
+        if not GgmlWeight.joinable(parts):
+            return None
+        first: GgmlWeight = parts[0]  # type: ignore[assignment]
+        blocks = torch.cat([p.blocks for p in parts])  # type: ignore[attr-defined]
+        return GgmlWeight(blocks, first.qtype, first.k, lib=first.lib)
+
+
+def ggml_weight(qt: QuantTensor) -> GgmlWeight | None:
+    """The blocks of ``qt`` as a :class:`GgmlWeight`, or None when ggml is not in use or cannot take them."""
+    lib = binding()
+    if lib is None or qt.data.device.type != "cpu" or not qt.data.is_contiguous():
+        return None
+    in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
+    try:
+        return GgmlWeight(qt.data, qt.qtype, qt.n_cols, in_perm, lib)
+    except UnsupportedModelError:
+        return None
+
+
+class GgmlExperts:
+    """A MoE layer's experts as three 3-D ggml tensors (gate, up: ``[E, I, H]``; down: ``[E, H, I]``) over the
+    experts' own blocks, which must lie at one stride from each other (the views of a stacked ``ffn_*_exps``)."""
+
+    def __init__(self, gate: GgmlWeight, up: GgmlWeight, down: GgmlWeight, strides: tuple[int, int, int],
+                 num: int, keep: list[GgmlWeight]) -> None:
+        self.gate, self.up, self.down, self.strides, self.num = gate, up, down, strides, num
+        self.keep = keep  # every expert's weights: the views that hold the stacked blocks alive
+        self.hidden, self.inter = down.n, gate.n
+        self.lib = gate.lib
+        self._graphs: dict[int, _Graphs] = {}
+
+    @classmethod
+    def build(cls, gates: list[Any], ups: list[Any], downs: list[Any]) -> "GgmlExperts | None":
+        """The stacked experts, or None when the weights are not ggml weights of one type and shape per projection at
+        one stride."""
+        strides = []
+        for ws in (gates, ups, downs):
+            if not all(isinstance(w, GgmlWeight) and w.in_perm is None for w in ws):
+                return None
+            first = ws[0]
+            if any(w.qtype != first.qtype or w.blocks.shape != first.blocks.shape for w in ws):
+                return None
+            base = first.blocks.data_ptr()
+            stride = ws[1].blocks.data_ptr() - base if len(ws) > 1 else first.nbytes
+            if any(w.blocks.data_ptr() != base + e * stride for e, w in enumerate(ws)) or stride < first.nbytes:
+                return None
+            strides.append(stride)
+        g, u, d = gates[0], ups[0], downs[0]
+        if g.k != d.n or u.k != g.k or u.n != g.n or d.k != g.n:
+            return None
+        return cls(g, u, d, (strides[0], strides[1], strides[2]), len(gates), [*gates, *ups, *downs])
+
+    def weights(self) -> list[GgmlWeight]:
+        return self.keep
+
+    def _graph(self, k: int) -> _Graphs:
+        lib = self.lib
+
+        def make(rows: int, threads: int) -> _Graph:
+            def stacked(ctx: Any, w: GgmlWeight, stride: int) -> Any:
+                t = lib.ggml_new_tensor_3d(ctx, w.qtype, w.k, w.n, self.num)
+                c = t.contents
+                c.data = w.blocks.data_ptr()
+                c.nb[2] = stride
+                c.nb[3] = stride * self.num
+                return t
+
+            def build(ctx: Any) -> tuple[list[Any], Any, list[Any]]:
+                x = lib.ggml_new_tensor_3d(ctx, _F32, self.hidden, 1, rows)
+                ids = lib.ggml_new_tensor_2d(ctx, _I32, k, rows)
+                gate = lib.ggml_mul_mat_id(ctx, stacked(ctx, self.gate, self.strides[0]), x, ids)
+                up = lib.ggml_mul_mat_id(ctx, stacked(ctx, self.up, self.strides[1]), x, ids)
+                h = lib.ggml_swiglu_split(ctx, gate, up)
+                y = lib.ggml_mul_mat_id(ctx, stacked(ctx, self.down, self.strides[2]), h, ids)
+                return [x, ids], y, [gate, up, h]
+
+            return _Graph(lib, threads, build)
+
+        return self._graphs.setdefault(k, _Graphs(make))
+
+    def __call__(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """x [N, H] through each row's experts top_i [N, k], summed with weights top_w [N, k]: [N, H] float32."""
+        n, k = top_i.shape
+        xs = x.float().contiguous()
+        ids = top_i.to(torch.int32).contiguous()
+        y = torch.empty(n, k, self.hidden)
+        self._graph(k).run(n, [xs, ids], y)
+        return torch.bmm(top_w.float().unsqueeze(1), y).squeeze(1)
