@@ -1,5 +1,5 @@
-"""Load time and memory of a whole-model stage of each real SmolLM2 file: ggml's kernels on the file's blocks,
-torch's int4 kernels on a repacking (``SANGAMA_KERNELS=torch``), and dequantized per use.
+"""Load time and memory of a whole-model stage of each real SmolLM2 file: the default kernels, ggml's on the file's
+blocks for every type, torch's int4 ones on a repacking (``SANGAMA_KERNELS=ggml`` / ``torch``), dequantized per use.
 
     python benchmarks/real_load.py [--rounds 2] [--files LABEL=PATH ...]
 
@@ -39,8 +39,9 @@ def main() -> None:
     else:
         files = {label: cache / f"SmolLM2-135M-Instruct.{label}.gguf" for label in ("Q4_1", "F16", "Q8_0", "Q4_K_M")}
     files = {k: v for k, v in files.items() if v.exists()}
-    # (path, fused, SANGAMA_KERNELS): ggml's kernels on the file's blocks, torch's int4 repacking, dequantize per use
-    paths = [("ggml", True, "ggml"), ("int4", True, "torch"), ("per use", False, "torch")]
+    # (path, fused, SANGAMA_KERNELS): the default (ggml for all but Q4_0/Q4_1), ggml for every type, torch's int4
+    # repacking for every type, dequantized per use
+    paths = [("auto", True, "auto"), ("ggml", True, "ggml"), ("int4", True, "torch"), ("per use", False, "torch")]
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):
         for label, path in files.items():

@@ -86,6 +86,8 @@ def test_fused_greedy_equals_dequantize_per_use(request, tmp_path: Path, tiny, k
         request.getfixturevalue("torch_kernels")
     elif binding() is None:
         pytest.skip("ggml-python is not installed")
+    else:  # every type through ggml (the default: all but Q4_0 and Q4_1)
+        request.getfixturevalue("monkeypatch").setenv("SANGAMA_KERNELS", "ggml")
     spec, src = _gguf(tmp_path, tiny[arch], qtype)
     got_agree, got_prefix, margins = _agree(spec, src, [(0, 2), (2, spec.num_layers)], 16)
     assert got_agree >= agree and got_prefix >= prefix, (got_agree, got_prefix, margins)

@@ -21,7 +21,13 @@ from sangama_p2p.model.make import make_model
 from sangama_p2p.model.stage import StageModel
 from sangama_p2p.model.weights import weight_nbytes
 
-pytestmark = pytest.mark.skipif(binding() is None, reason="ggml-python is not installed (SANGAMA_KERNELS=torch?)")
+pytestmark = pytest.mark.skipif(binding() is None, reason="ggml-python is not installed or failed its probe")
+
+
+@pytest.fixture(autouse=True)
+def _every_type(monkeypatch) -> None:
+    """ggml for every type (``auto`` leaves Q4_0/Q4_1 to torch's int4 kernel: its own test below)."""
+    monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "ggml")
 
 # max |ggml - x @ dequantize(w).T| / max |x @ dequantize(w).T| (test_packed.py's measure, 7 rows of N(0, 1)). ggml
 # quantizes the activations per block to the weight's dot-product type (Q8_K for the K-quants, Q8_0/Q8_1 for the
@@ -166,22 +172,36 @@ def test_a_moe_stage_holds_the_files_blocks_and_groups_its_experts(tmp_path: Pat
     assert held == in_file, (held, in_file)
 
 
-def test_switched_off_or_failing_its_probe_the_binding_is_not_used(monkeypatch, caplog) -> None:
+def test_the_kernels_of_each_mode(monkeypatch) -> None:
+    """``auto`` takes ggml for Q4_K and the types torch's int4 layout holds as two codes a weight or not at all, and
+    leaves Q4_0/Q4_1 to torch's kernel (measured faster there); ``ggml`` takes every type, ``torch`` none."""
+    def kind(qtype: int) -> str:
+        rows, cols = 32, 256
+        w = repack(QuantTensor(qtype, torch.from_numpy(_blocks(qtype, rows, cols)), cols), torch.float32)
+        return "ggml" if isinstance(w, GgmlWeight) else "int4" if isinstance(w, Int4Weight) else type(w).__name__
+
+    types = [QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_0, QType.Q5_K, QType.Q6_K, QType.Q8_0]
+    monkeypatch.delenv(ggml_kernels.KERNELS_ENV)
+    assert [kind(q) for q in types] == ["int4"] * 2 + ["ggml"] * 5
+    monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "auto")
+    assert [kind(q) for q in types] == ["int4"] * 2 + ["ggml"] * 5
+    monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "ggml")
+    assert [kind(q) for q in types] == ["ggml"] * 7
+    monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "torch")
+    assert [kind(q) for q in types] == ["int4"] * 7
+    monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "fastest")
+    with pytest.raises(UnsupportedModelError):
+        kind(QType.Q8_0)
+
+
+def test_a_binding_that_fails_its_probe_is_not_used(monkeypatch, caplog) -> None:
     try:
         binding.cache_clear()
-        monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "torch")
-        assert binding() is None
-        binding.cache_clear()
-        monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "fastest")
-        with pytest.raises(UnsupportedModelError):
-            binding()
-        binding.cache_clear()
-        monkeypatch.setenv(ggml_kernels.KERNELS_ENV, "ggml")
         monkeypatch.setattr(ggml_kernels, "_probe_passes", lambda: False)
         with caplog.at_level(logging.WARNING):
             assert binding() is None
         assert "failed their probe" in caplog.text
-        assert ggml_weight(QuantTensor(QType.Q4_K, torch.zeros(16, 144, dtype=torch.uint8), 256)) is None
+        assert ggml_weight(QuantTensor(QType.Q8_0, torch.zeros(16, 34 * 8, dtype=torch.uint8), 256)) is None
     finally:
         monkeypatch.undo()
         binding.cache_clear()

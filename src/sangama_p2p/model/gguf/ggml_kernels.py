@@ -1,23 +1,27 @@
 """GGUF weights multiplied as they are stored, in their blocks, by ggml's own CPU kernels (the ``ggml-python``
 binding: llama.cpp's tensor library, built on the user's machine by pip).
 
-Why: per product 1.4-1.7x faster than torch's int4 kernel on the 4-bit types and 2-3.8x on the types our int4 layout
-holds as two codes a weight (Q5_*, Q6_K, Q8_0), measured here (docs/architecture.md, "Kernels"); and the weight is
-the file's bytes, not a repacking of them (held == file). The activations are quantized per call to the weight's
-dot-product type (Q8_K for the K-quants, Q8_0/Q8_1 for the 32-blocks), as llama.cpp does: the products are llama.cpp's.
+Why, measured (docs/architecture.md, "ggml's kernels"): the weight is the file's bytes, not a repacking of them
+(torch's int4 layout holds the 5-, 6- and 8-bit types as two codes a weight, 1.06-1.64x the file), and for those types
+ggml's products are faster, streamed from memory as a decode step reads them (1.07-1.39x) and in the cache (1.9-2.7x);
+ggml also has kernels for the types torch's layouts do not take (Q2_K, Q3_K, IQ4_*). The activations are quantized per
+call to the weight's dot-product type (Q8_K for the K-quants, Q8_0/Q8_1 for the 32-blocks), as llama.cpp does.
 
 How: a product is one ggml graph of tensor headers whose data are ours (a context that allocates nothing): the weight
-points at the blocks, the input and output at each call's torch tensors, intermediates at a scratch tensor; a call is
-one ``ggml_graph_compute`` (ctypes releases the GIL). Graphs are kept per (row count, threads) for small row counts
-(decode, verification windows) and built per call for big ones (prefill, where building costs ~1% of the product).
+points at the blocks, the input and output at each call's torch tensors, intermediates and ggml's work area at the
+calling thread's arena; a call is one ``ggml_graph_compute`` (ctypes releases the GIL). Graphs are kept per (row
+count, threads) for small row counts (decode, verification windows) and built per call for big ones (prefill, where
+building costs ~1% of the product).
 
 A MoE layer's experts (:class:`GgmlExperts`) are three 3-D ggml tensors over the stacked blocks of the file
 (``ffn_*_exps``, one view per projection), and a step's rows go through their routed experts with
 ``ggml_mul_mat_id`` - gate, up, SwiGLU and down in one graph, one call a layer whatever the batch - as llama.cpp does.
 
-Selection: ``SANGAMA_KERNELS=torch`` keeps torch's int4 kernels (``packed.py``), ``ggml`` or unset uses these where
-the binding loads and passes its probe (:func:`binding`). The output head stays on torch's kernel: its coarse
-logits' error bound (``head.REL``) assumes activations rounded to bfloat16, not quantized per block.
+Selection (:func:`mode`, ``SANGAMA_KERNELS``): ``auto`` (default) multiplies :data:`AUTO_TYPES` here and leaves Q4_0
+and Q4_1 to torch's int4 kernel (``packed.py``), which streams them faster on our CPU; ``ggml`` every type;
+``torch`` none. Either needs the binding to load and pass its probe (:func:`binding`). The output head stays on
+torch's kernel: its coarse logits' error bound (``head.REL``) assumes activations rounded to bfloat16, not quantized
+per block.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ...errors import UnsupportedModelError
 from ..weights import FusedWeight
 from .quants import QuantTensor, dequantize_rows, type_name
 
-__all__ = ["KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight"]
+__all__ = ["AUTO_TYPES", "KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight", "mode"]
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +55,34 @@ _CACHED_ROWS = 64  # graphs for at most this many rows are kept (per weight); bi
 _CACHED_GRAPHS = 8  # per weight
 
 
+# The types ggml multiplies by default (SANGAMA_KERNELS unset or auto), chosen per type by measurement
+# (benchmarks/kernels_streamed.py, docs/architecture.md): those torch's int4 layout holds as two codes a weight
+# (1.06-1.64x the file, and slower than ggml streamed from memory: 1.07-1.39x), those it does not take at all (they
+# would be dequantized per use), and Q4_K: torch's kernel streams it 1.26x faster, but holds it at 1.11x the file,
+# and a Q4_K_M file (Q4_K beside Q6_K, Q5_0) through two kernels that round the activations differently (bfloat16;
+# ggml: per block, as llama.cpp) agreed with llama.cpp's tokens less than through either alone (tests/real).
+# Q4_0 and Q4_1 stay on torch's int4 kernel: 1.0-1.11x the file, 1.4-1.5x faster streamed and 2x in 512-row
+# products, on our CPU.
+AUTO_TYPES = frozenset({12, 6, 7, 13, 14, 8, 10, 11, 20, 23})  # Q4_K Q5_0 Q5_1 Q5_K Q6_K Q8_0 Q2_K Q3_K IQ4_NL IQ4_XS
+
+
+def mode() -> str:
+    """``SANGAMA_KERNELS``: ``auto`` (default: ggml for :data:`AUTO_TYPES`), ``ggml`` (every type) or ``torch``."""
+    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "ggml", "torch"):
+        raise UnsupportedModelError(f"{KERNELS_ENV}={choice!r}: expected 'auto', 'ggml' or 'torch'")
+    return choice
+
+
 @functools.cache
 def binding() -> Any | None:
-    """ggml-python's ``ggml`` module, or None: not installed, switched off (``SANGAMA_KERNELS=torch``), or failing
-    its probe - a child process that runs a batched product and an expert product of each family of types once
-    (a build for instructions that the CPU reports but the machine does not allow dies with SIGILL there, not here)."""
-    choice = os.environ.get(KERNELS_ENV, "auto").strip().lower()
-    if choice == "torch":
-        return None
-    if choice not in ("auto", "ggml"):
-        raise UnsupportedModelError(f"{KERNELS_ENV}={choice!r}: expected 'ggml', 'torch' or 'auto'")
+    """ggml-python's ``ggml`` module, or None: not installed, or failing its probe - a child process that runs
+    products of each family of types once (a build for instructions that the CPU reports but the machine does not
+    allow dies with SIGILL there, not here)."""
     try:
         from ggml import ggml as G  # the binding loads libggml at import
     except (ImportError, OSError) as exc:
-        (log.warning if choice == "ggml" else log.info)("ggml kernels unavailable (%s): torch's int4 kernels", exc)
+        (log.warning if mode() == "ggml" else log.info)("ggml kernels unavailable (%s): torch's int4 kernels", exc)
         return None
     if not _probe_passes():
         log.warning("ggml's kernels failed their probe on this machine: torch's int4 kernels are used instead")
@@ -107,19 +125,25 @@ def _probe_passes() -> bool:
 
 
 def probe() -> None:
-    """One batched product of each kernel family (32-blocks, K-quants) and one expert product, with random bytes
-    (run in a child process by :func:`binding`)."""
+    """Products of each kernel family (32-blocks, K-quants) for one row, a cached batch and a big batch, and a step of
+    grouped experts, on random bytes (run in a child process by :func:`binding`: only that the kernels run)."""
     from ggml import ggml as G
 
     G.ggml_cpu_init()
     gen = torch.Generator().manual_seed(0)
+    rows, cols, experts = 64, 512, 4
     for qtype in (2, 8, 12, 14):  # Q4_0, Q8_0, Q4_K, Q6_K
-        rows, cols = 64, 512
-        blocks = torch.randint(0, 256, (rows, G.ggml_row_size(qtype, cols)), dtype=torch.uint8, generator=gen)
-        blocks.view(-1)[:2].zero_()  # (the bytes are never checked: only that the kernels run)
-        w = GgmlWeight(blocks, qtype, cols, lib=G)
-        for m in (1, 32):
-            w.product(torch.randn(m, cols, generator=gen))
+        stacked = torch.zeros(experts, rows, G.ggml_row_size(qtype, cols), dtype=torch.uint8)  # zero scales
+        w = [GgmlWeight(stacked[e], qtype, cols, lib=G) for e in range(experts)]
+        for m in (1, 32, 300):
+            w[0].product(torch.randn(m, cols, generator=gen))
+        if qtype != 8:  # gate, up [E, 64, 512]; down [E, 512, 64] as Q8_0 (64 is no K-quant row)
+            down = torch.zeros(experts, cols, G.ggml_row_size(8, rows), dtype=torch.uint8)
+            grouped = GgmlExperts.build(w, w, [GgmlWeight(down[e], 8, rows, lib=G) for e in range(experts)])
+            assert grouped is not None
+            for m in (1, 40):
+                grouped(torch.randn(m, cols, generator=gen), torch.randint(0, experts, (m, 2), generator=gen),
+                        torch.rand(m, 2, generator=gen))
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------
@@ -312,7 +336,11 @@ class GgmlWeight(FusedWeight):
 
 
 def ggml_weight(qt: QuantTensor) -> GgmlWeight | None:
-    """The blocks of ``qt`` as a :class:`GgmlWeight`, or None when ggml is not in use or cannot take them."""
+    """The blocks of ``qt`` as a :class:`GgmlWeight`, or None when ggml is not chosen for its type (:func:`mode`), not
+    available, or cannot take them."""
+    chosen = mode()
+    if chosen == "torch" or (chosen == "auto" and qt.qtype not in AUTO_TYPES):
+        return None
     lib = binding()
     if lib is None or qt.data.device.type != "cpu" or not qt.data.is_contiguous():
         return None
