@@ -203,15 +203,19 @@ class MoE:
         for slot, e in sorted(enumerate(experts), key=lambda se: se[1]):
             mlp = self.experts[e]
             out.add_(mlp.forward_native(xin) if native else mlp.forward(x), alpha=weights[slot])
-        return self._decode_shared(x, out)
+        return self._decode_shared(x, out, xin if native else None)
 
-    def _decode_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (one row's experts) plus the shared expert with its sigmoid gate, taken as one number."""
+    def _decode_shared(self, x: torch.Tensor, out: torch.Tensor, xin: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` (one row's experts) plus the shared expert with its sigmoid gate, taken as one number; ``xin``:
+        the row already cast to what the shared expert's native products take, if it was."""
         if self.shared is not None:
             logit = (x * dense(self.shared_gate, x.dtype).reshape(1, -1)).sum()
             gate = float(torch.sigmoid(logit))
-            native = self.shared.native and self.shared.takes is not None
-            y = self.shared.forward_native(x.to(self.shared.takes)) if native else self.shared.forward(x)
+            takes = self.shared.takes
+            if self.shared.native and takes is not None:
+                y = self.shared.forward_native(xin if xin is not None else x.to(takes))
+            else:
+                y = self.shared.forward(x)
             out.add_(y, alpha=gate)
         return out
 

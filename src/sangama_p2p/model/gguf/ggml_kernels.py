@@ -43,7 +43,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ..weights import FusedWeight
-from .quants import QuantTensor, dequantize_rows, type_name
+from .quants import QuantTensor, type_name
 
 __all__ = ["AUTO_TYPES", "KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight", "mode"]
 
@@ -305,10 +305,8 @@ class GgmlWeight(FusedWeight):
         return y.reshape(*x.shape[:-1], self.n)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        w = dequantize_rows(self.qtype, self.blocks, self.k)
-        if self.in_perm is not None:
-            w = w.index_select(1, torch.argsort(self.in_perm))
-        return w.to(dtype)
+        col_perm = None if self.in_perm is None else torch.argsort(self.in_perm)
+        return QuantTensor(self.qtype, self.blocks, self.k, col_perm).dequantize(dtype)
 
     def to(self, device: torch.device | str) -> "GgmlWeight":
         if torch.device(device).type != "cpu":
@@ -359,7 +357,7 @@ class GgmlExperts:
                  num: int, keep: list[GgmlWeight]) -> None:
         self.gate, self.up, self.down, self.strides, self.num = gate, up, down, strides, num
         self.keep = keep  # every expert's weights: the views that hold the stacked blocks alive
-        self.hidden, self.inter = down.n, gate.n
+        self.hidden = down.n
         self.lib = gate.lib
         self._graphs: dict[int, _Graphs] = {}
 
@@ -388,6 +386,7 @@ class GgmlExperts:
         return self.keep
 
     def _graph(self, k: int) -> _Graphs:
+        """The graphs for k experts a row (made once per k)."""
         lib = self.lib
 
         def make(rows: int, threads: int) -> _Graph:
@@ -410,7 +409,8 @@ class GgmlExperts:
 
             return _Graph(lib, threads, build)
 
-        return self._graphs.setdefault(k, _Graphs(make))
+        graphs = self._graphs[k] = _Graphs(make)
+        return graphs
 
     def __call__(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [N, H] through each row's experts top_i [N, k], summed with weights top_w [N, k]: [N, H] float32."""
@@ -418,5 +418,5 @@ class GgmlExperts:
         xs = x.float().contiguous()
         ids = top_i.to(torch.int32).contiguous()
         y = torch.empty(n, k, self.hidden)
-        self._graph(k).run(n, [xs, ids], y)
+        (self._graphs.get(k) or self._graph(k)).run(n, [xs, ids], y)
         return torch.bmm(top_w.float().unsqueeze(1), y).squeeze(1)
