@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from .gguf.ggml_layer import deltanet_step
 from .linear import MIN_ROWS, FusedLinear, Loader, linear
 from .ops import (causal_conv, delta_rule_chunked, delta_rule_one, delta_rule_short, delta_rule_steps, l2norm,
                   rms_norm)
@@ -43,12 +44,19 @@ class GatedDeltaNet:
         self.neg_a = -dense(load("linear_attn.A_log"), torch.float32).exp()  # -exp(A_log), [Hv]
         self.dt_bias = dense(load("linear_attn.dt_bias"), torch.float32)
         self.norm = dense(load("linear_attn.norm.weight"), torch.float32)  # plain (not zero-centred) gated norm
+        self.step = deltanet_step(self)  # a session's one-token step as one ggml graph, where its weights are ggml's
 
     def weights(self) -> Iterator[Weight]:
         yield from self.in_proj.weights()
         yield from (self.out, self.conv, self.neg_a, self.dt_bias, self.norm)
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        if self.step is not None and len(segments) == 1 and segments[0].length == 1 and not MIN_ROWS.get():
+            st = segments[0].state.layers[self.key]
+            assert isinstance(st, LinearLayerState)
+            if st.conv.dtype == torch.float32 and st.conv.is_contiguous() and st.rec.is_contiguous() and \
+                    st.conv.device.type == "cpu":
+                return self.step(x, st.conv, st.rec).to(x.dtype)
         spec = self.spec
         n, nv, dv = x.shape[0], spec.linear_num_value_heads, spec.linear_value_head_dim
         mixed, z, b, a = self.in_proj(x)  # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .deltanet import GatedDeltaNet
 from .experts import DENSE_MAX, StackedExperts
+from .gguf.ggml_layer import moe_step
 from .linear import MIN_ROWS, DenseMLP, FusedLinear, Loader, linear, norm_weight
 from .ops import apply_rope, attend_invariant, rms_norm, rotate_half_index
 from .spec import FULL, ModelSpec
@@ -146,6 +147,7 @@ class MoE:
         takes = {m.takes for m in mlps}
         self._decode_native = len(takes) == 1 and all(m.native for m in mlps)
         self._decode_dtype: torch.dtype | None = next(iter(takes)) if self._decode_native else None
+        self.step = moe_step(self) if self.grouped is not None else None  # the whole layer as one ggml graph
 
     def weights(self) -> Iterator[Weight]:
         yield self.router
@@ -158,6 +160,8 @@ class MoE:
             yield self.shared_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step is not None and x.device.type == "cpu":  # row by row: batch-invariant as it is
+            return self.step(x).to(x.dtype)
         logits = linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.spec.num_experts_per_tok, dim=-1)  # [N, k]

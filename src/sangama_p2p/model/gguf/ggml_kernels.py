@@ -385,26 +385,28 @@ class GgmlExperts:
     def weights(self) -> list[GgmlWeight]:
         return self.keep
 
+    def stacked(self, ctx: Any, which: int) -> Any:
+        """The experts' gate (0), up (1) or down (2) weights as one 3-D ggml tensor in ``ctx``."""
+        w, stride = (self.gate, self.up, self.down)[which], self.strides[which]
+        t = self.lib.ggml_new_tensor_3d(ctx, w.qtype, w.k, w.n, self.num)
+        c = t.contents
+        c.data = w.blocks.data_ptr()
+        c.nb[2] = stride
+        c.nb[3] = stride * self.num
+        return t
+
     def _graph(self, k: int) -> _Graphs:
         """The graphs for k experts a row (made once per k)."""
         lib = self.lib
 
         def make(rows: int, threads: int) -> _Graph:
-            def stacked(ctx: Any, w: GgmlWeight, stride: int) -> Any:
-                t = lib.ggml_new_tensor_3d(ctx, w.qtype, w.k, w.n, self.num)
-                c = t.contents
-                c.data = w.blocks.data_ptr()
-                c.nb[2] = stride
-                c.nb[3] = stride * self.num
-                return t
-
             def build(ctx: Any) -> tuple[list[Any], Any, list[Any]]:
                 x = lib.ggml_new_tensor_3d(ctx, _F32, self.hidden, 1, rows)
                 ids = lib.ggml_new_tensor_2d(ctx, _I32, k, rows)
-                gate = lib.ggml_mul_mat_id(ctx, stacked(ctx, self.gate, self.strides[0]), x, ids)
-                up = lib.ggml_mul_mat_id(ctx, stacked(ctx, self.up, self.strides[1]), x, ids)
+                gate = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 0), x, ids)
+                up = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 1), x, ids)
                 h = lib.ggml_swiglu_split(ctx, gate, up)
-                y = lib.ggml_mul_mat_id(ctx, stacked(ctx, self.down, self.strides[2]), h, ids)
+                y = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 2), h, ids)
                 return [x, ids], y, [gate, up, h]
 
             return _Graph(lib, threads, build)

@@ -1,0 +1,283 @@
+"""Whole blocks of a decode step as one ggml graph each (issue 30): a Gated DeltaNet's one-token step and a MoE
+layer's router, experts and shared expert, over weights that ggml multiplies (``ggml_kernels.py``).
+
+Why: with ggml's products a mid-size MoE's decode step spent a third of its time in the ~100 small torch operations
+and the Python between them per layer (docs/benchmarks.md); here each block is one ``ggml_graph_compute``, its small
+operations ggml's own (llama.cpp's graph for these layers, op for op: ``ggml_ssm_conv``, ``ggml_l2_norm``,
+``ggml_top_k``, ``ggml_mul_mat_id``...).
+
+A block's graph is built once per thread count and kept: its weights point at the weights' memory, its inputs and
+outputs (the step's rows, the session's conv window and recurrent state, updated in place) are re-pointed per call,
+its intermediates live in the thread's arena, and every view is re-pointed per call after its source.
+
+Only what these graphs compute exactly as the torch path does (to rounding) takes them: one session, one position,
+no rollback ring (plain decode), and not the batch-invariant mode; everything else runs the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Callable
+
+import torch
+
+from .ggml_kernels import _F32, _I32, GgmlExperts, GgmlWeight, _arena, _Graphs, binding
+
+__all__ = ["deltanet_step", "moe_step"]
+
+_NODES = 256  # tensors a block's graph holds at most
+
+
+class _Block:
+    """A graph with several inputs and outputs over memory we own (:class:`~.ggml_kernels._Graph` for one product):
+    ``build(ctx)`` returns (inputs, outputs, also): ``also`` are results that write into inputs (a state updated in
+    place) and must run too."""
+
+    def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], list[Any], list[Any]]]) -> None:
+        self.lib = lib
+        size = lib.ggml_tensor_overhead() * _NODES + lib.ggml_graph_overhead_custom(_NODES, False)
+        self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        try:
+            inputs, outputs, also = build(self.ctx)
+            self.graph = lib.ggml_new_graph_custom(self.ctx, _NODES, False)
+            for t in (*also, *outputs):
+                lib.ggml_build_forward_expand(self.graph, t)
+            ins = {ctypes.addressof(t.contents) for t in (*inputs, *outputs)}
+            self.views: list[tuple[Any, Any, int]] = []
+            self.between: list[tuple[Any, int]] = []
+            for i in range(lib.ggml_graph_n_nodes(self.graph)):
+                node = lib.ggml_graph_node(self.graph, i).contents
+                if node.view_src:
+                    self.views.append((node, node.view_src.contents, int(node.view_offs)))
+                elif ctypes.addressof(node) not in ins:
+                    self.between.append((node, -(-lib.ggml_nbytes(ctypes.pointer(node)) // 64) * 64))
+            self.plan = lib.ggml_graph_plan(self.graph, threads, None)
+            self.need = sum(s for _, s in self.between) + int(self.plan.work_size)
+            self.plan_p = ctypes.pointer(self.plan)
+            self.base = -1
+            self.inputs = [t.contents for t in inputs]
+            self.outputs = [t.contents for t in outputs]
+        except BaseException:
+            lib.ggml_free(self.ctx)
+            raise
+
+    def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        base = _arena(self.need)
+        if base != self.base:
+            at = base
+            for t, s in self.between:
+                t.data = at
+                at += s
+            self.plan.work_data = ctypes.cast(at, ctypes.POINTER(ctypes.c_uint8))
+            self.base = base
+        for t, x in zip(self.inputs, inputs):
+            t.data = x.data_ptr()
+        for t, x in zip(self.outputs, outputs):
+            t.data = x.data_ptr()
+        for v, src, offs in self.views:
+            v.data = src.data + offs
+        status = self.lib.ggml_graph_compute(self.graph, self.plan_p)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+    def __del__(self) -> None:
+        ctx, self.ctx = getattr(self, "ctx", None), None
+        if ctx:
+            self.lib.ggml_free(ctx)
+
+
+def _weight(lib: Any, ctx: Any, w: Any) -> Any | None:
+    """A ggml tensor over a weight's memory (ggml blocks, or a dense float32 matrix [n, k]); None for others."""
+    if isinstance(w, GgmlWeight) and w.in_perm is None:
+        t = lib.ggml_new_tensor_2d(ctx, w.qtype, w.k, w.n)
+        t.contents.data = w.blocks.data_ptr()
+        return t
+    if _dense32(w):
+        return _const(lib, ctx, w, w.shape[1], w.shape[0])
+    return None
+
+
+def _const(lib: Any, ctx: Any, x: torch.Tensor, *ne: int) -> Any:
+    """A ggml float32 tensor of shape ``ne`` (ggml's order: fastest first) over a contiguous float32 tensor."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.numel() == math.prod(ne)
+    t = getattr(lib, f"ggml_new_tensor_{len(ne)}d")(ctx, _F32, *ne)
+    t.contents.data = x.data_ptr()
+    return t
+
+
+def _takes(w: Any) -> bool:
+    """Whether :func:`_weight` takes ``w``."""
+    return (isinstance(w, GgmlWeight) and w.in_perm is None) or _dense32(w)
+
+
+# ---- Gated DeltaNet ---------------------------------------------------------------------------------------------
+
+
+class DeltaNetStep:
+    """One position of one session through a Gated DeltaNet (``deltanet.GatedDeltaNet``), projections included:
+    ``x [1, H]`` (normed) -> ``[1, H]`` float32, the session's conv window and recurrent state updated in place."""
+
+    def __init__(self, net: Any, lib: Any) -> None:
+        self.net, self.lib = net, lib
+        self.consts = [net.conv.contiguous(), net.neg_a.contiguous(), net.dt_bias.contiguous(),
+                       net.norm.contiguous()]
+        perm = net.out.in_perm
+        self.perm = None if perm is None else perm.to(torch.int32).contiguous()
+        self._graphs = _Graphs(self._make)
+
+    def _make(self, rows: int, threads: int) -> _Block:
+        lib, net, spec = self.lib, self.net, self.net.spec
+        nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+        dk, dv, kw = spec.linear_key_head_dim, spec.linear_value_head_dim, spec.linear_conv_kernel
+        cdim, vdim, hidden = spec.linear_conv_dim, spec.linear_value_dim, spec.hidden_size
+        conv_w, neg_a, dt_bias, norm = self.consts
+
+        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
+            x = lib.ggml_new_tensor_2d(ctx, _F32, hidden, 1)
+            conv = lib.ggml_new_tensor_2d(ctx, _F32, kw - 1, cdim)  # [C, K-1] oldest first
+            rec = lib.ggml_new_tensor_3d(ctx, _F32, dv, dk, nv)  # [Hv, Dk, Dv]
+            # the in-projections' outputs, in order: mixed (conv input), z, b, a
+            outs = []
+            for w, sizes in zip(net.in_proj.parts, net.in_proj.splits):
+                y = lib.ggml_mul_mat(ctx, _weight(lib, ctx, w), x)
+                off = 0
+                for n in sizes:
+                    outs.append(lib.ggml_view_1d(ctx, y, n, off * 4))
+                    off += n
+            mixed, z, b, a = outs
+            beta = lib.ggml_sigmoid(ctx, b)
+            g = lib.ggml_mul(ctx, lib.ggml_softplus(ctx, lib.ggml_add(ctx, a, _const(lib, ctx, dt_bias, nv))),
+                             _const(lib, ctx, neg_a, nv))  # the log-decay
+            decay = lib.ggml_exp(ctx, g)
+            # the causal conv over the window and the new input, then the window moves on by one
+            sx = lib.ggml_concat(ctx, conv, lib.ggml_reshape_2d(ctx, mixed, 1, cdim), 0)  # [C, K]
+            c = lib.ggml_silu(ctx, lib.ggml_ssm_conv(ctx, lib.ggml_reshape_3d(ctx, sx, kw, cdim, 1),
+                                                     _const(lib, ctx, conv_w, kw, cdim)))  # [C, 1, 1]
+            moved = lib.ggml_cpy(ctx, lib.ggml_view_2d(ctx, sx, kw - 1, cdim, sx.contents.nb[1], 4), conv)
+            qk = lib.ggml_l2_norm(ctx, lib.ggml_reshape_2d(ctx, lib.ggml_view_1d(ctx, c, 2 * nk * dk, 0), dk,
+                                                           2 * nk), 1e-6)  # q's heads then k's, each normed
+            q = lib.ggml_view_3d(ctx, qk, dk, 1, nk, 0, dk * 4, 0)
+            k = lib.ggml_view_3d(ctx, qk, dk, 1, nk, 0, dk * 4, nk * dk * 4)
+            if nv != nk:  # each key head to its value heads (interleaved: value head h reads key head h // r)
+                q = lib.ggml_repeat_4d(ctx, q, dk, nv // nk, nk, 1)
+                k = lib.ggml_repeat_4d(ctx, k, dk, nv // nk, nk, 1)
+            q = lib.ggml_scale(ctx, lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, q), 1, dk, nv), dk ** -0.5)
+            k = lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, k), 1, dk, nv)
+            v = lib.ggml_reshape_3d(ctx, lib.ggml_view_1d(ctx, c, nv * dv, 2 * nk * dk * 4), dv, 1, nv)
+            # the gated delta rule on the state as it is stored ([Hv, Dk, Dv]), in place
+            # (the decay repeated along a state row: a broadcast of one number a row is a call a number in ggml)
+            s = lib.ggml_mul_inplace(ctx, rec, lib.ggml_repeat_4d(ctx, lib.ggml_reshape_3d(ctx, decay, 1, 1, nv),
+                                                                  dv, 1, nv, 1))
+            kv = lib.ggml_out_prod(ctx, s, k)  # [Dv, 1, Hv]: S^T k
+            delta = lib.ggml_mul(ctx, lib.ggml_sub(ctx, v, kv), lib.ggml_reshape_3d(ctx, beta, 1, 1, nv))
+            s = lib.ggml_add_inplace(ctx, s, lib.ggml_out_prod(ctx, delta, lib.ggml_reshape_3d(ctx, k, dk, 1, nv)))
+            core = lib.ggml_reshape_2d(ctx, lib.ggml_out_prod(ctx, s, q), dv, nv)  # S^T q
+            # the gated RMSNorm of each value head, then the output projection
+            core = lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, core, spec.rms_norm_eps), _const(lib, ctx, norm, dv))
+            core = lib.ggml_mul(ctx, core, lib.ggml_silu(ctx, lib.ggml_reshape_2d(ctx, z, dv, nv)))
+            flat = lib.ggml_reshape_2d(ctx, core, 1, vdim)
+            ins = [x, conv, rec]
+            if self.perm is not None:  # llama.cpp reordered the out-projection's columns: the input follows
+                idx = lib.ggml_new_tensor_1d(ctx, _I32, vdim)
+                idx.contents.data = self.perm.data_ptr()
+                flat = lib.ggml_get_rows(ctx, flat, idx)
+            out = lib.ggml_mul_mat(ctx, _weight(lib, ctx, _plain(net.out)), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
+            return ins, [out], [moved, s]
+
+        return _Block(lib, threads, build)
+
+    def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(1, self.net.spec.hidden_size)
+        self._graphs.run(1, [x.float().contiguous(), conv, rec], [out])
+        return out
+
+
+def _plain(w: GgmlWeight) -> GgmlWeight:
+    """``w`` without its column permutation (the graph reorders its input instead)."""
+    return GgmlWeight(w.blocks, w.qtype, w.k, None, w.lib)
+
+
+def deltanet_step(net: Any) -> DeltaNetStep | None:
+    """The one-position step of ``net`` (a ``GatedDeltaNet``) as one graph, or None: its projections are not ggml's
+    (or float32 matrices beside them), or its shapes are not the ones the graph takes."""
+    spec = net.spec
+    parts = list(net.in_proj.parts)
+    sizes = [n for split in net.in_proj.splits for n in split]
+    if not (all(_takes(w) for w in parts) and isinstance(net.out, GgmlWeight) and net.in_proj.biases ==
+            [None] * len(parts) and sizes == [spec.linear_conv_dim, spec.linear_value_dim,
+                                              spec.linear_num_value_heads, spec.linear_num_value_heads]):
+        return None
+    if spec.linear_num_value_heads % spec.linear_num_key_heads or any(
+            t.dtype != torch.float32 for t in (net.conv, net.neg_a, net.dt_bias, net.norm)):
+        return None
+    lib = binding()
+    return None if lib is None else DeltaNetStep(net, lib)
+
+
+# ---- MoE ----------------------------------------------------------------------------------------------------------
+
+
+class MoEStep:
+    """A MoE layer (``layers.MoE``) for N rows as one graph: router softmax, top-k (renormalised), the routed experts
+    (``ggml_mul_mat_id``) weighted and summed, and the shared expert with its sigmoid gate."""
+
+    def __init__(self, moe: Any, lib: Any) -> None:
+        self.moe, self.lib = moe, lib
+        self._graphs = _Graphs(self._make)
+
+    def _make(self, rows: int, threads: int) -> _Block:
+        lib, moe, spec = self.lib, self.moe, self.moe.spec
+        ex: GgmlExperts = moe.grouped
+        hidden, k, e_num = spec.hidden_size, spec.num_experts_per_tok, spec.num_experts
+
+        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
+            x = lib.ggml_new_tensor_2d(ctx, _F32, hidden, rows)
+            probs = lib.ggml_soft_max(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, moe.router), x))  # [E, N]
+            chosen = lib.ggml_argsort_top_k(ctx, probs, k)  # [k, N], highest first
+            w = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, e_num, rows), chosen)  # [1, k, N]
+            if spec.norm_topk_prob:
+                w2 = lib.ggml_reshape_2d(ctx, w, k, rows)
+                w = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, w2, lib.ggml_sum_rows(ctx, w2)), 1, k, rows)
+            xs = lib.ggml_reshape_3d(ctx, x, hidden, 1, rows)
+            h = lib.ggml_swiglu_split(ctx, lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 0), xs, chosen),
+                                      lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 1), xs, chosen))
+            y = lib.ggml_mul(ctx, lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 2), h, chosen), w)  # [H, k, N]
+            out = lib.ggml_view_2d(ctx, y, hidden, rows, y.contents.nb[2], 0)
+            for i in range(1, k):
+                out = lib.ggml_add(ctx, out, lib.ggml_view_2d(ctx, y, hidden, rows, y.contents.nb[2],
+                                                              i * y.contents.nb[1]))
+            if moe.shared is not None:
+                sh = moe.shared
+                up = lib.ggml_swiglu(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, sh.gate_up.parts[0]), x))
+                y_sh = lib.ggml_mul_mat(ctx, _weight(lib, ctx, sh.down), up)
+                gate = lib.ggml_sigmoid(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, moe.shared_gate), x))  # [1, N]
+                out = lib.ggml_add(ctx, out, lib.ggml_mul(ctx, y_sh, gate))
+            return [x], [out], []
+
+        return _Block(lib, threads, build)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.moe.spec.hidden_size)
+        self._graphs.run(x.shape[0], [x.float().contiguous()], [out])
+        return out
+
+
+def moe_step(moe: Any) -> MoEStep | None:
+    """``moe`` (a ``layers.MoE`` with grouped ggml experts) as one graph per row count, or None: its router or shared
+    expert are not what the graph takes (float32 router and shared gate, one ggml gate/up product and a ggml down)."""
+    if not isinstance(moe.grouped, GgmlExperts) or not _dense32(moe.router):
+        return None
+    sh = moe.shared
+    if sh is not None and not (len(sh.gate_up.parts) == 1 and sh.down_bias is None and sh.gate_up.biases == [None]
+                               and all(isinstance(w, GgmlWeight) and w.in_perm is None
+                                       for w in (sh.gate_up.parts[0], sh.down)) and _dense32(moe.shared_gate)):
+        return None
+    lib = binding()
+    return None if lib is None else MoEStep(moe, lib)
+
+
+def _dense32(w: Any) -> bool:
+    return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous()

@@ -1,0 +1,122 @@
+"""Whole blocks of a decode step as one ggml graph each (model/gguf/ggml_layer.py): a Gated DeltaNet's one-token
+step and a MoE layer, against the torch path they replace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sangama_p2p.model.gguf import ggml_kernels, open_gguf, write_gguf
+from sangama_p2p.model.gguf.ggml_kernels import binding
+from sangama_p2p.model.gguf.ggml_layer import DeltaNetStep, MoEStep
+from sangama_p2p.model.linear import MIN_ROWS
+from sangama_p2p.model.make import make_model
+from sangama_p2p.model.stage import StageModel, StepInput
+from sangama_p2p.model.state import Segment
+
+pytestmark = pytest.mark.skipif(binding() is None, reason="ggml-python is not installed or failed its probe")
+
+# The graphs and the torch path multiply alike (ggml's products, the activations quantized per block the same way);
+# the rest differs by the order of float32 sums
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("ggml_layer")
+    hf = make_model(tmp / "hf", "qwen3_5_moe", "tiny")
+    (path,) = write_gguf(hf, tmp / "m.gguf", "Q4_K")
+    return path
+
+
+def _stage(path: Path, monkeypatch, kernels: str = "auto") -> StageModel:
+    monkeypatch.setenv(ggml_kernels.KERNELS_ENV, kernels)
+    spec, src, _ = open_gguf(path)
+    return StageModel.load(spec, src, 0, spec.num_layers)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max()) <= REL * max(float(b.abs().max()), 1e-6)
+
+
+def test_a_deltanet_step_equals_the_torch_path(moe_gguf: Path, monkeypatch) -> None:
+    """Output, conv window and recurrent state after one token, from the same state, for every Gated DeltaNet layer
+    of a prefilled session (the out-projection's columns as llama.cpp reordered them)."""
+    stage = _stage(moe_gguf, monkeypatch)
+    spec = stage.spec
+    nets = [la.mixer for la in stage.layers.values() if la.kind != "full_attention"]
+    assert nets and all(isinstance(n.step, DeltaNetStep) for n in nets)
+    # as in real files: the out-projection's columns reordered by the converter, and more value than key heads
+    assert all(n.out.in_perm is not None for n in nets) and spec.linear_num_value_heads > spec.linear_num_key_heads
+    prompt = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+    a, b = stage.new_session(16), stage.new_session(16)
+    for s in (a, b):
+        stage.forward([StepInput(s, 0, tokens=prompt)])
+    x = torch.randn(1, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    for net in nets:
+        st_a, st_b = a.layers[net.key], b.layers[net.key]
+        assert torch.equal(st_a.rec, st_b.rec) and st_a.rec.abs().sum() > 0
+        got = net.forward(x, [Segment(a, 9, 1)])
+        step, net.step = net.step, None
+        try:
+            want = net.forward(x, [Segment(b, 9, 1)])
+        finally:
+            net.step = step
+        assert _close(got, want) and _close(st_a.rec, st_b.rec) and torch.equal(st_a.conv, st_b.conv)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])  # 70: a graph built per call, not kept
+def test_a_moe_step_equals_the_torch_path(moe_gguf: Path, monkeypatch, rows: int) -> None:
+    stage = _stage(moe_gguf, monkeypatch)
+    x = torch.randn(rows, stage.spec.hidden_size, generator=torch.Generator().manual_seed(rows))
+    for layer in stage.layers.values():
+        moe = layer.ffn
+        assert isinstance(moe.step, MoEStep)
+        got = moe.forward(x)
+        step, moe.step = moe.step, None
+        try:
+            want = moe.forward(x)
+        finally:
+            moe.step = step
+        assert got.shape == want.shape and _close(got, want)
+
+
+def test_a_moe_steps_rows_do_not_depend_on_their_batch(moe_gguf: Path, monkeypatch) -> None:
+    """Each row is its own router, experts and sums in the graph: the batch-invariant mode keeps it."""
+    stage = _stage(moe_gguf, monkeypatch)
+    moe = next(iter(stage.layers.values())).ffn
+    x = torch.randn(40, stage.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    token = MIN_ROWS.set(8)
+    try:
+        alone = torch.cat([moe.forward(x[i:i + 1]) for i in range(0, 40, 7)])
+        assert torch.equal(moe.forward(x)[::7], alone)
+    finally:
+        MIN_ROWS.reset(token)
+
+
+def test_the_graphs_take_one_token_of_one_session_and_nothing_else(moe_gguf: Path, monkeypatch) -> None:
+    """Two sessions in one step, a verify step of several positions and the batch-invariant mode run the torch path
+    (the graph is not called); their tokens are the ones of the torch path alone."""
+    stage = _stage(moe_gguf, monkeypatch)
+    calls = []
+    for layer in stage.layers.values():
+        if isinstance(layer.mixer.__dict__.get("step"), DeltaNetStep):
+            real = layer.mixer.step
+            layer.mixer.step = lambda *a, real=real: calls.append(1) or real(*a)
+    spec = stage.spec
+    ids = torch.randint(0, spec.vocab_size, (6,), generator=torch.Generator().manual_seed(4))
+    a, b = stage.new_session(16), stage.new_session(16)
+    stage.forward([StepInput(a, 0, tokens=ids), StepInput(b, 0, tokens=ids)])
+    assert calls == []  # a prefill
+    stage.forward([StepInput(a, 6, tokens=ids[:1]), StepInput(b, 6, tokens=ids[:1])])
+    assert calls == []  # two sessions
+    stage.forward([StepInput(a, 7, tokens=ids[:1])])
+    assert len(calls) == sum(la.kind != "full_attention" for la in stage.layers.values())  # one session, one token
+
+
+def test_torchs_kernels_take_no_graphs(moe_gguf: Path, monkeypatch) -> None:
+    stage = _stage(moe_gguf, monkeypatch, "torch")
+    for layer in stage.layers.values():
+        assert layer.ffn.step is None and getattr(layer.mixer, "step", None) is None
