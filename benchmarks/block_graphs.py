@@ -1,10 +1,10 @@
-"""A decode step with its Gated DeltaNet and MoE blocks as one ggml graph each, against the same step through the
-torch path between ggml's products (issue 30; model/gguf/ggml_layer.py).
+"""A decode step with its layers as ggml graphs (a Gated DeltaNet layer whole, an attention layer's MoE half), against
+the same step through the torch path between ggml's products (issue 30; model/gguf/ggml_layer.py).
 
     python benchmarks/block_graphs.py FILE.gguf [FILE.gguf ...] [--threads 1] [--steps 24] [--rounds 3]
 
-One process per file: the stage loads once, then rounds alternate graphs on / off (the blocks' ``step`` set or
-cleared on every layer), each a fresh session, a 16-token prefill and ``--steps`` one-token decode steps (``forward``
+One process per file: the stage loads once, then rounds alternate graphs on / off (every layer's, token mixer's and
+MoE's ``step`` set or cleared), each a fresh session, a 16-token prefill and ``--steps`` one-token decode steps (``forward``
 and ``logits``, what ``generate --local`` runs per token), timed after 2 warm-up steps. Prints ms per step (median
 of the rounds) and the ratio, and writes benchmarks/results/block_graphs.json.
 """
@@ -54,7 +54,7 @@ def main() -> None:
     for path in args.files:
         ck = open_checkpoint(path, need_tokenizer=False)
         stage = StageModel.load(ck.spec, ck.source, 0, ck.spec.num_layers)
-        blocks = [(part, part.step) for layer in stage.layers.values() for part in (layer.mixer, layer.ffn)
+        blocks = [(part, part.step) for layer in stage.layers.values() for part in (layer, layer.mixer, layer.ffn)
                   if getattr(part, "step", None) is not None]
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(args.rounds):

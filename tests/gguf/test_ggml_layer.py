@@ -3,6 +3,7 @@ step and a MoE layer, against the torch path they replace."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from sangama_p2p.model.gguf import ggml_kernels, open_gguf, write_gguf
 from sangama_p2p.model.gguf.ggml_kernels import binding
-from sangama_p2p.model.gguf.ggml_layer import DeltaNetStep, MoEStep
+from sangama_p2p.model.gguf.ggml_layer import DeltaNetStep, LayerStep, MoEStep
 from sangama_p2p.model.linear import MIN_ROWS
 from sangama_p2p.model.make import make_model
 from sangama_p2p.model.stage import StageModel, StepInput
@@ -96,15 +97,14 @@ def test_a_moe_steps_rows_do_not_depend_on_their_batch(moe_gguf: Path, monkeypat
         MIN_ROWS.reset(token)
 
 
-def test_the_graphs_take_one_token_of_one_session_and_nothing_else(moe_gguf: Path, monkeypatch) -> None:
-    """Two sessions in one step, a verify step of several positions and the batch-invariant mode run the torch path
-    (the graph is not called); their tokens are the ones of the torch path alone."""
+def test_the_whole_layer_graph_takes_one_token_of_one_session_and_nothing_else(moe_gguf: Path, monkeypatch) -> None:
+    """Two sessions in one step, a prefill and the batch-invariant mode run the layer's blocks apart (the whole-layer
+    graph is not called); one token of one session runs every Gated DeltaNet layer as one graph."""
     stage = _stage(moe_gguf, monkeypatch)
     calls = []
     for layer in stage.layers.values():
-        if isinstance(layer.mixer.__dict__.get("step"), DeltaNetStep):
-            real = layer.mixer.step
-            layer.mixer.step = lambda *a, real=real: calls.append(1) or real(*a)
+        assert isinstance(layer.step, LayerStep) and (layer.step.mixer is None) == (layer.kind == "full_attention")
+        layer.step = _Spy(layer.step, calls)
     spec = stage.spec
     ids = torch.randint(0, spec.vocab_size, (6,), generator=torch.Generator().manual_seed(4))
     a, b = stage.new_session(16), stage.new_session(16)
@@ -112,11 +112,57 @@ def test_the_graphs_take_one_token_of_one_session_and_nothing_else(moe_gguf: Pat
     assert calls == []  # a prefill
     stage.forward([StepInput(a, 6, tokens=ids[:1]), StepInput(b, 6, tokens=ids[:1])])
     assert calls == []  # two sessions
+    stage.min_rows = 16  # the batch-invariant mode
     stage.forward([StepInput(a, 7, tokens=ids[:1])])
+    stage.min_rows = 0
+    assert calls == []
+    stage.forward([StepInput(a, 8, tokens=ids[:1])])
     assert len(calls) == sum(la.kind != "full_attention" for la in stage.layers.values())  # one session, one token
+
+
+class _Spy:
+    """A layer's graphs that count the whole-layer calls."""
+
+    def __init__(self, step: LayerStep, calls: list) -> None:
+        self.step, self.calls, self.mixer = step, calls, step.mixer
+
+    def __call__(self, *args):
+        self.calls.append(1)
+        return self.step(*args)
+
+    def ffn(self, x):
+        return self.step.ffn(x)
+
+
+def test_a_layers_graph_equals_its_blocks_apart(moe_gguf: Path, monkeypatch) -> None:
+    """Every layer of a prefilled session, one token: the whole-layer graph (DeltaNet layers) or the graph of its
+    FFN half (attention layers) against the same layer with its graphs off, from the same state."""
+    stage = _stage(moe_gguf, monkeypatch)
+    spec = stage.spec
+    prompt = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+    a, b = stage.new_session(16), stage.new_session(16)
+    for s in (a, b):
+        stage.forward([StepInput(s, 0, tokens=prompt)])
+    x = torch.randn(1, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = stage.rope_rows([Segment(a, 9, 1)], 1)
+    for key, layer in stage.layers.items():
+        got = layer.forward(x, [Segment(a, 9, 1)], cos, sin)
+        saved = (layer.step, layer.ffn.step, getattr(layer.mixer, "step", None))
+        layer.step = layer.ffn.step = None
+        if hasattr(layer.mixer, "step"):
+            layer.mixer.step = None
+        try:
+            want = layer.forward(x, [Segment(b, 9, 1)], cos, sin)
+        finally:
+            layer.step, layer.ffn.step = saved[:2]
+            if hasattr(layer.mixer, "step"):
+                layer.mixer.step = saved[2]
+        assert _close(got, want), layer.kind
+        for sa, sb in zip(dataclasses.astuple(a.layers[key]), dataclasses.astuple(b.layers[key])):
+            assert sa.numel() == 0 or _close(sa, sb)
 
 
 def test_torchs_kernels_take_no_graphs(moe_gguf: Path, monkeypatch) -> None:
     stage = _stage(moe_gguf, monkeypatch, "torch")
     for layer in stage.layers.values():
-        assert layer.ffn.step is None and getattr(layer.mixer, "step", None) is None
+        assert layer.step is None and layer.ffn.step is None and getattr(layer.mixer, "step", None) is None

@@ -50,13 +50,20 @@ class GatedDeltaNet:
         yield from self.in_proj.weights()
         yield from (self.out, self.conv, self.neg_a, self.dt_bias, self.norm)
 
+    def graph_state(self, segments: list[Segment]) -> LinearLayerState | None:
+        """The session's state where the step is one the graph takes (one session, one position, not the
+        batch-invariant mode, a float32 window and a state as ``state.rec_layout`` stores it, on the CPU), else None."""
+        if self.step is None or len(segments) != 1 or segments[0].length != 1 or MIN_ROWS.get():
+            return None
+        st = segments[0].state.layers[self.key]
+        assert isinstance(st, LinearLayerState)
+        ok = st.conv.dtype == torch.float32 and st.conv.is_contiguous() and st.rec.mT.is_contiguous() and \
+            st.conv.device.type == "cpu"
+        return st if ok else None
+
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        if self.step is not None and len(segments) == 1 and segments[0].length == 1 and not MIN_ROWS.get():
-            st = segments[0].state.layers[self.key]
-            assert isinstance(st, LinearLayerState)
-            if st.conv.dtype == torch.float32 and st.conv.is_contiguous() and st.rec.is_contiguous() and \
-                    st.conv.device.type == "cpu":
-                return self.step(x, st.conv, st.rec).to(x.dtype)
+        if (st := self.graph_state(segments)) is not None:
+            return self.step(x, st.conv, st.rec).to(x.dtype)  # type: ignore[misc]
         spec = self.spec
         n, nv, dv = x.shape[0], spec.linear_num_value_heads, spec.linear_value_head_dim
         mixed, z, b, a = self.in_proj(x)  # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]
@@ -152,7 +159,8 @@ class GatedDeltaNet:
         ringed = [i for i, (_, _, _, at) in enumerate(items) if at is not None]
         at = [a or 0 for _, _, _, a in items]  # the ring slot of each session's first snapshot
         alone = bsz == 1  # one session: its own state and ring, updated in place (no gather, no write-back)
-        rec = states[0].rec.unsqueeze(0) if alone else torch.stack([st.rec for st in states])  # [B, Hv, Dk, Dv]
+        # [B, Hv, Dk, Dv], stored as the sessions' states are (transposed: state.rec_layout), so copies are straight
+        rec = states[0].rec.unsqueeze(0) if alone else torch.stack([st.rec.mT for st in states]).mT
         # the state after every position: straight into the ring of a session alone whose step does not wrap round
         # the ring's end, else into the rings below
         direct = bool(ringed) and alone and at[0] + t <= states[0].ring_rec.shape[0]
@@ -161,7 +169,7 @@ class GatedDeltaNet:
         elif direct:
             after = states[0].ring_rec[at[0]:at[0] + t].unsqueeze(0)
         else:
-            after = rec.new_empty(bsz, t, *rec.shape[1:])
+            after = rec.new_empty(bsz, t, nv, rec.shape[-1], rec.shape[-2]).mT  # stored as the rings are: same sums
         if chunked:  # the sessions' heads side by side: [T, B*Hv, D]
             def fold(x: torch.Tensor) -> torch.Tensor:
                 return x.transpose(0, 1).reshape(t, bsz * nv, *x.shape[3:])
@@ -169,7 +177,8 @@ class GatedDeltaNet:
             out = delta_rule_chunked(fold(q), fold(k), fold(v), fold(gate), fold(bet),
                                      rec.view(bsz * nv, *rec.shape[2:]), chunk=min(t, _CHUNK))
             out = out.reshape(t, bsz, nv, -1).transpose(0, 1)
-        elif looped and t == 1 and after is None and not MIN_ROWS.get() and rec.is_contiguous():
+        elif looped and t == 1 and after is None and not MIN_ROWS.get() and (
+                rec.is_contiguous() or rec.mT.is_contiguous()):
             out = delta_rule_one(q, k, v, gate, bet, rec)  # decode: batched products (equal to rounding)
         elif looped:
             out = delta_rule_steps(q, k, v, gate, bet, rec, after)

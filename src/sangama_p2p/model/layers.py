@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .deltanet import GatedDeltaNet
 from .experts import DENSE_MAX, StackedExperts
-from .gguf.ggml_layer import moe_step
+from .gguf.ggml_layer import layer_step, moe_step
 from .linear import MIN_ROWS, DenseMLP, FusedLinear, Loader, linear, norm_weight
 from .ops import apply_rope, attend_invariant, rms_norm, rotate_half_index
 from .spec import FULL, ModelSpec
@@ -245,6 +245,7 @@ class DecoderLayer:
             Attention(spec, load, layer_key) if layer_type == FULL else GatedDeltaNet(spec, load, layer_key)
         )
         self.ffn: MoE | DenseMLP = MoE(spec, load) if spec.is_moe else DenseMLP(load, "mlp", spec.mlp_bias)
+        self.step = layer_step(self)  # the layer around its MoE as one ggml graph, where its weights are ggml's
 
     def weights(self) -> Iterator[Weight]:
         yield from (self.input_norm, self.post_norm)
@@ -252,11 +253,16 @@ class DecoderLayer:
         yield from self.ffn.weights()
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        graphs = self.step is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        if graphs and self.step.mixer is not None and (st := self.mixer.graph_state(segments)) is not None:  # type: ignore
+            return self.step(x, st.conv, st.rec)  # type: ignore[union-attr]  # a token: the whole layer
         h = rms_norm(x, self.input_norm, self.spec.rms_norm_eps)
         if isinstance(self.mixer, Attention):
             h = self.mixer.forward(h, segments, cos, sin)
         else:
             h = self.mixer.forward(h, segments)
         x = x + h
+        if graphs:
+            return self.step.ffn(x)  # type: ignore[union-attr]  # norm, MoE and the residual as one graph
         return x + self.ffn.forward(rms_norm(x, self.post_norm, self.spec.rms_norm_eps))
 

@@ -34,9 +34,16 @@ class AttentionLayerState:
 @dataclasses.dataclass
 class LinearLayerState:
     conv: torch.Tensor  # [conv_dim, K-1]  the last K-1 inputs of the causal conv, oldest first
-    rec: torch.Tensor  # [Hv, Dk, Dv] fp32 recurrent state
+    rec: torch.Tensor  # [Hv, Dk, Dv] fp32 recurrent state (stored transposed: see rec_layout)
     ring_conv: torch.Tensor  # [ring, conv_dim, K-1]  window after each position of the last multi-token step
     ring_rec: torch.Tensor  # [ring, Hv, Dk, Dv]      recurrent state after each position of that step
+
+
+def rec_layout(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zeros of ``[..., Hv, Dk, Dv]`` stored as ``[..., Hv, Dv, Dk]`` (a transposed view): each value row of a head's
+    state contiguous, the layout of llama.cpp's gated delta rule (``ggml_gated_delta_net``), which then updates it
+    without a transposing copy (model/gguf/ggml_layer.py); torch's products take either layout."""
+    return torch.zeros(*shape[:-2], shape[-1], shape[-2], dtype=torch.float32, device=device).transpose(-1, -2)
 
 
 class SessionState:
@@ -73,9 +80,9 @@ class SessionState:
                 rec = (spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim)
                 self.layers[i] = LinearLayerState(
                     torch.zeros(conv, dtype=dtype, device=device),
-                    torch.zeros(rec, dtype=torch.float32, device=device),
+                    rec_layout(*rec, device=device),
                     torch.zeros((ring, *conv), dtype=dtype, device=device),
-                    torch.zeros((ring, *rec), dtype=torch.float32, device=device),
+                    rec_layout(ring, *rec, device=device),
                 )
         # MTP layers (full attention) get keys -1, -2, ...
         for j in range(extra_attention_layers):

@@ -24,7 +24,7 @@ import torch
 
 from .ggml_kernels import _F32, _I32, GgmlExperts, GgmlWeight, _arena, _Graphs, binding
 
-__all__ = ["deltanet_step", "moe_step"]
+__all__ = ["DeltaNetStep", "LayerStep", "MoEStep", "deltanet_step", "layer_step", "moe_step"]
 
 _NODES = 256  # tensors a block's graph holds at most
 
@@ -129,65 +129,66 @@ class DeltaNetStep:
         self._graphs = _Graphs(self._make)
 
     def _make(self, rows: int, threads: int) -> _Block:
+        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
+            x = self.lib.ggml_new_tensor_2d(ctx, _F32, self.net.spec.hidden_size, 1)
+            ins, out, also = self.ops(ctx, x)
+            return [x, *ins], [out], also
+
+        return _Block(self.lib, threads, build)
+
+    def ops(self, ctx: Any, x: Any) -> tuple[list[Any], Any, list[Any]]:
+        """The step's operations on ``x [H, 1]`` in ``ctx``: (the state's tensors, to point at the session's conv
+        window and recurrent state per call; the output [H, 1]; the in-place updates of the state)."""
         lib, net, spec = self.lib, self.net, self.net.spec
         nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
         dk, dv, kw = spec.linear_key_head_dim, spec.linear_value_head_dim, spec.linear_conv_kernel
-        cdim, vdim, hidden = spec.linear_conv_dim, spec.linear_value_dim, spec.hidden_size
+        cdim, vdim = spec.linear_conv_dim, spec.linear_value_dim
         conv_w, neg_a, dt_bias, norm = self.consts
-
-        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-            x = lib.ggml_new_tensor_2d(ctx, _F32, hidden, 1)
-            conv = lib.ggml_new_tensor_2d(ctx, _F32, kw - 1, cdim)  # [C, K-1] oldest first
-            rec = lib.ggml_new_tensor_3d(ctx, _F32, dv, dk, nv)  # [Hv, Dk, Dv]
-            # the in-projections' outputs, in order: mixed (conv input), z, b, a
-            outs = []
-            for w, sizes in zip(net.in_proj.parts, net.in_proj.splits):
-                y = lib.ggml_mul_mat(ctx, _weight(lib, ctx, w), x)
-                off = 0
-                for n in sizes:
-                    outs.append(lib.ggml_view_1d(ctx, y, n, off * 4))
-                    off += n
-            mixed, z, b, a = outs
-            beta = lib.ggml_sigmoid(ctx, b)
-            g = lib.ggml_mul(ctx, lib.ggml_softplus(ctx, lib.ggml_add(ctx, a, _const(lib, ctx, dt_bias, nv))),
-                             _const(lib, ctx, neg_a, nv))  # the log-decay
-            decay = lib.ggml_exp(ctx, g)
-            # the causal conv over the window and the new input, then the window moves on by one
-            sx = lib.ggml_concat(ctx, conv, lib.ggml_reshape_2d(ctx, mixed, 1, cdim), 0)  # [C, K]
-            c = lib.ggml_silu(ctx, lib.ggml_ssm_conv(ctx, lib.ggml_reshape_3d(ctx, sx, kw, cdim, 1),
-                                                     _const(lib, ctx, conv_w, kw, cdim)))  # [C, 1, 1]
-            moved = lib.ggml_cpy(ctx, lib.ggml_view_2d(ctx, sx, kw - 1, cdim, sx.contents.nb[1], 4), conv)
-            qk = lib.ggml_l2_norm(ctx, lib.ggml_reshape_2d(ctx, lib.ggml_view_1d(ctx, c, 2 * nk * dk, 0), dk,
-                                                           2 * nk), 1e-6)  # q's heads then k's, each normed
-            q = lib.ggml_view_3d(ctx, qk, dk, 1, nk, 0, dk * 4, 0)
-            k = lib.ggml_view_3d(ctx, qk, dk, 1, nk, 0, dk * 4, nk * dk * 4)
-            if nv != nk:  # each key head to its value heads (interleaved: value head h reads key head h // r)
-                q = lib.ggml_repeat_4d(ctx, q, dk, nv // nk, nk, 1)
-                k = lib.ggml_repeat_4d(ctx, k, dk, nv // nk, nk, 1)
-            q = lib.ggml_scale(ctx, lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, q), 1, dk, nv), dk ** -0.5)
-            k = lib.ggml_reshape_3d(ctx, lib.ggml_cont(ctx, k), 1, dk, nv)
-            v = lib.ggml_reshape_3d(ctx, lib.ggml_view_1d(ctx, c, nv * dv, 2 * nk * dk * 4), dv, 1, nv)
-            # the gated delta rule on the state as it is stored ([Hv, Dk, Dv]), in place
-            # (the decay repeated along a state row: a broadcast of one number a row is a call a number in ggml)
-            s = lib.ggml_mul_inplace(ctx, rec, lib.ggml_repeat_4d(ctx, lib.ggml_reshape_3d(ctx, decay, 1, 1, nv),
-                                                                  dv, 1, nv, 1))
-            kv = lib.ggml_out_prod(ctx, s, k)  # [Dv, 1, Hv]: S^T k
-            delta = lib.ggml_mul(ctx, lib.ggml_sub(ctx, v, kv), lib.ggml_reshape_3d(ctx, beta, 1, 1, nv))
-            s = lib.ggml_add_inplace(ctx, s, lib.ggml_out_prod(ctx, delta, lib.ggml_reshape_3d(ctx, k, dk, 1, nv)))
-            core = lib.ggml_reshape_2d(ctx, lib.ggml_out_prod(ctx, s, q), dv, nv)  # S^T q
-            # the gated RMSNorm of each value head, then the output projection
-            core = lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, core, spec.rms_norm_eps), _const(lib, ctx, norm, dv))
-            core = lib.ggml_mul(ctx, core, lib.ggml_silu(ctx, lib.ggml_reshape_2d(ctx, z, dv, nv)))
-            flat = lib.ggml_reshape_2d(ctx, core, 1, vdim)
-            ins = [x, conv, rec]
-            if self.perm is not None:  # llama.cpp reordered the out-projection's columns: the input follows
-                idx = lib.ggml_new_tensor_1d(ctx, _I32, vdim)
-                idx.contents.data = self.perm.data_ptr()
-                flat = lib.ggml_get_rows(ctx, flat, idx)
-            out = lib.ggml_mul_mat(ctx, _weight(lib, ctx, _plain(net.out)), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
-            return ins, [out], [moved, s]
-
-        return _Block(lib, threads, build)
+        conv = lib.ggml_new_tensor_2d(ctx, _F32, kw - 1, cdim)  # [C, K-1] oldest first
+        rec = lib.ggml_new_tensor_4d(ctx, _F32, dk, dv, nv, 1)  # [Hv, Dk, Dv] stored as [Hv, Dv, Dk]
+        # the in-projections' outputs, in order: mixed (conv input), z, b, a
+        outs = []
+        for w, sizes in zip(net.in_proj.parts, net.in_proj.splits):
+            y = lib.ggml_mul_mat(ctx, _weight(lib, ctx, w), x)
+            off = 0
+            for n in sizes:
+                outs.append(lib.ggml_view_1d(ctx, y, n, off * 4))
+                off += n
+        mixed, z, b, a = outs
+        beta = lib.ggml_sigmoid(ctx, b)
+        g = lib.ggml_mul(ctx, lib.ggml_softplus(ctx, lib.ggml_add(ctx, a, _const(lib, ctx, dt_bias, nv))),
+                         _const(lib, ctx, neg_a, nv))  # the log-decay
+        # the causal conv over the window and the new input, then the window moves on by one
+        sx = lib.ggml_concat(ctx, conv, lib.ggml_reshape_2d(ctx, mixed, 1, cdim), 0)  # [C, K]
+        c = lib.ggml_silu(ctx, lib.ggml_ssm_conv(ctx, lib.ggml_reshape_3d(ctx, sx, kw, cdim, 1),
+                                                 _const(lib, ctx, conv_w, kw, cdim)))  # [C, 1, 1]
+        moved = lib.ggml_cpy(ctx, lib.ggml_view_2d(ctx, sx, kw - 1, cdim, sx.contents.nb[1], 4), conv)
+        qk = lib.ggml_l2_norm(ctx, lib.ggml_reshape_2d(ctx, lib.ggml_view_1d(ctx, c, 2 * nk * dk, 0), dk,
+                                                       2 * nk), 1e-6)  # q's heads then k's, each normed
+        q = lib.ggml_view_3d(ctx, qk, dk, 1, nk, dk * 4, dk * 4, 0)
+        k = lib.ggml_view_3d(ctx, qk, dk, 1, nk, dk * 4, dk * 4, nk * dk * 4)
+        if nv != nk:  # each key head to its value heads (interleaved: value head h reads key head h // r)
+            q = lib.ggml_repeat_4d(ctx, q, dk, nv // nk, nk, 1)
+            k = lib.ggml_repeat_4d(ctx, k, dk, nv // nk, nk, 1)
+        q = lib.ggml_reshape_4d(ctx, lib.ggml_cont(ctx, q), dk, nv, 1, 1)
+        k = lib.ggml_reshape_4d(ctx, lib.ggml_cont(ctx, k), dk, nv, 1, 1)
+        v = lib.ggml_reshape_4d(ctx, lib.ggml_view_1d(ctx, c, nv * dv, 2 * nk * dk * 4), dv, nv, 1, 1)
+        # llama.cpp's gated delta rule (q scaled by 1/sqrt(Dv) inside, Dv = Dk here); its output is the heads'
+        # outputs, then the new state, which goes back into the session's
+        r = lib.ggml_gated_delta_net(ctx, q, k, v, lib.ggml_reshape_4d(ctx, g, 1, nv, 1, 1),
+                                     lib.ggml_reshape_4d(ctx, beta, 1, nv, 1, 1), rec, 1)
+        s = lib.ggml_cpy(ctx, lib.ggml_view_1d(ctx, r, nv * dv * dk, nv * dv * 4), rec)
+        core = lib.ggml_reshape_2d(ctx, lib.ggml_view_1d(ctx, r, nv * dv, 0), dv, nv)
+        # the gated RMSNorm of each value head, then the output projection
+        core = lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, core, spec.rms_norm_eps), _const(lib, ctx, norm, dv))
+        core = lib.ggml_mul(ctx, core, lib.ggml_silu(ctx, lib.ggml_reshape_2d(ctx, z, dv, nv)))
+        flat = lib.ggml_reshape_2d(ctx, core, 1, vdim)
+        if self.perm is not None:  # llama.cpp reordered the out-projection's columns: the input follows
+            idx = lib.ggml_new_tensor_1d(ctx, _I32, vdim)
+            idx.contents.data = self.perm.data_ptr()
+            flat = lib.ggml_get_rows(ctx, flat, idx)
+        out = lib.ggml_mul_mat(ctx, _weight(lib, ctx, _plain(net.out)), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
+        return [conv, rec], out, [moved, s]
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.net.spec.hidden_size)
@@ -210,7 +211,8 @@ def deltanet_step(net: Any) -> DeltaNetStep | None:
             [None] * len(parts) and sizes == [spec.linear_conv_dim, spec.linear_value_dim,
                                               spec.linear_num_value_heads, spec.linear_num_value_heads]):
         return None
-    if spec.linear_num_value_heads % spec.linear_num_key_heads or any(
+    if spec.linear_num_value_heads % spec.linear_num_key_heads or spec.linear_key_head_dim != \
+            spec.linear_value_head_dim or any(
             t.dtype != torch.float32 for t in (net.conv, net.neg_a, net.dt_bias, net.norm)):
         return None
     lib = binding()
@@ -229,35 +231,38 @@ class MoEStep:
         self._graphs = _Graphs(self._make)
 
     def _make(self, rows: int, threads: int) -> _Block:
+        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
+            x = self.lib.ggml_new_tensor_2d(ctx, _F32, self.moe.spec.hidden_size, rows)
+            return [x], [self.ops(ctx, x, rows)], []
+
+        return _Block(self.lib, threads, build)
+
+    def ops(self, ctx: Any, x: Any, rows: int) -> Any:
+        """The layer's operations on ``x [H, rows]`` in ``ctx``: its output [H, rows]."""
         lib, moe, spec = self.lib, self.moe, self.moe.spec
         ex: GgmlExperts = moe.grouped
         hidden, k, e_num = spec.hidden_size, spec.num_experts_per_tok, spec.num_experts
-
-        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-            x = lib.ggml_new_tensor_2d(ctx, _F32, hidden, rows)
-            probs = lib.ggml_soft_max(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, moe.router), x))  # [E, N]
-            chosen = lib.ggml_argsort_top_k(ctx, probs, k)  # [k, N], highest first
-            w = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, e_num, rows), chosen)  # [1, k, N]
-            if spec.norm_topk_prob:
-                w2 = lib.ggml_reshape_2d(ctx, w, k, rows)
-                w = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, w2, lib.ggml_sum_rows(ctx, w2)), 1, k, rows)
-            xs = lib.ggml_reshape_3d(ctx, x, hidden, 1, rows)
-            h = lib.ggml_swiglu_split(ctx, lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 0), xs, chosen),
-                                      lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 1), xs, chosen))
-            y = lib.ggml_mul(ctx, lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 2), h, chosen), w)  # [H, k, N]
-            out = lib.ggml_view_2d(ctx, y, hidden, rows, y.contents.nb[2], 0)
-            for i in range(1, k):
-                out = lib.ggml_add(ctx, out, lib.ggml_view_2d(ctx, y, hidden, rows, y.contents.nb[2],
-                                                              i * y.contents.nb[1]))
-            if moe.shared is not None:
-                sh = moe.shared
-                up = lib.ggml_swiglu(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, sh.gate_up.parts[0]), x))
-                y_sh = lib.ggml_mul_mat(ctx, _weight(lib, ctx, sh.down), up)
-                gate = lib.ggml_sigmoid(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, moe.shared_gate), x))  # [1, N]
-                out = lib.ggml_add(ctx, out, lib.ggml_mul(ctx, y_sh, gate))
-            return [x], [out], []
-
-        return _Block(lib, threads, build)
+        probs = lib.ggml_soft_max(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, moe.router), x))  # [E, N]
+        chosen = lib.ggml_argsort_top_k(ctx, probs, k)  # [k, N], highest first
+        w = lib.ggml_get_rows(ctx, lib.ggml_reshape_3d(ctx, probs, 1, e_num, rows), chosen)  # [1, k, N]
+        if spec.norm_topk_prob:
+            w2 = lib.ggml_reshape_2d(ctx, w, k, rows)
+            w = lib.ggml_reshape_3d(ctx, lib.ggml_div(ctx, w2, lib.ggml_sum_rows(ctx, w2)), 1, k, rows)
+        xs = lib.ggml_reshape_3d(ctx, x, hidden, 1, rows)
+        h = lib.ggml_swiglu_split(ctx, lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 0), xs, chosen),
+                                  lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 1), xs, chosen))
+        y = lib.ggml_mul(ctx, lib.ggml_mul_mat_id(ctx, ex.stacked(ctx, 2), h, chosen), w)  # [H, k, N]
+        out = lib.ggml_view_2d(ctx, y, hidden, rows, y.contents.nb[2], 0)
+        for i in range(1, k):
+            out = lib.ggml_add(ctx, out, lib.ggml_view_2d(ctx, y, hidden, rows, y.contents.nb[2],
+                                                          i * y.contents.nb[1]))
+        if moe.shared is not None:
+            sh = moe.shared
+            up = lib.ggml_swiglu(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, sh.gate_up.parts[0]), x))
+            y_sh = lib.ggml_mul_mat(ctx, _weight(lib, ctx, sh.down), up)
+            gate = lib.ggml_sigmoid(ctx, lib.ggml_mul_mat(ctx, _weight(lib, ctx, moe.shared_gate), x))  # [1, N]
+            out = lib.ggml_add(ctx, out, lib.ggml_mul(ctx, y_sh, gate))
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.moe.spec.hidden_size)
@@ -281,3 +286,61 @@ def moe_step(moe: Any) -> MoEStep | None:
 
 def _dense32(w: Any) -> bool:
     return isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous()
+
+
+# ---- a decoder layer ----------------------------------------------------------------------------------------------
+
+
+class LayerStep:
+    """A decoder layer's residual blocks around its MoE as one graph: ``x + moe(norm(x))`` for any rows
+    (:meth:`ffn`), and where its token mixer is a Gated DeltaNet with a graph, the whole layer for one token of one
+    session (``__call__``): ``h = x + mixer(norm(x))``, then ``h + moe(norm(h))``. Inputs and outputs float32."""
+
+    def __init__(self, layer: Any, mixer: DeltaNetStep | None, moe: MoEStep, lib: Any) -> None:
+        self.layer, self.mixer, self.moe, self.lib = layer, mixer, moe, lib
+        self._whole = _Graphs(lambda rows, threads: self._make(rows, threads, True))
+        self._half = _Graphs(lambda rows, threads: self._make(rows, threads, False))
+
+    def _norm(self, ctx: Any, x: Any, w: torch.Tensor) -> Any:
+        lib = self.lib
+        return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.layer.spec.rms_norm_eps),
+                            _const(lib, ctx, w, w.numel()))
+
+    def _make(self, rows: int, threads: int, whole: bool) -> _Block:
+        lib, layer = self.lib, self.layer
+
+        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
+            x = lib.ggml_new_tensor_2d(ctx, _F32, layer.spec.hidden_size, rows)
+            ins: list[Any] = []
+            also: list[Any] = []
+            h = x
+            if whole:
+                assert self.mixer is not None
+                ins, mixed, also = self.mixer.ops(ctx, self._norm(ctx, x, layer.input_norm))
+                h = lib.ggml_add(ctx, x, mixed)
+            out = lib.ggml_add(ctx, h, self.moe.ops(ctx, self._norm(ctx, h, layer.post_norm), rows))
+            return [x, *ins], [out], also
+
+        return _Block(lib, threads, build)
+
+    def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(1, self.layer.spec.hidden_size)
+        self._whole.run(1, [x.contiguous(), conv, rec], [out])
+        return out
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.layer.spec.hidden_size)
+        self._half.run(x.shape[0], [x.contiguous()], [out])
+        return out
+
+
+def layer_step(layer: Any) -> LayerStep | None:
+    """``layer`` (a ``layers.DecoderLayer``) around its MoE graph (and its Gated DeltaNet's, if it has one) as one
+    graph, or None: its FFN has no graph, or its norms are not float32 vectors."""
+    moe = getattr(layer.ffn, "step", None)
+    if not isinstance(moe, MoEStep) or not all(
+            isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 1 and w.is_contiguous()
+            for w in (layer.input_norm, layer.post_norm)):
+        return None
+    mixer = getattr(layer.mixer, "step", None)
+    return LayerStep(layer, mixer if isinstance(mixer, DeltaNetStep) else None, moe, moe.lib)
