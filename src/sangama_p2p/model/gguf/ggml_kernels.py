@@ -150,33 +150,44 @@ def probe() -> None:
 
 
 class _Graph:
-    """A ggml graph over memory we own: ``build(ctx)`` creates the tensors and returns (inputs, output,
-    intermediates); inputs and output are re-pointed per call, weights were pointed at their blocks by ``build``, and
-    the intermediates and ggml's work area live in the calling thread's arena (:func:`_arena`: one buffer a thread,
-    not one a graph - a stage keeps graphs for every weight and several row counts)."""
+    """A ggml graph over memory we own: ``build(ctx)`` creates the tensors and returns (inputs, outputs, also) -
+    ``also``: results that write into inputs (a state updated in place) and must run too. Weights were pointed at
+    their memory by ``build``; inputs and outputs are re-pointed per call, and every view after its source; the other
+    intermediates and ggml's work area live in the calling thread's arena (:func:`_arena`: one buffer a thread, not
+    one a graph - a stage keeps graphs for every weight and several row counts)."""
 
-    def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], Any, list[Any]]]) -> None:
+    def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], list[Any], list[Any]]],
+                 nodes: int = 16) -> None:
         self.lib = lib
-        size = lib.ggml_tensor_overhead() * 16 + lib.ggml_graph_overhead_custom(16, False)
+        size = lib.ggml_tensor_overhead() * nodes + lib.ggml_graph_overhead_custom(nodes, False)
         self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
         try:
-            inputs, out, between = build(self.ctx)
-            self.graph = lib.ggml_new_graph_custom(self.ctx, 16, False)
-            lib.ggml_build_forward_expand(self.graph, out)
-            self.between = [(t.contents, -(-lib.ggml_nbytes(t) // 64) * 64) for t in between]
+            inputs, outputs, also = build(self.ctx)
+            self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
+            for t in (*also, *outputs):
+                lib.ggml_build_forward_expand(self.graph, t)
+            ins = {ctypes.addressof(t.contents) for t in (*inputs, *outputs)}
+            self.views: list[tuple[Any, Any, int]] = []
+            self.between: list[tuple[Any, int]] = []
+            for i in range(lib.ggml_graph_n_nodes(self.graph)):
+                node = lib.ggml_graph_node(self.graph, i).contents
+                if node.view_src:
+                    self.views.append((node, node.view_src.contents, int(node.view_offs)))
+                elif ctypes.addressof(node) not in ins:
+                    self.between.append((node, -(-lib.ggml_nbytes(ctypes.pointer(node)) // 64) * 64))
             self.plan = lib.ggml_graph_plan(self.graph, threads, None)
             self.need = sum(s for _, s in self.between) + int(self.plan.work_size)
             self.plan_p = ctypes.pointer(self.plan)
-            self.base = -1  # the arena's address the intermediates point into
-            self.inputs = [t.contents for t in inputs]  # the structs, so a call writes one field each
-            self.out = out.contents
+            self.base = -1
+            self.inputs = [t.contents for t in inputs]
+            self.outputs = [t.contents for t in outputs]
         except BaseException:
             lib.ggml_free(self.ctx)
             raise
 
-    def __call__(self, inputs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         base = _arena(self.need)
         if base != self.base:
             at = base
@@ -187,11 +198,13 @@ class _Graph:
             self.base = base
         for t, x in zip(self.inputs, inputs):
             t.data = x.data_ptr()
-        self.out.data = out.data_ptr()
+        for t, x in zip(self.outputs, outputs):
+            t.data = x.data_ptr()
+        for v, src, offs in self.views:
+            v.data = src.data + offs
         status = self.lib.ggml_graph_compute(self.graph, self.plan_p)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
-        return out
 
     def __del__(self) -> None:
         ctx, self.ctx = getattr(self, "ctx", None), None
@@ -221,7 +234,7 @@ class _Graphs:
         self.kept: collections.OrderedDict[tuple[int, int], _Graph] = collections.OrderedDict()
         self.lock = threading.Lock()
 
-    def run(self, rows: int, inputs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    def run(self, rows: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         key = (rows, torch.get_num_threads())
         with self.lock:
             g = self.kept.get(key)
@@ -233,7 +246,7 @@ class _Graphs:
                         self.kept.popitem(last=False)
             else:
                 self.kept.move_to_end(key)
-            return g(inputs, out)
+            g(inputs, outputs)
 
 
 # ---- weights --------------------------------------------------------------------------------------------------
@@ -281,11 +294,11 @@ class GgmlWeight(FusedWeight):
     def _graph(self, rows: int, threads: int) -> _Graph:
         lib = self.lib
 
-        def build(ctx: Any) -> tuple[list[Any], Any, list[Any]]:
+        def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
             w = lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
             w.contents.data = self.blocks.data_ptr()
             x = lib.ggml_new_tensor_2d(ctx, _F32, self.k, rows)
-            return [x], lib.ggml_mul_mat(ctx, w, x), []
+            return [x], [lib.ggml_mul_mat(ctx, w, x)], []
 
         return _Graph(lib, threads, build)
 
@@ -296,7 +309,8 @@ class GgmlWeight(FusedWeight):
             x = x.index_select(1, self.in_perm)
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
-        return self._graphs.run(x.shape[0], [x], out)
+        self._graphs.run(x.shape[0], [x], [out])
+        return out
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.product(x.reshape(-1, self.k)).to(x.dtype)
@@ -400,14 +414,14 @@ class GgmlExperts:
         lib = self.lib
 
         def make(rows: int, threads: int) -> _Graph:
-            def build(ctx: Any) -> tuple[list[Any], Any, list[Any]]:
+            def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
                 x = lib.ggml_new_tensor_3d(ctx, _F32, self.hidden, 1, rows)
                 ids = lib.ggml_new_tensor_2d(ctx, _I32, k, rows)
                 gate = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 0), x, ids)
                 up = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 1), x, ids)
                 h = lib.ggml_swiglu_split(ctx, gate, up)
                 y = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 2), h, ids)
-                return [x, ids], y, [gate, up, h]
+                return [x, ids], [y], []
 
             return _Graph(lib, threads, build)
 
@@ -420,5 +434,5 @@ class GgmlExperts:
         xs = x.float().contiguous()
         ids = top_i.to(torch.int32).contiguous()
         y = torch.empty(n, k, self.hidden)
-        (self._graphs.get(k) or self._graph(k)).run(n, [xs, ids], y)
+        (self._graphs.get(k) or self._graph(k)).run(n, [xs, ids], [y])
         return torch.bmm(top_w.float().unsqueeze(1), y).squeeze(1)

@@ -1,92 +1,32 @@
-"""Whole blocks of a decode step as one ggml graph each (issue 30): a Gated DeltaNet's one-token step and a MoE
-layer's router, experts and shared expert, over weights that ggml multiplies (``ggml_kernels.py``).
+"""Decoder layers as ggml graphs (issue 30): a Gated DeltaNet layer's one-token step whole, a MoE layer, and an
+attention layer's MoE half, over weights that ggml multiplies (``ggml_kernels.py``).
 
 Why: with ggml's products a mid-size MoE's decode step spent a third of its time in the ~100 small torch operations
-and the Python between them per layer (docs/benchmarks.md); here each block is one ``ggml_graph_compute``, its small
-operations ggml's own (llama.cpp's graph for these layers, op for op: ``ggml_ssm_conv``, ``ggml_l2_norm``,
-``ggml_top_k``, ``ggml_mul_mat_id``...).
+and the Python between them per layer (docs/benchmarks.md); here a layer is one ``ggml_graph_compute``, its small
+operations llama.cpp's own for these layers (``ggml_ssm_conv``, ``ggml_l2_norm``, ``ggml_gated_delta_net`` on the
+session's state as ``state.rec_layout`` stores it, ``ggml_argsort_top_k``, ``ggml_mul_mat_id``...).
 
-A block's graph is built once per thread count and kept: its weights point at the weights' memory, its inputs and
-outputs (the step's rows, the session's conv window and recurrent state, updated in place) are re-pointed per call,
-its intermediates live in the thread's arena, and every view is re-pointed per call after its source.
+A graph is built once per thread count (and row count) and kept: its weights point at the weights' memory, its
+inputs and outputs (the step's rows, the session's conv window and recurrent state, updated in place) are re-pointed
+per call (``ggml_kernels._Graph``).
 
-Only what these graphs compute exactly as the torch path does (to rounding) takes them: one session, one position,
-no rollback ring (plain decode), and not the batch-invariant mode; everything else runs the torch path.
+Only what these graphs compute as the torch path does (to float32 rounding) takes them: the whole DeltaNet layer for
+one position of one session, not in the batch-invariant mode (no rollback ring: a one-token step keeps none); the MoE
+and the MoE half of a layer for any rows (row by row, so batch-invariant). Every other step runs the torch path.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .ggml_kernels import _F32, _I32, GgmlExperts, GgmlWeight, _arena, _Graphs, binding
+from .ggml_kernels import _F32, _I32, GgmlExperts, GgmlWeight, _Graph, _Graphs, binding
 
 __all__ = ["DeltaNetStep", "LayerStep", "MoEStep", "deltanet_step", "layer_step", "moe_step"]
 
 _NODES = 256  # tensors a block's graph holds at most
-
-
-class _Block:
-    """A graph with several inputs and outputs over memory we own (:class:`~.ggml_kernels._Graph` for one product):
-    ``build(ctx)`` returns (inputs, outputs, also): ``also`` are results that write into inputs (a state updated in
-    place) and must run too."""
-
-    def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], list[Any], list[Any]]]) -> None:
-        self.lib = lib
-        size = lib.ggml_tensor_overhead() * _NODES + lib.ggml_graph_overhead_custom(_NODES, False)
-        self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
-        if not self.ctx:
-            raise MemoryError("ggml_init failed")
-        try:
-            inputs, outputs, also = build(self.ctx)
-            self.graph = lib.ggml_new_graph_custom(self.ctx, _NODES, False)
-            for t in (*also, *outputs):
-                lib.ggml_build_forward_expand(self.graph, t)
-            ins = {ctypes.addressof(t.contents) for t in (*inputs, *outputs)}
-            self.views: list[tuple[Any, Any, int]] = []
-            self.between: list[tuple[Any, int]] = []
-            for i in range(lib.ggml_graph_n_nodes(self.graph)):
-                node = lib.ggml_graph_node(self.graph, i).contents
-                if node.view_src:
-                    self.views.append((node, node.view_src.contents, int(node.view_offs)))
-                elif ctypes.addressof(node) not in ins:
-                    self.between.append((node, -(-lib.ggml_nbytes(ctypes.pointer(node)) // 64) * 64))
-            self.plan = lib.ggml_graph_plan(self.graph, threads, None)
-            self.need = sum(s for _, s in self.between) + int(self.plan.work_size)
-            self.plan_p = ctypes.pointer(self.plan)
-            self.base = -1
-            self.inputs = [t.contents for t in inputs]
-            self.outputs = [t.contents for t in outputs]
-        except BaseException:
-            lib.ggml_free(self.ctx)
-            raise
-
-    def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        base = _arena(self.need)
-        if base != self.base:
-            at = base
-            for t, s in self.between:
-                t.data = at
-                at += s
-            self.plan.work_data = ctypes.cast(at, ctypes.POINTER(ctypes.c_uint8))
-            self.base = base
-        for t, x in zip(self.inputs, inputs):
-            t.data = x.data_ptr()
-        for t, x in zip(self.outputs, outputs):
-            t.data = x.data_ptr()
-        for v, src, offs in self.views:
-            v.data = src.data + offs
-        status = self.lib.ggml_graph_compute(self.graph, self.plan_p)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
-
-    def __del__(self) -> None:
-        ctx, self.ctx = getattr(self, "ctx", None), None
-        if ctx:
-            self.lib.ggml_free(ctx)
 
 
 def _weight(lib: Any, ctx: Any, w: Any) -> Any | None:
@@ -128,13 +68,13 @@ class DeltaNetStep:
         self.perm = None if perm is None else perm.to(torch.int32).contiguous()
         self._graphs = _Graphs(self._make)
 
-    def _make(self, rows: int, threads: int) -> _Block:
+    def _make(self, rows: int, threads: int) -> _Graph:
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
             x = self.lib.ggml_new_tensor_2d(ctx, _F32, self.net.spec.hidden_size, 1)
             ins, out, also = self.ops(ctx, x)
             return [x, *ins], [out], also
 
-        return _Block(self.lib, threads, build)
+        return _Graph(self.lib, threads, build, _NODES)
 
     def ops(self, ctx: Any, x: Any) -> tuple[list[Any], Any, list[Any]]:
         """The step's operations on ``x [H, 1]`` in ``ctx``: (the state's tensors, to point at the session's conv
@@ -230,12 +170,12 @@ class MoEStep:
         self.moe, self.lib = moe, lib
         self._graphs = _Graphs(self._make)
 
-    def _make(self, rows: int, threads: int) -> _Block:
+    def _make(self, rows: int, threads: int) -> _Graph:
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
             x = self.lib.ggml_new_tensor_2d(ctx, _F32, self.moe.spec.hidden_size, rows)
             return [x], [self.ops(ctx, x, rows)], []
 
-        return _Block(self.lib, threads, build)
+        return _Graph(self.lib, threads, build, _NODES)
 
     def ops(self, ctx: Any, x: Any, rows: int) -> Any:
         """The layer's operations on ``x [H, rows]`` in ``ctx``: its output [H, rows]."""
@@ -306,7 +246,7 @@ class LayerStep:
         return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.layer.spec.rms_norm_eps),
                             _const(lib, ctx, w, w.numel()))
 
-    def _make(self, rows: int, threads: int, whole: bool) -> _Block:
+    def _make(self, rows: int, threads: int, whole: bool) -> _Graph:
         lib, layer = self.lib, self.layer
 
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
@@ -321,7 +261,7 @@ class LayerStep:
             out = lib.ggml_add(ctx, h, self.moe.ops(ctx, self._norm(ctx, h, layer.post_norm), rows))
             return [x, *ins], [out], also
 
-        return _Block(lib, threads, build)
+        return _Graph(lib, threads, build, _NODES)
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.layer.spec.hidden_size)
