@@ -3,10 +3,10 @@ the same step through the torch path between ggml's products (issue 30; model/gg
 
     python benchmarks/block_graphs.py FILE.gguf [FILE.gguf ...] [--threads 1] [--steps 24] [--rounds 3]
 
-One process per file: the stage loads once, then rounds alternate graphs on / off (every layer's, token mixer's and
-MoE's ``step`` set or cleared), each a fresh session, a 16-token prefill and ``--steps`` one-token decode steps (``forward``
-and ``logits``, what ``generate --local`` runs per token), timed after 2 warm-up steps. Prints ms per step (median
-of the rounds) and the ratio, and writes benchmarks/results/block_graphs.json.
+One process per file: the stage loads once, then rounds alternate graphs on / off (every layer's, token mixer's
+and MoE's ``step`` set or cleared), each a fresh session, a 16-token prefill and ``--steps`` one-token decode steps
+(``forward`` and ``logits``, what ``generate --local`` runs per token), timed after 2 warm-up steps. Prints ms per
+step (median of the rounds) and the ratio, and writes benchmarks/results/block_graphs.json.
 """
 
 from __future__ import annotations

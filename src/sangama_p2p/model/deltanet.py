@@ -123,13 +123,14 @@ class GatedDeltaNet:
     ) -> tuple[slice | torch.Tensor, torch.Tensor]:
         """Steps of B sessions as one batched conv + delta rule over their stacked states.
 
-        ``items``: (layer state, first row, length, ring slot of its first snapshot or None) per session; ``looped``: a stepwise group that runs
-        position by position (:func:`delta_rule_steps`; one-token steps, and any step in batch-invariant mode), with
-        ``g`` the decay itself (exp g); other stepwise groups (verify steps) run :func:`delta_rule_short`, chunked
-        ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A chunked group's shorter steps are padded at
-        the end with positions of zero gate and zero beta, which leave the state as it is. For B > 1 the recurrent states
-        are gathered into one temporary [B, ...] tensor and written back after the step (and into the rollback rings
-        of the sessions that keep one); a session alone is updated in place, its ring written directly. The
+        ``items``: (layer state, first row, length, ring slot of its first snapshot or None) per session;
+        ``looped``: a stepwise group that runs position by position (:func:`delta_rule_steps`; one-token steps, and
+        any step in batch-invariant mode), with ``g`` the decay itself (exp g); other stepwise groups (verify steps)
+        run :func:`delta_rule_short`, chunked ones :func:`delta_rule_chunked`, both with ``g`` the log-decay. A
+        chunked group's shorter steps are padded at the end with positions of zero gate and zero beta, which leave the
+        state as it is. For B > 1 the recurrent states are gathered into one temporary [B, ...] tensor (stored as the
+        sessions' are) and written back after the step (and into the rollback rings of the sessions that keep one); a
+        session alone is updated in place, its ring written directly. The
         sessions' own tensors stay where they are. Returns the step's rows (a slice or indices) and their outputs
         [rows, Hv, Dv] fp32.
         """

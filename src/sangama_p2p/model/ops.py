@@ -152,9 +152,10 @@ def delta_rule_one(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
 ) -> torch.Tensor:
     """One position of the gated delta rule for B sessions (decode), with batched products: the maths and arguments
-    of :func:`delta_rule_steps` at T = 1 without a ring, ``state`` contiguous or its transpose. Six ops where the loop takes about
-    25 (21 against 34 us for Qwen3.5-MoE's 8 heads of 64 x 64 here); the products sum in bmm's order, so the result
-    equals the loop's to rounding, not bit for bit (the batch-invariant mode keeps the loop)."""
+    of :func:`delta_rule_steps` at T = 1 without a ring, ``state`` contiguous or stored transposed
+    (``state.rec_layout``). Six ops where the loop takes about 25 (21 against 34 us for Qwen3.5-MoE's 8 heads of
+    64 x 64 here); the products sum in bmm's order, so the result equals the loop's to rounding, not bit for bit (the
+    batch-invariant mode keeps the loop)."""
     b, _, h, dk = k.shape
     dv = v.shape[-1]
     kr = k.reshape(b * h, 1, dk)

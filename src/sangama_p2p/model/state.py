@@ -41,8 +41,8 @@ class LinearLayerState:
 
 def rec_layout(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Zeros of ``[..., Hv, Dk, Dv]`` stored as ``[..., Hv, Dv, Dk]`` (a transposed view): each value row of a head's
-    state contiguous, the layout of llama.cpp's gated delta rule (``ggml_gated_delta_net``), which then updates it
-    without a transposing copy (model/gguf/ggml_layer.py); torch's products take either layout."""
+    state contiguous, the layout of llama.cpp's gated delta rule (``ggml_gated_delta_net``), which then reads and
+    writes it as stored, no transposing copies (model/gguf/ggml_layer.py); torch's products take either layout."""
     return torch.zeros(*shape[:-2], shape[-1], shape[-2], dtype=torch.float32, device=device).transpose(-1, -2)
 
 
