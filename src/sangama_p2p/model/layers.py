@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .deltanet import GatedDeltaNet
 from .experts import DENSE_MAX, StackedExperts
-from .gguf.ggml_layer import layer_step, moe_step
+from .gguf.ggml_layer import MAX_ROWS, layer_step, moe_step
 from .linear import MIN_ROWS, DenseMLP, FusedLinear, Loader, linear, norm_weight
 from .ops import apply_rope, attend_invariant, rms_norm, rotate_half_index
 from .spec import FULL, ModelSpec
@@ -160,7 +160,7 @@ class MoE:
             yield self.shared_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.step is not None and x.device.type == "cpu":  # row by row: batch-invariant as it is
+        if self.step is not None and x.device.type == "cpu" and x.shape[0] <= MAX_ROWS:  # row by row: invariant
             return self.step(x).to(x.dtype)
         logits = linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -253,7 +253,8 @@ class DecoderLayer:
         yield from self.ffn.weights()
 
     def forward(self, x: torch.Tensor, segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        graphs = self.step is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        graphs = self.step is not None and x.dtype == torch.float32 and x.device.type == "cpu" and \
+            x.shape[0] <= MAX_ROWS
         if graphs and self.step.mixer is not None and (st := self.mixer.graph_state(segments)) is not None:  # type: ignore
             return self.step(x, st.conv, st.rec)  # type: ignore[union-attr]  # a token: the whole layer
         h = rms_norm(x, self.input_norm, self.spec.rms_norm_eps)

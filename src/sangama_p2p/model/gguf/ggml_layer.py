@@ -22,9 +22,14 @@ from typing import Any
 
 import torch
 
-from .ggml_kernels import _F32, _I32, GgmlExperts, GgmlWeight, _Graph, _Graphs, binding
+from .ggml_kernels import _CACHED_ROWS, _F32, _I32, GgmlExperts, GgmlWeight, _Graph, _Graphs, binding
 
-__all__ = ["DeltaNetStep", "LayerStep", "MoEStep", "deltanet_step", "layer_step", "moe_step"]
+__all__ = ["MAX_ROWS", "DeltaNetStep", "LayerStep", "MoEStep", "deltanet_step", "layer_step", "moe_step"]
+
+MAX_ROWS = _CACHED_ROWS
+"""Steps of at most this many rows take the MoE graphs (decode, verify windows, batches of them), whose graphs are
+kept; a longer one (a prefill) runs the torch path between ggml's products, where building a graph per call cost a
+prefill of the small made MoE 2-3%."""
 
 _NODES = 256  # tensors a block's graph holds at most
 
