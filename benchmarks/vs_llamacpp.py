@@ -129,9 +129,12 @@ def made_qwen_moe(out_dir: Path, preset: str = "small") -> dict[str, Path]:
     return {f"{name} Q4_K": q4k, f"{name} Q4_K_M": q4km}
 
 
+LLAMA_REPACK = 1  # llama-bench --repack: 1 (its default, what users run) repacks Q4_0/Q4_K/... weights at load
+
+
 def llama_bench_cmd(bin_dir: Path, path: Path, threads: int, *, prompt: int, gen: int) -> list[str]:
     return [str(bin_dir / "llama-bench"), "-m", str(path), "-t", str(threads), "-p", str(prompt),
-            "-n", str(gen), "-r", "1", "-o", "json"]
+            "-n", str(gen), "-r", "1", "-o", "json", "--repack", str(LLAMA_REPACK)]
 
 
 def llama_bench(bin_dir: Path, path: Path, threads: int, *, prompt: int, gen: int) -> tuple[float, float]:
@@ -221,9 +224,14 @@ def main() -> None:
     ap.add_argument("--kernels", default="ggml,torch",
                     help="our kernels to measure, each against the same llama.cpp run (SANGAMA_KERNELS values)")
     ap.add_argument("--files", nargs="*", default=None, metavar="LABEL=PATH")
+    ap.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
+                    help="llama-bench --repack: 1 (default) repacks weights at load as llama.cpp does; 0 multiplies "
+                         "them as the file stores them, as ours does")
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: CPU ms per decode token of both programs at one thread (cpu_per_token)")
     args = ap.parse_args()
+    global LLAMA_REPACK
+    LLAMA_REPACK = args.llama_repack
     bin_dir = find_or_build_llama_cpp(args.llama_cpp, kind=args.build)
     build = ("given" if args.llama_cpp or os.environ.get("LLAMA_CPP_DIR") else args.build,
              (bin_dir.parent / "CMakeCache.txt").read_text() if (bin_dir.parent / "CMakeCache.txt").exists() else "")
@@ -244,7 +252,8 @@ def main() -> None:
                   f"{row['ratio']:>6.2f}")
         RESULTS.mkdir(exist_ok=True)
         doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg": os.getloadavg(),
-               "rounds": args.rounds, "llama_cpp": str(bin_dir), "llama_cpp_build": build[0], "llama_cpp_flags": flags, "rows": rows}
+               "rounds": args.rounds, "llama_cpp": str(bin_dir), "llama_cpp_build": build[0], "llama_cpp_flags": flags,
+               "llama_cpp_repack": LLAMA_REPACK, "rows": rows}
         (RESULTS / "vs_llamacpp_cpu.json").write_text(json.dumps(doc, indent=1) + "\n")
         return
     threads = [int(t) for t in args.threads.split(",")]
@@ -285,7 +294,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     doc = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
            platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": args.rounds,
-           "baseline_rss_mib": round(base, 1), "llama_cpp": str(bin_dir), "llama_cpp_build": build[0], "llama_cpp_flags": flags, "rows": rows}
+           "baseline_rss_mib": round(base, 1), "llama_cpp": str(bin_dir), "llama_cpp_build": build[0],
+           "llama_cpp_flags": flags, "llama_cpp_repack": LLAMA_REPACK, "rows": rows}
     (RESULTS / "vs_llamacpp.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
