@@ -26,8 +26,6 @@ per block.
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -35,14 +33,14 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ...errors import UnsupportedModelError
 from ..weights import FusedWeight
+from .ggml_graph import F32, I32, Graph, Graphs
 from .quants import QuantTensor, type_name
 
 __all__ = ["AUTO_TYPES", "KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight", "mode"]
@@ -50,9 +48,6 @@ __all__ = ["AUTO_TYPES", "KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", 
 log = logging.getLogger(__name__)
 
 KERNELS_ENV = "SANGAMA_KERNELS"
-_F32, _I32 = 0, 26  # ggml_type ids
-_CACHED_ROWS = 64  # graphs for at most this many rows are kept (per weight); bigger ones are built per call
-_CACHED_GRAPHS = 8  # per weight
 
 
 # The types ggml multiplies by default (SANGAMA_KERNELS unset or auto), chosen per type by measurement
@@ -146,109 +141,6 @@ def probe() -> None:
                         torch.rand(m, 2, generator=gen))
 
 
-# ---- graphs ---------------------------------------------------------------------------------------------------
-
-
-class _Graph:
-    """A ggml graph over memory we own: ``build(ctx)`` creates the tensors and returns (inputs, outputs, also) -
-    ``also``: results that write into inputs (a state updated in place) and must run too. Weights were pointed at
-    their memory by ``build``; inputs and outputs are re-pointed per call, and every view after its source; the other
-    intermediates and ggml's work area live in the calling thread's arena (:func:`_arena`: one buffer a thread, not
-    one a graph - a stage keeps graphs for every weight and several row counts)."""
-
-    def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], list[Any], list[Any]]],
-                 nodes: int = 16) -> None:
-        self.lib = lib
-        size = lib.ggml_tensor_overhead() * nodes + lib.ggml_graph_overhead_custom(nodes, False)
-        self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
-        if not self.ctx:
-            raise MemoryError("ggml_init failed")
-        try:
-            inputs, outputs, also = build(self.ctx)
-            self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
-            for t in (*also, *outputs):
-                lib.ggml_build_forward_expand(self.graph, t)
-            ins = {ctypes.addressof(t.contents) for t in (*inputs, *outputs)}
-            self.views: list[tuple[Any, Any, int]] = []
-            self.between: list[tuple[Any, int]] = []
-            for i in range(lib.ggml_graph_n_nodes(self.graph)):
-                node = lib.ggml_graph_node(self.graph, i).contents
-                if node.view_src:
-                    self.views.append((node, node.view_src.contents, int(node.view_offs)))
-                elif ctypes.addressof(node) not in ins:
-                    self.between.append((node, -(-lib.ggml_nbytes(ctypes.pointer(node)) // 64) * 64))
-            self.plan = lib.ggml_graph_plan(self.graph, threads, None)
-            self.need = sum(s for _, s in self.between) + int(self.plan.work_size)
-            self.plan_p = ctypes.pointer(self.plan)
-            self.base = -1
-            self.inputs = [t.contents for t in inputs]
-            self.outputs = [t.contents for t in outputs]
-        except BaseException:
-            lib.ggml_free(self.ctx)
-            raise
-
-    def __call__(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        base = _arena(self.need)
-        if base != self.base:
-            at = base
-            for t, s in self.between:
-                t.data = at
-                at += s
-            self.plan.work_data = ctypes.cast(at, ctypes.POINTER(ctypes.c_uint8))
-            self.base = base
-        for t, x in zip(self.inputs, inputs):
-            t.data = x.data_ptr()
-        for t, x in zip(self.outputs, outputs):
-            t.data = x.data_ptr()
-        for v, src, offs in self.views:
-            v.data = src.data + offs
-        status = self.lib.ggml_graph_compute(self.graph, self.plan_p)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
-
-    def __del__(self) -> None:
-        ctx, self.ctx = getattr(self, "ctx", None), None
-        if ctx:
-            self.lib.ggml_free(ctx)
-
-
-_local = threading.local()
-
-
-def _arena(size: int) -> int:
-    """The address of this thread's scratch buffer, grown to at least ``size`` bytes (graphs that used the old one
-    re-point at the next call: their ``base`` differs)."""
-    buf: torch.Tensor | None = getattr(_local, "arena", None)
-    if buf is None or buf.numel() < size:
-        buf = torch.empty(max(size, 1 << 16, 2 * (0 if buf is None else buf.numel())), dtype=torch.uint8)
-        _local.arena = buf
-    return buf.data_ptr()
-
-
-class _Graphs:
-    """A weight's graphs by (rows, threads): the small ones kept (least recently used dropped), big ones per call.
-    One call at a time per weight (a lock: the graphs' inputs are re-pointed per call)."""
-
-    def __init__(self, make: Callable[[int, int], _Graph]) -> None:
-        self.make = make
-        self.kept: collections.OrderedDict[tuple[int, int], _Graph] = collections.OrderedDict()
-        self.lock = threading.Lock()
-
-    def run(self, rows: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        key = (rows, torch.get_num_threads())
-        with self.lock:
-            g = self.kept.get(key)
-            if g is None:
-                g = self.make(*key)
-                if rows <= _CACHED_ROWS:
-                    self.kept[key] = g
-                    if len(self.kept) > _CACHED_GRAPHS:
-                        self.kept.popitem(last=False)
-            else:
-                self.kept.move_to_end(key)
-            g(inputs, outputs)
-
-
 # ---- weights --------------------------------------------------------------------------------------------------
 
 
@@ -273,7 +165,7 @@ class GgmlWeight(FusedWeight):
         if self.lib.ggml_row_size(self.qtype, self.k) != self.blocks.shape[1]:
             raise UnsupportedModelError(
                 f"{type_name(self.qtype)} rows of {self.k} are not {self.blocks.shape[1]} bytes")
-        self._graphs = _Graphs(self._graph)
+        self._graphs = Graphs(self._graph)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -291,16 +183,16 @@ class GgmlWeight(FusedWeight):
     def type_name(self) -> str:
         return f"{type_name(self.qtype)} (ggml)"
 
-    def _graph(self, rows: int, threads: int) -> _Graph:
+    def _graph(self, rows: int, threads: int) -> Graph:
         lib = self.lib
 
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
             w = lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
             w.contents.data = self.blocks.data_ptr()
-            x = lib.ggml_new_tensor_2d(ctx, _F32, self.k, rows)
+            x = lib.ggml_new_tensor_2d(ctx, F32, self.k, rows)
             return [x], [lib.ggml_mul_mat(ctx, w, x)], []
 
-        return _Graph(lib, threads, build)
+        return Graph(lib, threads, build)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, k]`` (any float dtype) times the weight: ``[M, n]`` float32."""
@@ -373,7 +265,7 @@ class GgmlExperts:
         self.keep = keep  # every expert's weights: the views that hold the stacked blocks alive
         self.hidden = down.n
         self.lib = gate.lib
-        self._graphs: dict[int, _Graphs] = {}
+        self._graphs: dict[int, Graphs] = {}
 
     @classmethod
     def build(cls, gates: list[Any], ups: list[Any], downs: list[Any]) -> "GgmlExperts | None":
@@ -409,23 +301,23 @@ class GgmlExperts:
         c.nb[3] = stride * self.num
         return t
 
-    def _graph(self, k: int) -> _Graphs:
+    def _graph(self, k: int) -> Graphs:
         """The graphs for k experts a row (made once per k)."""
         lib = self.lib
 
-        def make(rows: int, threads: int) -> _Graph:
+        def make(rows: int, threads: int) -> Graph:
             def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-                x = lib.ggml_new_tensor_3d(ctx, _F32, self.hidden, 1, rows)
-                ids = lib.ggml_new_tensor_2d(ctx, _I32, k, rows)
+                x = lib.ggml_new_tensor_3d(ctx, F32, self.hidden, 1, rows)
+                ids = lib.ggml_new_tensor_2d(ctx, I32, k, rows)
                 gate = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 0), x, ids)
                 up = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 1), x, ids)
                 h = lib.ggml_swiglu_split(ctx, gate, up)
                 y = lib.ggml_mul_mat_id(ctx, self.stacked(ctx, 2), h, ids)
                 return [x, ids], [y], []
 
-            return _Graph(lib, threads, build)
+            return Graph(lib, threads, build)
 
-        graphs = self._graphs[k] = _Graphs(make)
+        graphs = self._graphs[k] = Graphs(make)
         return graphs
 
     def __call__(self, x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ session's state as ``state.rec_layout`` stores it, ``ggml_argsort_top_k``, ``ggm
 
 A graph is built once per thread count (and row count) and kept: its weights point at the weights' memory, its
 inputs and outputs (the step's rows, the session's conv window and recurrent state, updated in place) are re-pointed
-per call (``ggml_kernels._Graph``).
+per call (``ggml_graph.Graph``).
 
 Only what these graphs compute as the torch path does (to float32 rounding) takes them: the whole DeltaNet layer for
 one position of one session, not in the batch-invariant mode (no rollback ring: a one-token step keeps none); the MoE
@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from .ggml_kernels import _CACHED_ROWS, _F32, _I32, GgmlExperts, GgmlWeight, _Graph, _Graphs, binding
+from .ggml_graph import CACHED_ROWS, F32, I32, Graph, Graphs
+from .ggml_kernels import GgmlExperts, GgmlWeight, binding
 
 __all__ = ["MAX_ROWS", "DeltaNetStep", "LayerStep", "MoEStep", "deltanet_step", "layer_step", "moe_step"]
 
-MAX_ROWS = _CACHED_ROWS
+MAX_ROWS = CACHED_ROWS
 """Steps of at most this many rows take the MoE graphs (decode, verify windows, batches of them), whose graphs are
 kept; a longer one (a prefill) runs the torch path between ggml's products, where building a graph per call cost a
 prefill of the small made MoE 2-3%."""
@@ -48,7 +49,7 @@ def _weight(lib: Any, ctx: Any, w: Any) -> Any | None:
 def _const(lib: Any, ctx: Any, x: torch.Tensor, *ne: int) -> Any:
     """A ggml float32 tensor of shape ``ne`` (ggml's order: fastest first) over a contiguous float32 tensor."""
     assert x.dtype == torch.float32 and x.is_contiguous() and x.numel() == math.prod(ne)
-    t = getattr(lib, f"ggml_new_tensor_{len(ne)}d")(ctx, _F32, *ne)
+    t = getattr(lib, f"ggml_new_tensor_{len(ne)}d")(ctx, F32, *ne)
     t.contents.data = x.data_ptr()
     return t
 
@@ -71,15 +72,15 @@ class DeltaNetStep:
                        net.norm.contiguous()]
         perm = net.out.in_perm
         self.perm = None if perm is None else perm.to(torch.int32).contiguous()
-        self._graphs = _Graphs(self._make)
+        self._graphs = Graphs(self._make)
 
-    def _make(self, rows: int, threads: int) -> _Graph:
+    def _make(self, rows: int, threads: int) -> Graph:
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-            x = self.lib.ggml_new_tensor_2d(ctx, _F32, self.net.spec.hidden_size, 1)
+            x = self.lib.ggml_new_tensor_2d(ctx, F32, self.net.spec.hidden_size, 1)
             ins, out, also = self.ops(ctx, x)
             return [x, *ins], [out], also
 
-        return _Graph(self.lib, threads, build, _NODES)
+        return Graph(self.lib, threads, build, _NODES)
 
     def ops(self, ctx: Any, x: Any) -> tuple[list[Any], Any, list[Any]]:
         """The step's operations on ``x [H, 1]`` in ``ctx``: (the state's tensors, to point at the session's conv
@@ -89,8 +90,8 @@ class DeltaNetStep:
         dk, dv, kw = spec.linear_key_head_dim, spec.linear_value_head_dim, spec.linear_conv_kernel
         cdim, vdim = spec.linear_conv_dim, spec.linear_value_dim
         conv_w, neg_a, dt_bias, norm = self.consts
-        conv = lib.ggml_new_tensor_2d(ctx, _F32, kw - 1, cdim)  # [C, K-1] oldest first
-        rec = lib.ggml_new_tensor_4d(ctx, _F32, dk, dv, nv, 1)  # [Hv, Dk, Dv] stored as [Hv, Dv, Dk]
+        conv = lib.ggml_new_tensor_2d(ctx, F32, kw - 1, cdim)  # [C, K-1] oldest first
+        rec = lib.ggml_new_tensor_4d(ctx, F32, dk, dv, nv, 1)  # [Hv, Dk, Dv] stored as [Hv, Dv, Dk]
         # the in-projections' outputs, in order: mixed (conv input), z, b, a
         outs = []
         for w, sizes in zip(net.in_proj.parts, net.in_proj.splits):
@@ -129,7 +130,7 @@ class DeltaNetStep:
         core = lib.ggml_mul(ctx, core, lib.ggml_silu(ctx, lib.ggml_reshape_2d(ctx, z, dv, nv)))
         flat = lib.ggml_reshape_2d(ctx, core, 1, vdim)
         if self.perm is not None:  # llama.cpp reordered the out-projection's columns: the input follows
-            idx = lib.ggml_new_tensor_1d(ctx, _I32, vdim)
+            idx = lib.ggml_new_tensor_1d(ctx, I32, vdim)
             idx.contents.data = self.perm.data_ptr()
             flat = lib.ggml_get_rows(ctx, flat, idx)
         out = lib.ggml_mul_mat(ctx, _weight(lib, ctx, _plain(net.out)), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
@@ -173,14 +174,14 @@ class MoEStep:
 
     def __init__(self, moe: Any, lib: Any) -> None:
         self.moe, self.lib = moe, lib
-        self._graphs = _Graphs(self._make)
+        self._graphs = Graphs(self._make)
 
-    def _make(self, rows: int, threads: int) -> _Graph:
+    def _make(self, rows: int, threads: int) -> Graph:
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-            x = self.lib.ggml_new_tensor_2d(ctx, _F32, self.moe.spec.hidden_size, rows)
+            x = self.lib.ggml_new_tensor_2d(ctx, F32, self.moe.spec.hidden_size, rows)
             return [x], [self.ops(ctx, x, rows)], []
 
-        return _Graph(self.lib, threads, build, _NODES)
+        return Graph(self.lib, threads, build, _NODES)
 
     def ops(self, ctx: Any, x: Any, rows: int) -> Any:
         """The layer's operations on ``x [H, rows]`` in ``ctx``: its output [H, rows]."""
@@ -243,19 +244,19 @@ class LayerStep:
 
     def __init__(self, layer: Any, mixer: DeltaNetStep | None, moe: MoEStep, lib: Any) -> None:
         self.layer, self.mixer, self.moe, self.lib = layer, mixer, moe, lib
-        self._whole = _Graphs(lambda rows, threads: self._make(rows, threads, True))
-        self._half = _Graphs(lambda rows, threads: self._make(rows, threads, False))
+        self._whole = Graphs(lambda rows, threads: self._make(rows, threads, True))
+        self._half = Graphs(lambda rows, threads: self._make(rows, threads, False))
 
     def _norm(self, ctx: Any, x: Any, w: torch.Tensor) -> Any:
         lib = self.lib
         return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.layer.spec.rms_norm_eps),
                             _const(lib, ctx, w, w.numel()))
 
-    def _make(self, rows: int, threads: int, whole: bool) -> _Graph:
+    def _make(self, rows: int, threads: int, whole: bool) -> Graph:
         lib, layer = self.lib, self.layer
 
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-            x = lib.ggml_new_tensor_2d(ctx, _F32, layer.spec.hidden_size, rows)
+            x = lib.ggml_new_tensor_2d(ctx, F32, layer.spec.hidden_size, rows)
             ins: list[Any] = []
             also: list[Any] = []
             h = x
@@ -266,7 +267,7 @@ class LayerStep:
             out = lib.ggml_add(ctx, h, self.moe.ops(ctx, self._norm(ctx, h, layer.post_norm), rows))
             return [x, *ins], [out], also
 
-        return _Graph(lib, threads, build, _NODES)
+        return Graph(lib, threads, build, _NODES)
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.layer.spec.hidden_size)
