@@ -297,3 +297,26 @@ def test_a_rebalancers_look_dials_a_few_peers_per_range_and_sybil_records_hide_n
                 assert sum(map(len, asked)) == len(want)  # the rest of 3:5 asked too, once
 
     trio.run(main)
+
+
+def test_updates_racing_each_other_and_the_loop_all_publish():
+    """Updates of one model started together (and the loop's own publication of a new offer) each store a record:
+    publications of a model run one at a time, their seq taken in turn, so none stores an older record after a newer
+    one (its local store refused it: "Refusing to replace newer value with the older one")."""
+
+    async def main():
+        with trio.fail_after(60):
+            async with open_host(config(), key_pair=generate_key_pair()) as boot, \
+                    open_host(config(bootstrap_addrs=(first_addr(boot),)), key_pair=generate_key_pair()) as peer:
+                announcer = Announcer(peer)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(announcer.run)
+                    for _ in range(5):
+                        async with trio.open_nursery() as racing:
+                            for tps in (1.0, 2.0, 3.0, 4.0):
+                                racing.start_soon(announcer.update,
+                                                  ServingOffer("m", 0, 8, tps, 1, ttl=60, fingerprint=FP, num_layers=8))
+                    assert announcer.published["m"].record.seq == announcer.signed["m"].record.seq
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)

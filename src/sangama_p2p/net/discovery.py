@@ -136,6 +136,7 @@ class Announcer:
         self._all_due = False  # a bootstrap node came back: re-publish every offer at once
         self._provided: dict[str, float] = {}  # model -> when its provider entry was last sent (trio clock)
         self._closest = Closest()  # the servers each directory entry goes to
+        self._locks: dict[str, trio.Lock] = {}  # per model: its publications one at a time
         self._top_up = trio.Event()  # a DHT server joined close to one of our directory keys
         self.published: dict[str, SignedRecord] = {}
         self.signed: dict[str, SignedRecord] = {}
@@ -164,15 +165,19 @@ class Announcer:
         self.published.pop(model_id, None)
 
     async def _publish(self, offer: ServingOffer, *, provide: bool = False) -> SignedRecord:
-        self._seq += 1
-        now = trio.current_time()
-        provide = provide or now - self._provided.get(offer.model_id, -math.inf) >= PROVIDE_EVERY_S
-        signed = await publish(self.node, offer, seq=self._seq, provide=provide, closest=self._closest,
-                               on_signed=lambda r: self.signed.__setitem__(offer.model_id, r))
-        self.published[offer.model_id] = signed
-        if provide:
-            self._provided[offer.model_id] = now
-        return signed
+        # one publication of a model at a time, its seq taken inside: an update racing the loop's re-publication
+        # stored the newer record locally first, and the older one's store was refused ("Refusing to replace newer
+        # value with the older one": the whole suite, once)
+        async with self._locks.setdefault(offer.model_id, trio.Lock()):
+            self._seq += 1
+            now = trio.current_time()
+            provide = provide or now - self._provided.get(offer.model_id, -math.inf) >= PROVIDE_EVERY_S
+            signed = await publish(self.node, offer, seq=self._seq, provide=provide, closest=self._closest,
+                                   on_signed=lambda r: self.signed.__setitem__(offer.model_id, r))
+            self.published[offer.model_id] = signed
+            if provide:
+                self._provided[offer.model_id] = now
+            return signed
 
     def republish_now(self, *_: object) -> None:
         """Re-publish every offer at once (``Node.bootstrap_back`` calls it: a restarted bootstrap node holds
