@@ -183,14 +183,19 @@ class GgmlWeight(FusedWeight):
     def type_name(self) -> str:
         return f"{type_name(self.qtype)} (ggml)"
 
+    def tensor(self, ctx: Any) -> Any:
+        """This weight as a ggml tensor in ``ctx``, over its blocks (their columns as stored: a graph reorders its
+        input by ``in_perm``)."""
+        t = self.lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
+        t.contents.data = self.blocks.data_ptr()
+        return t
+
     def _graph(self, rows: int, threads: int) -> Graph:
         lib = self.lib
 
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
-            w = lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
-            w.contents.data = self.blocks.data_ptr()
             x = lib.ggml_new_tensor_2d(ctx, F32, self.k, rows)
-            return [x], [lib.ggml_mul_mat(ctx, w, x)], []
+            return [x], [lib.ggml_mul_mat(ctx, self.tensor(ctx), x)], []
 
         return Graph(lib, threads, build)
 

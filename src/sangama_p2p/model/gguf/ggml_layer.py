@@ -38,9 +38,7 @@ _NODES = 256  # tensors a block's graph holds at most
 def _weight(lib: Any, ctx: Any, w: Any) -> Any | None:
     """A ggml tensor over a weight's memory (ggml blocks, or a dense float32 matrix [n, k]); None for others."""
     if isinstance(w, GgmlWeight) and w.in_perm is None:
-        t = lib.ggml_new_tensor_2d(ctx, w.qtype, w.k, w.n)
-        t.contents.data = w.blocks.data_ptr()
-        return t
+        return w.tensor(ctx)
     if _dense32(w):
         return _const(lib, ctx, w, w.shape[1], w.shape[0])
     return None
@@ -133,18 +131,13 @@ class DeltaNetStep:
             idx = lib.ggml_new_tensor_1d(ctx, I32, vdim)
             idx.contents.data = self.perm.data_ptr()
             flat = lib.ggml_get_rows(ctx, flat, idx)
-        out = lib.ggml_mul_mat(ctx, _weight(lib, ctx, _plain(net.out)), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
+        out = lib.ggml_mul_mat(ctx, net.out.tensor(ctx), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
         return [conv, rec], out, [moved, s]
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.net.spec.hidden_size)
         self._graphs.run(1, [x.float().contiguous(), conv, rec], [out])
         return out
-
-
-def _plain(w: GgmlWeight) -> GgmlWeight:
-    """``w`` without its column permutation (the graph reorders its input instead)."""
-    return GgmlWeight(w.blocks, w.qtype, w.k, None, w.lib)
 
 
 def deltanet_step(net: Any) -> DeltaNetStep | None:
@@ -157,9 +150,9 @@ def deltanet_step(net: Any) -> DeltaNetStep | None:
             [None] * len(parts) and sizes == [spec.linear_conv_dim, spec.linear_value_dim,
                                               spec.linear_num_value_heads, spec.linear_num_value_heads]):
         return None
+    # (its conv, decay and norm vectors are float32 whatever the file: GatedDeltaNet loads them so)
     if spec.linear_num_value_heads % spec.linear_num_key_heads or spec.linear_key_head_dim != \
-            spec.linear_value_head_dim or any(
-            t.dtype != torch.float32 for t in (net.conv, net.neg_a, net.dt_bias, net.norm)):
+            spec.linear_value_head_dim:
         return None
     lib = binding()
     return None if lib is None else DeltaNetStep(net, lib)
