@@ -160,7 +160,11 @@ def test_experts_that_are_not_one_stride_apart_are_not_grouped() -> None:
     _, downs = _stacked(QType.Q8_0, 4, 256, 64, 2)
     assert GgmlWeight.group_experts(gates, ups, downs) is not None
     assert GgmlWeight.group_experts(gates[::-1], ups, downs) is None  # not ascending at one stride
-    apart = [ggml_weight(QuantTensor(QType.Q4_K, g.blocks.clone(), 256)) for g in gates]  # copies: anywhere
+    size = gates[0].blocks.numel()  # copies at uneven gaps (clones of equal size may land one stride apart)
+    buf = torch.empty(4 * size + 6 * 64, dtype=torch.uint8)
+    offs = [e * size + e * (e + 1) // 2 * 64 for e in range(4)]
+    apart = [ggml_weight(QuantTensor(QType.Q4_K, buf[o:o + size].view_as(g.blocks).copy_(g.blocks), 256))
+             for o, g in zip(offs, gates)]
     assert GgmlWeight.group_experts(apart, ups, downs) is None
     int4 = [pack_int4(QuantTensor(QType.Q4_K, g.blocks, 256)) for g in gates]  # torch's kernels: not grouped
     assert GgmlWeight.group_experts(int4, ups, downs) is None
