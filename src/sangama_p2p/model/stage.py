@@ -19,7 +19,7 @@ from .mtp import MTPLayer
 from .ops import rms_norm, rope_inv_freq, rope_tables
 from .spec import ModelSpec
 from .state import Segment, SessionState
-from .weights import TensorSource, Weight, dense, weight_nbytes
+from .weights import FusedWeight, TensorSource, Weight, dense, weight_nbytes
 
 __all__ = ["StageModel", "StepInput"]
 
@@ -128,6 +128,7 @@ class StageModel:
         for i in range(start, end):
             prefix = f"model.layers.{i}."
             stage.layers[i] = DecoderLayer(spec, lambda n, p=prefix: get(p + n), i, spec.layer_types[i])
+            _settle(stage.layers[i].weights())
             if release is not None:  # layer by layer, so the pages a repacking or a concatenation read do not pile up
                 release()
         if stage.is_last:
@@ -138,6 +139,7 @@ class StageModel:
                                           getattr(source, "release_view", None))
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
+        _settle(stage.weights())
         if release is not None:
             release()  # the repacked weights hold their own copies of the blocks they came from
         return stage
@@ -323,3 +325,9 @@ class StageModel:
 def _positions(segments: list[Segment]) -> torch.Tensor:
     """Absolute positions of a batched step's rows, in row order."""
     return torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)])
+
+
+def _settle(weights: Iterator[Weight]) -> None:
+    for w in weights:
+        if isinstance(w, FusedWeight):
+            w.settle()

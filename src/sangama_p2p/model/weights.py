@@ -74,6 +74,10 @@ class FusedWeight(abc.ABC):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense tensor (what the kernel multiplies by)."""
 
+    def settle(self) -> None:
+        """Take the final layout, once nothing will join this weight to others (a stage calls it when the layer
+        holding it is built, before dropping the mapped pages the layer read). Default: the layout it has."""
+
     @staticmethod
     def joinable(parts: list["FusedWeight"]) -> bool:
         """Whether :meth:`concat` would join ``parts`` (checked without building the joined weight)."""

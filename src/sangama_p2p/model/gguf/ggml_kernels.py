@@ -26,6 +26,7 @@ per block.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -34,13 +35,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from ...errors import UnsupportedModelError
 from ..weights import FusedWeight
 from .ggml_graph import F32, I32, Graph, Graphs
+from .ggml_repack import Repacked, repack_buffer_type
 from .quants import QuantTensor, type_name
 
 __all__ = ["AUTO_TYPES", "KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight", "mode"]
@@ -82,8 +84,17 @@ def binding() -> Any | None:
     if not _probe_passes():
         log.warning("ggml's kernels failed their probe on this machine: torch's int4 kernels are used instead")
         return None
+    G.ggml_log_set(_LOG, None)  # ggml's own lines (a line a weight it repacks) go to our log, not to stderr
     G.ggml_cpu_init()
     return G
+
+
+def _log(level: int, text: bytes, _data: Any) -> None:
+    if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+        log.warning("ggml: %s", (text or b"").decode(errors="replace").rstrip())
+
+
+_LOG = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_log)  # kept: ggml holds a pointer
 
 
 def _probe_passes() -> bool:
@@ -97,7 +108,7 @@ def _probe_passes() -> bool:
         flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
     except OSError:
         st, flags = None, ""
-    key = hashlib.sha256(f"{lib}|{st and (st.st_size, st.st_mtime_ns)}|{flags}|{sys.executable}".encode())
+    key = hashlib.sha256(f"{lib}|{st and (st.st_size, st.st_mtime_ns)}|{flags}|{sys.executable}|repack".encode())
     mark = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sangama" / \
         f"ggml-probe-{key.hexdigest()[:16]}"
     if mark.exists():
@@ -120,8 +131,9 @@ def _probe_passes() -> bool:
 
 
 def probe() -> None:
-    """Products of each kernel family (32-blocks, K-quants) for one row, a cached batch and a big batch, and a step of
-    grouped experts, on random bytes (run in a child process by :func:`binding`: only that the kernels run)."""
+    """Products of each kernel family (32-blocks, K-quants; repacked where ggml repacks the type) for one row, a
+    cached batch and a big batch, and a step of grouped experts, on random bytes (run in a child process by
+    :func:`binding`: only that the kernels run)."""
     from ggml import ggml as G
 
     G.ggml_cpu_init()
@@ -154,6 +166,8 @@ class GgmlWeight(FusedWeight):
     k: int
     in_perm: torch.Tensor | None = None
     lib: Any = None
+    reread: Callable[[], torch.Tensor] | None = None  # ``blocks`` read from the file again, where they are a copy
+    parts: tuple["GgmlWeight", ...] = ()  # a joined weight's parts, where its own ``blocks`` hold no data (meta)
     product_dtype: ClassVar[torch.dtype] = torch.float32
 
     def __post_init__(self) -> None:
@@ -166,6 +180,48 @@ class GgmlWeight(FusedWeight):
             raise UnsupportedModelError(
                 f"{type_name(self.qtype)} rows of {self.k} are not {self.blocks.shape[1]} bytes")
         self._graphs = Graphs(self._graph)
+        self._packed: Repacked | None | bool = None  # None: not tried yet; False: ggml has no repacked layout
+
+    def tensor(self, ctx: Any) -> Any:
+        """This weight as a ggml tensor for a graph in ``ctx`` (its columns as stored: a graph reorders its input by
+        ``in_perm``): repacked where ggml has a layout for its type and shape (:meth:`settle`), else over its blocks."""
+        if self._packed is None:
+            self.settle()
+        if self._packed:
+            return self._packed.tensor  # type: ignore[union-attr]
+        t = self.lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
+        t.contents.data = self.blocks.data_ptr()
+        return t
+
+    def settle(self) -> None:
+        """Repack the blocks as llama.cpp's CPU backend does (ggml_repack.py), once, where ggml has a layout for them
+        (a stage calls this when the layer is built: a weight may be joined before; else the first graph does). A
+        copy of the file's rows that was repacked is dropped (read again only by :meth:`dequantize`)."""
+        if self._packed is None:
+            self._packed = self._repack([self.blocks]) or False
+            if self._packed and self.reread is not None:
+                self.blocks = torch.empty(self.blocks.shape, dtype=torch.uint8, device="meta")
+
+    def _repack(self, blocks: list[torch.Tensor], experts: int = 0) -> Repacked | None:
+        """``blocks`` (this weight's rows in order, or one expert's each) repacked; None where ggml has no repacked
+        layout for them."""
+        buft = repack_buffer_type(self.lib)
+        if buft is None:
+            return None
+        try:
+            return Repacked(self.lib, buft, self.qtype, self.k, blocks, experts)
+        except ValueError:
+            return None
+
+    def stored(self) -> torch.Tensor:
+        """The blocks as the file stores them (read again where this weight dropped a repacked copy)."""
+        if not self.blocks.is_meta:
+            return self.blocks
+        if self.parts:
+            return torch.cat([p.stored() for p in self.parts])
+        if self.reread is None:
+            raise UnsupportedModelError("a repacked ggml weight without its file's blocks")
+        return self.reread()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -182,13 +238,6 @@ class GgmlWeight(FusedWeight):
     @property
     def type_name(self) -> str:
         return f"{type_name(self.qtype)} (ggml)"
-
-    def tensor(self, ctx: Any) -> Any:
-        """This weight as a ggml tensor in ``ctx``, over its blocks (their columns as stored: a graph reorders its
-        input by ``in_perm``)."""
-        t = self.lib.ggml_new_tensor_2d(ctx, self.qtype, self.k, self.n)
-        t.contents.data = self.blocks.data_ptr()
-        return t
 
     def _graph(self, rows: int, threads: int) -> Graph:
         lib = self.lib
@@ -217,7 +266,7 @@ class GgmlWeight(FusedWeight):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         col_perm = None if self.in_perm is None else torch.argsort(self.in_perm)
-        return QuantTensor(self.qtype, self.blocks, self.k, col_perm).dequantize(dtype)
+        return QuantTensor(self.qtype, self.stored(), self.k, col_perm).dequantize(dtype)
 
     def to(self, device: torch.device | str) -> "GgmlWeight":
         if torch.device(device).type != "cpu":
@@ -235,13 +284,24 @@ class GgmlWeight(FusedWeight):
 
     @staticmethod
     def concat(parts: list[FusedWeight]) -> "GgmlWeight | None":
-        """The parts' rows as one weight (one product for q/k/v or gate/up): a copy of their blocks, which replaces
-        them (the same bytes as the file's)."""
+        """The parts' rows as one weight (one product for q/k/v or gate/up): repacked part by part into one buffer
+        where ggml repacks their type (the parts kept for :meth:`dequantize`, their copies of the file's rows
+        dropped), else a copy of their blocks; either replaces them (the same bytes as the file's)."""
         if not GgmlWeight.joinable(parts):
             return None
-        first: GgmlWeight = parts[0]  # type: ignore[assignment]
-        blocks = torch.cat([p.blocks for p in parts])  # type: ignore[attr-defined]
-        return GgmlWeight(blocks, first.qtype, first.k, lib=first.lib)
+        ws: list[GgmlWeight] = parts  # type: ignore[assignment]
+        first = ws[0]
+        if (packed := first._repack([p.stored() for p in ws])) is not None:
+            n = sum(p.n for p in ws)
+            joined = GgmlWeight(torch.empty(n, first.blocks.shape[1], dtype=torch.uint8, device="meta"), first.qtype,
+                                first.k, lib=first.lib, parts=tuple(ws))
+            joined._packed = packed
+            for p in ws:
+                p._packed = False  # multiplied only as part of the joined weight
+                if p.reread is not None:
+                    p.blocks = torch.empty(p.blocks.shape, dtype=torch.uint8, device="meta")
+            return joined
+        return GgmlWeight(torch.cat([p.stored() for p in ws]), first.qtype, first.k, lib=first.lib)
 
 
 def ggml_weight(qt: QuantTensor) -> GgmlWeight | None:
@@ -255,7 +315,7 @@ def ggml_weight(qt: QuantTensor) -> GgmlWeight | None:
         return None
     in_perm = None if qt.col_perm is None else torch.argsort(qt.col_perm)
     try:
-        return GgmlWeight(qt.data, qt.qtype, qt.n_cols, in_perm, lib)
+        return GgmlWeight(qt.data, qt.qtype, qt.n_cols, in_perm, lib, qt.reread)
     except UnsupportedModelError:
         return None
 
@@ -271,6 +331,12 @@ class GgmlExperts:
         self.hidden = down.n
         self.lib = gate.lib
         self._graphs: dict[int, Graphs] = {}
+        # each projection's experts repacked into one 3-D tensor where ggml repacks their type (ggml_repack.py)
+        self.packed = [keep[i * num]._repack([w.stored() for w in keep[i * num:(i + 1) * num]], num)
+                       for i in range(3)]
+        for w in keep:
+            if w._packed is None:
+                w._packed = False  # multiplied in the stack (or, where the layer does not group them, as stored)
 
     @classmethod
     def build(cls, gates: list[Any], ups: list[Any], downs: list[Any]) -> "GgmlExperts | None":
@@ -298,6 +364,8 @@ class GgmlExperts:
 
     def stacked(self, ctx: Any, which: int) -> Any:
         """The experts' gate (0), up (1) or down (2) weights as one 3-D ggml tensor in ``ctx``."""
+        if (packed := self.packed[which]) is not None:
+            return packed.tensor
         w, stride = (self.gate, self.up, self.down)[which], self.strides[which]
         t = self.lib.ggml_new_tensor_3d(ctx, w.qtype, w.k, w.n, self.num)
         c = t.contents

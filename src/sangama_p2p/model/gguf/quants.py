@@ -313,6 +313,7 @@ class QuantTensor:
     data: torch.Tensor
     n_cols: int
     col_perm: torch.Tensor | None = None
+    reread: Callable[[], torch.Tensor] | None = None  # ``data`` read again, where it is a reordered copy of the file's
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -9,6 +9,7 @@ are never touched. llama.cpp's transforms are undone here, so values equal the H
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -91,14 +92,17 @@ class GGUFSource:
                 raise CheckpointError(f"quantized tensor {mapping.gguf} has shape {info.shape}; expected 2-D")
             if folds_norm(self.spec, name) or name.endswith(_VALUE_CHANGED):
                 raise CheckpointError(f"{mapping.gguf} is quantized ({info.type_name}); llama.cpp stores it as F32")
-            data = self.file.view(mapping.gguf)
-            if row_perm is not None:
-                data = self.file.read(mapping.gguf).index_select(0, row_perm)
-            return QuantTensor(info.qtype, data, info.shape[-1], col_perm)
+            if row_perm is None:
+                return QuantTensor(info.qtype, self.file.view(mapping.gguf), info.shape[-1], col_perm)
+            reread = functools.partial(self._reordered, mapping.gguf, row_perm)
+            return QuantTensor(info.qtype, reread(), info.shape[-1], col_perm, reread)
         changed = row_perm is not None or col_perm is not None or folds_norm(self.spec, name)
         changed = changed or name.endswith(_VALUE_CHANGED)
         t = self.file.read(mapping.gguf) if changed else self.file.view(mapping.gguf)
         return _narrow(inverse_dense(self.spec, name, t), dtype)
+
+    def _reordered(self, gguf: str, row_perm: torch.Tensor) -> torch.Tensor:
+        return self.file.read(gguf).index_select(0, row_perm)
 
     def _expert(self, name: str, gguf: str, e: int, half: int | None, dtype: torch.dtype) -> Weight:
         info = self.file.tensors[gguf]
