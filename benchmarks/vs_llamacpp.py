@@ -1,7 +1,7 @@
 """Our decode and prefill against llama.cpp's, on the same GGUF files with the same thread counts, alternating.
 
     python benchmarks/vs_llamacpp.py [--llama-cpp DIR] [--build native|portable] [--mid] [--threads 1,2]
-                                     [--rounds 3] [--files LABEL=PATH ...]
+                                     [--rounds 3] [--files LABEL=PATH ...] [--json OUT]
 
 llama.cpp: DIR is a llama.cpp source tree with a CPU build in DIR/build/bin (or set LLAMA_CPP_DIR). Without one,
 the script builds it from the `llama-cpp-python` sdist on PyPI, which vendors llama.cpp (~6 min on 2 cores) into
@@ -227,6 +227,7 @@ def main() -> None:
     ap.add_argument("--llama-repack", type=int, choices=(0, 1), default=1,
                     help="llama-bench --repack: 1 (default) repacks weights at load as llama.cpp does; 0 multiplies "
                          "them as the file stores them, as ours does")
+    ap.add_argument("--json", type=Path, default=None, help="where to write the results (default: results/vs_llamacpp.json)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="instead: CPU ms per decode token of both programs at one thread (cpu_per_token)")
     args = ap.parse_args()
@@ -296,7 +297,7 @@ def main() -> None:
            platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": args.rounds,
            "baseline_rss_mib": round(base, 1), "llama_cpp": str(bin_dir), "llama_cpp_build": build[0],
            "llama_cpp_flags": flags, "llama_cpp_repack": LLAMA_REPACK, "rows": rows}
-    (RESULTS / "vs_llamacpp.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.json or RESULTS / "vs_llamacpp.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
