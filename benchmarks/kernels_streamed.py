@@ -1,5 +1,6 @@
-"""ggml's kernels against torch's int4 kernels per GGUF type: products of weights streamed from memory (as a decode
-step reads them) and of one weight repeated (in the cache), one row and many.
+"""ggml's kernels (repacked where ggml repacks the type, and as stored) against torch's int4 kernels per GGUF type:
+products of weights streamed from memory (as a decode step reads them) and of one weight repeated (in the cache), one
+row and many.
 
     python benchmarks/kernels_streamed.py [--types Q4_0,Q4_1,Q4_K,Q5_0,Q6_K,Q8_0] [--rounds 3] [--threads 1]
 
@@ -18,11 +19,13 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from sangama_p2p.model.gguf.ggml_kernels import binding, ggml_weight
+from sangama_p2p.model.gguf.ggml_kernels import KERNELS_ENV, binding, ggml_weight
+from sangama_p2p.model.gguf.ggml_repack import REPACK_ENV
 from sangama_p2p.model.gguf.packed import pack_int4
 from sangama_p2p.model.gguf.quants import QType, QuantTensor
 
@@ -47,6 +50,21 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
+def ggml_weights(layers: list[list[QuantTensor]], repack: bool) -> list[list[Any]]:
+    """ggml's weights of every type (``SANGAMA_KERNELS=ggml``), repacked where ggml repacks the type or as stored."""
+    saved = {k: os.environ.get(k) for k in (KERNELS_ENV, REPACK_ENV)}
+    os.environ.update({KERNELS_ENV: "ggml", REPACK_ENV: "1" if repack else "0"})
+    try:
+        ws = [[ggml_weight(w) for w in layer] for layer in layers]
+        for layer in ws:
+            for w in layer:
+                w.settle()
+        return ws
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_0,Q4_1,Q4_K,Q5_0,Q6_K,Q8_0")
@@ -63,7 +81,7 @@ def main() -> None:
         qtype = getattr(QType, name)
         shapes = SHAPES_K if name.endswith("_K") else SHAPES
         layers = [[blocks(lib, qtype, n, k, rng) for n, k in shapes] for _ in range(30)]
-        kinds = {"ggml": [[ggml_weight(w) for w in layer] for layer in layers],
+        kinds = {"ggml": ggml_weights(layers, repack=True), "ggml stored": ggml_weights(layers, repack=False),
                  "torch": [[pack_int4(w) for w in layer] for layer in layers]}
         xs = {(m, k): torch.randn(m, k) for m in (1, 512) for k in {k for _, k in shapes}}
         got: dict[tuple[str, str], list[float]] = {}
@@ -82,14 +100,17 @@ def main() -> None:
         in_file = sum(int(w.data.numel()) for layer in layers for w in layer)
         for what in ("streamed 1 row", "hot 1 row", "hot 512 rows"):
             g, t = statistics.median(got[("ggml", what)]), statistics.median(got[("torch", what)])
-            rows.append({"type": name, "what": what, "ggml_ms": round(g, 4), "torch_ms": round(t, 4),
-                         "torch_over_ggml": round(t / g, 3), "held_over_file_ggml": round(held["ggml"] / in_file, 3),
+            st = statistics.median(got[("ggml stored", what)])
+            rows.append({"type": name, "what": what, "ggml_ms": round(g, 4), "ggml_stored_ms": round(st, 4),
+                         "torch_ms": round(t, 4), "torch_over_ggml": round(t / g, 3),
+                         "stored_over_repacked": round(st / g, 3),
+                         "held_over_file_ggml": round(held["ggml"] / in_file, 3),
                          "held_over_file_torch": round(held["torch"] / in_file, 3)})
         del kinds, layers
-    print(f"{'type':<6} {'products':<15} {'ggml ms':>9} {'torch ms':>9} {'torch/ggml':>10} {'held/file ggml':>15} "
-          f"{'torch':>6}")
+    print(f"{'type':<6} {'products':<15} {'ggml ms':>9} {'stored':>9} {'torch ms':>9} {'torch/ggml':>10} "
+          f"{'held/file ggml':>15} {'torch':>6}")
     for r in rows:
-        print(f"{r['type']:<6} {r['what']:<15} {r['ggml_ms']:>9.3f} {r['torch_ms']:>9.3f} "
+        print(f"{r['type']:<6} {r['what']:<15} {r['ggml_ms']:>9.3f} {r['ggml_stored_ms']:>9.3f} {r['torch_ms']:>9.3f} "
               f"{r['torch_over_ggml']:>10.2f} "
               f"{r['held_over_file_ggml']:>15.2f} {r['held_over_file_torch']:>6.2f}")
     RESULTS.mkdir(exist_ok=True)

@@ -1,5 +1,6 @@
 """GGUF weights multiplied as they are stored, in their blocks, by ggml's own CPU kernels (the ``ggml-python``
-binding: llama.cpp's tensor library, built on the user's machine by pip).
+binding: llama.cpp's tensor library, built on the user's machine by pip) - or, for the types ggml's CPU backend
+repacks (Q4_0, Q4_K...), in ggml's repacked layout, which replaces the file's pages (ggml_repack.py).
 
 Why, measured (docs/architecture.md, "ggml's kernels"): the weight is the file's bytes, not a repacking of them
 (torch's int4 layout holds the 5-, 6- and 8-bit types as two codes a weight, 1.06-1.64x the file), and for those types
@@ -42,7 +43,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ..weights import FusedWeight
 from .ggml_graph import F32, I32, Graph, Graphs
-from .ggml_repack import Repacked, repack_buffer_type
+from .ggml_repack import REPACK_ENV, Repacked, repack_buffer_type
 from .quants import QuantTensor, type_name
 
 __all__ = ["AUTO_TYPES", "KERNELS_ENV", "GgmlExperts", "GgmlWeight", "binding", "ggml_weight", "mode"]
@@ -136,6 +137,7 @@ def probe() -> None:
     :func:`binding`: only that the kernels run)."""
     from ggml import ggml as G
 
+    os.environ[REPACK_ENV] = "1"  # (a child process: its pass is trusted whether or not a stage repacks)
     G.ggml_cpu_init()
     gen = torch.Generator().manual_seed(0)
     rows, cols, experts = 64, 512, 4
