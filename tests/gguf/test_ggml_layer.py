@@ -11,7 +11,7 @@ import torch
 
 from sangama_p2p.model.gguf import ggml_kernels, open_gguf, write_gguf
 from sangama_p2p.model.gguf.ggml_kernels import binding
-from sangama_p2p.model.gguf.ggml_layer import DeltaNetStep, LayerStep, MoEStep
+from sangama_p2p.model.gguf.ggml_layer import DeltaNetStep, LayerStep, MoEStep, rec_region
 from sangama_p2p.model.linear import MIN_ROWS
 from sangama_p2p.model.make import make_model
 from sangama_p2p.model.stage import StageModel, StepInput
@@ -160,6 +160,31 @@ def test_a_layers_graph_equals_its_blocks_apart(moe_gguf: Path, monkeypatch) -> 
         assert _close(got, want), layer.kind
         for sa, sb in zip(dataclasses.astuple(a.layers[key]), dataclasses.astuple(b.layers[key])):
             assert sa.numel() == 0 or _close(sa, sb)
+
+
+def test_a_sessions_state_is_written_in_place_and_a_plain_one_is_copied_back(moe_gguf: Path, monkeypatch) -> None:
+    """A session's recurrent state has the scratch that ggml's gated delta rule writes a token's outputs into just
+    before it (state.rec_layout), so the whole-layer graph writes the new state in place; a state without it takes
+    the graph that copies the new state back. Both give the same output, window and state, bit for bit."""
+    stage = _stage(moe_gguf, monkeypatch)
+    spec = stage.spec
+    prompt = torch.randint(0, spec.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+    session = stage.new_session(16)
+    stage.forward([StepInput(session, 0, tokens=prompt)])
+    x = torch.randn(1, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    layers = [la for la in stage.layers.values() if la.step is not None and la.step.mixer is not None]
+    assert layers
+    for layer in layers:
+        st = session.layers[layer.mixer.key]
+        region = rec_region(st.rec)
+        assert region is not None and not region[: region.numel() - st.rec.numel()].any()  # scratch untouched yet
+        plain = torch.empty(st.rec.shape[0], st.rec.shape[2], st.rec.shape[1]).transpose(-1, -2).copy_(st.rec)
+        assert rec_region(plain) is None
+        conv = st.conv.clone()
+        got = layer.step(x, st.conv, st.rec)
+        want = layer.step(x, conv, plain)
+        assert torch.equal(got, want) and torch.equal(st.conv, conv) and torch.equal(st.rec, plain)
+        assert region[: region.numel() - st.rec.numel()].any()  # the op's outputs went to the scratch
 
 
 def test_torchs_kernels_take_no_graphs(moe_gguf: Path, monkeypatch) -> None:

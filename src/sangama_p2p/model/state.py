@@ -42,7 +42,15 @@ class LinearLayerState:
 def rec_layout(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Zeros of ``[..., Hv, Dk, Dv]`` stored as ``[..., Hv, Dv, Dk]`` (a transposed view): each value row of a head's
     state contiguous, the layout of llama.cpp's gated delta rule (``ggml_gated_delta_net``), which then reads and
-    writes it as stored, no transposing copies (model/gguf/ggml_layer.py); torch's products take either layout."""
+    writes it as stored, no transposing copies (model/gguf/ggml_layer.py); torch's products take either layout.
+
+    A session's own state (``[Hv, Dk, Dv]``) is preceded in its storage by ``Hv * Dv`` floats of scratch: ggml's op
+    writes one token's outputs and then the new state into one tensor, so with the scratch before the state it
+    writes the state in place (``ggml_layer.rec_region``) instead of a copy the graph copies back."""
+    if len(shape) == 3 and torch.device(device).type == "cpu":
+        hv, dk, dv = shape
+        flat = torch.zeros(hv * dv * (1 + dk), dtype=torch.float32, device=device)
+        return flat[hv * dv:].view(hv, dv, dk).transpose(-1, -2)
     return torch.zeros(*shape[:-2], shape[-1], shape[-2], dtype=torch.float32, device=device).transpose(-1, -2)
 
 

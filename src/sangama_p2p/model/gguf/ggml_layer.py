@@ -70,19 +70,21 @@ class DeltaNetStep:
                        net.norm.contiguous()]
         perm = net.out.in_perm
         self.perm = None if perm is None else perm.to(torch.int32).contiguous()
-        self._graphs = Graphs(self._make)
+        self._graphs = Graphs(lambda rows, threads: self._make(threads, False))
+        self._in_place = Graphs(lambda rows, threads: self._make(threads, True))
 
-    def _make(self, rows: int, threads: int) -> Graph:
+    def _make(self, threads: int, in_place: bool) -> Graph:
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
             x = self.lib.ggml_new_tensor_2d(ctx, F32, self.net.spec.hidden_size, 1)
-            ins, out, also = self.ops(ctx, x)
+            ins, out, also = self.ops(ctx, x, in_place)
             return [x, *ins], [out], also
 
         return Graph(self.lib, threads, build, _NODES)
 
-    def ops(self, ctx: Any, x: Any) -> tuple[list[Any], Any, list[Any]]:
+    def ops(self, ctx: Any, x: Any, in_place: bool = False) -> tuple[list[Any], Any, list[Any]]:
         """The step's operations on ``x [H, 1]`` in ``ctx``: (the state's tensors, to point at the session's conv
-        window and recurrent state per call; the output [H, 1]; the in-place updates of the state)."""
+        window and recurrent state per call - and with ``in_place`` the state's region, :func:`rec_region`; the
+        output [H, 1]; the in-place updates of the state)."""
         lib, net, spec = self.lib, self.net, self.net.spec
         nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
         dk, dv, kw = spec.linear_key_head_dim, spec.linear_value_head_dim, spec.linear_conv_kernel
@@ -121,7 +123,9 @@ class DeltaNetStep:
         # outputs, then the new state, which goes back into the session's
         r = lib.ggml_gated_delta_net(ctx, q, k, v, lib.ggml_reshape_4d(ctx, g, 1, nv, 1, 1),
                                      lib.ggml_reshape_4d(ctx, beta, 1, nv, 1, 1), rec, 1)
-        s = lib.ggml_cpy(ctx, lib.ggml_view_1d(ctx, r, nv * dv * dk, nv * dv * 4), rec)
+        # in place: r is pointed at the state's region per call, its state part the session's state itself
+        also = [moved] if in_place else [moved, lib.ggml_cpy(ctx, lib.ggml_view_1d(ctx, r, nv * dv * dk, nv * dv * 4),
+                                                             rec)]
         core = lib.ggml_reshape_2d(ctx, lib.ggml_view_1d(ctx, r, nv * dv, 0), dv, nv)
         # the gated RMSNorm of each value head, then the output projection
         core = lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, core, spec.rms_norm_eps), _const(lib, ctx, norm, dv))
@@ -132,12 +136,27 @@ class DeltaNetStep:
             idx.contents.data = self.perm.data_ptr()
             flat = lib.ggml_get_rows(ctx, flat, idx)
         out = lib.ggml_mul_mat(ctx, net.out.tensor(ctx), lib.ggml_reshape_2d(ctx, flat, vdim, 1))
-        return [conv, rec], out, [moved, s]
+        return [conv, rec, r] if in_place else [conv, rec], out, also
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.net.spec.hidden_size)
-        self._graphs.run(1, [x.float().contiguous(), conv, rec], [out])
+        if (region := rec_region(rec)) is not None:
+            self._in_place.run(1, [x.float().contiguous(), conv, rec, region], [out])
+        else:
+            self._graphs.run(1, [x.float().contiguous(), conv, rec], [out])
         return out
+
+
+def rec_region(rec: torch.Tensor) -> torch.Tensor | None:
+    """The session's recurrent state ``rec`` ``[Hv, Dk, Dv]`` with the scratch ``state.rec_layout`` puts before it,
+    as one flat tensor - where ggml's gated delta rule writes a token's outputs and then the new state, so the state
+    in place - or None where ``rec`` has no such scratch (the graph then copies the new state back)."""
+    hv, dk, dv = rec.shape
+    pre = hv * dv
+    if rec.storage_offset() != pre or rec.untyped_storage().nbytes() != (pre + rec.numel()) * 4 or \
+            rec.stride() != (dv * dk, 1, dk):
+        return None
+    return torch.as_strided(rec, (pre + rec.numel(),), (1,), 0)
 
 
 def deltanet_step(net: Any) -> DeltaNetStep | None:
@@ -238,6 +257,7 @@ class LayerStep:
     def __init__(self, layer: Any, mixer: DeltaNetStep | None, moe: MoEStep, lib: Any) -> None:
         self.layer, self.mixer, self.moe, self.lib = layer, mixer, moe, lib
         self._whole = Graphs(lambda rows, threads: self._make(rows, threads, True))
+        self._whole_in_place = Graphs(lambda rows, threads: self._make(rows, threads, True, True))
         self._half = Graphs(lambda rows, threads: self._make(rows, threads, False))
 
     def _norm(self, ctx: Any, x: Any, w: torch.Tensor) -> Any:
@@ -245,7 +265,7 @@ class LayerStep:
         return lib.ggml_mul(ctx, lib.ggml_rms_norm(ctx, x, self.layer.spec.rms_norm_eps),
                             _const(lib, ctx, w, w.numel()))
 
-    def _make(self, rows: int, threads: int, whole: bool) -> Graph:
+    def _make(self, rows: int, threads: int, whole: bool, in_place: bool = False) -> Graph:
         lib, layer = self.lib, self.layer
 
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
@@ -255,7 +275,7 @@ class LayerStep:
             h = x
             if whole:
                 assert self.mixer is not None
-                ins, mixed, also = self.mixer.ops(ctx, self._norm(ctx, x, layer.input_norm))
+                ins, mixed, also = self.mixer.ops(ctx, self._norm(ctx, x, layer.input_norm), in_place)
                 h = lib.ggml_add(ctx, x, mixed)
             out = lib.ggml_add(ctx, h, self.moe.ops(ctx, self._norm(ctx, h, layer.post_norm), rows))
             return [x, *ins], [out], also
@@ -264,7 +284,10 @@ class LayerStep:
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.layer.spec.hidden_size)
-        self._whole.run(1, [x.contiguous(), conv, rec], [out])
+        if (region := rec_region(rec)) is not None:
+            self._whole_in_place.run(1, [x.contiguous(), conv, rec, region], [out])
+        else:
+            self._whole.run(1, [x.contiguous(), conv, rec], [out])
         return out
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
