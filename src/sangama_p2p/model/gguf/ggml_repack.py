@@ -1,9 +1,10 @@
-"""GGUF weights repacked as llama.cpp's CPU backend repacks them (its ``CPU_REPACK`` buffer type): Q4_K, Q4_0,
-IQ4_NL, Q8_0, Q2_K... rows interleaved eight at a time, multiplied by ggml's own GEMV/GEMM for that layout.
+"""GGUF weights repacked as llama.cpp's CPU backend repacks them (its ``CPU_REPACK`` buffer type; on x86 Q4_0, Q4_K,
+Q2_K and IQ4_NL): rows interleaved eight at a time, multiplied by ggml's own GEMV/GEMM for that layout.
 
-Why, measured (docs/benchmarks.md, "Layers as ggml graphs"): llama.cpp repacks at load by default, and that is the
-difference between it and us on the mid-size made MoE (llama-bench 5.5-5.7 tok/s repacked, 4.7-4.8 as stored, ours
-4.75 as stored). The layout is ggml's, reached through the binding's backend API
+Why, measured (docs/benchmarks.md, "Repacked weights"): llama.cpp repacks at load by default, and that was the
+difference between it and us (llama-bench on the mid-size made MoE 5.5-5.7 tok/s repacked, 4.7-4.8 as stored, ours
+4.75 as stored); repacked, our decode of it is at 0.95-0.96 of llama.cpp's, 1.01-1.03 with the DeltaNet state
+written in place. The layout is ggml's, reached through the binding's backend API
 (``ggml_backend_dev_get_extra_bufts``), so our graphs multiply it with ggml's kernels as llama.cpp does.
 
 Memory: a repacked weight is a copy, so it replaces the file's pages instead of adding to them - a stage repacks a
@@ -62,10 +63,10 @@ class Repacked:
         row_bytes = lib.ggml_row_size(qtype, k)
         if any(r % 8 for r in rows) or any(p.shape[1] != row_bytes or not p.is_contiguous() for p in parts):
             raise ValueError("rows of whole groups of 8, contiguous")
-        self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=lib.ggml_tensor_overhead() * (len(parts) + 1),
-                                                      mem_buffer=None, no_alloc=True))
         if experts and (len(parts) != experts or len(set(rows)) != 1):
             raise ValueError("one part an expert, of equal rows")
+        self.ctx = lib.ggml_init(lib.ggml_init_params(mem_size=lib.ggml_tensor_overhead() * (len(parts) + 1),
+                                                      mem_buffer=None, no_alloc=True))
         whole = lib.ggml_new_tensor_3d(self.ctx, qtype, k, rows[0], experts) if experts else \
             lib.ggml_new_tensor_2d(self.ctx, qtype, k, sum(rows))
         size = lib.ggml_backend_buft_get_alloc_size(buft, whole)
