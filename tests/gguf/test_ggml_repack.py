@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from test_packed import _blocks
@@ -101,3 +104,36 @@ def test_experts_are_repacked_into_one_stack_per_projection(monkeypatch) -> None
     assert all(w._packed is False for w in grouped.weights())
     _close(grouped(x, top_i, top_w), want)
     _close(grouped(x[:1], top_i[:1], top_w[:1]), want[:1])
+
+
+def test_graphs_built_at_once_in_threads_repack_a_weight_once(monkeypatch) -> None:
+    """Graphs of different owners (the weight's own product, a layer's graph) built at once in several threads, for a
+    weight a stage did not settle at load, repack it once: a second repacking would free the buffer that a graph
+    built first multiplies."""
+    w = _weight(QType.Q4_K, 256, 512)
+    lib, calls = w.lib, []
+    repack = GgmlWeight._repack
+
+    def counted(self, *args, **kw):
+        calls.append(1)
+        time.sleep(0.05)  # a slow repacking: the other threads reach their graph meanwhile
+        return repack(self, *args, **kw)
+
+    monkeypatch.setattr(GgmlWeight, "_repack", counted)
+    start, data = threading.Barrier(4), []
+
+    def build() -> None:
+        ctx = lib.ggml_init(lib.ggml_init_params(mem_size=lib.ggml_tensor_overhead() * 4, mem_buffer=None,
+                                                 no_alloc=True))
+        try:
+            start.wait()
+            data.append(w.tensor(ctx).contents.data)
+        finally:
+            lib.ggml_free(ctx)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and w._packed and len(data) == 4 and len(set(data)) == 1

@@ -35,6 +35,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -157,6 +158,8 @@ def probe() -> None:
 
 # ---- weights --------------------------------------------------------------------------------------------------
 
+_SETTLING = threading.Lock()
+
 
 @dataclasses.dataclass(eq=False)
 class GgmlWeight(FusedWeight):
@@ -199,10 +202,11 @@ class GgmlWeight(FusedWeight):
         """Repack the blocks as llama.cpp's CPU backend does (ggml_repack.py), once, where ggml has a layout for them
         (a stage calls this when the layer is built: a weight may be joined before; else the first graph does). A
         copy of the file's rows that was repacked is dropped (read again only by :meth:`dequantize`)."""
-        if self._packed is None:
-            self._packed = self._repack([self.blocks]) or False
-            if self._packed and self.reread is not None:
-                self.blocks = torch.empty(self.blocks.shape, dtype=torch.uint8, device="meta")
+        with _SETTLING:  # (two threads' first graphs must not repack twice: a graph would keep a freed buffer)
+            if self._packed is None:
+                self._packed = self._repack([self.blocks]) or False
+                if self._packed and self.reread is not None:
+                    self.blocks = torch.empty(self.blocks.shape, dtype=torch.uint8, device="meta")
 
     def _repack(self, blocks: list[torch.Tensor], experts: int = 0) -> Repacked | None:
         """``blocks`` (this weight's rows in order, or one expert's each) repacked; None where ggml has no repacked
