@@ -7,7 +7,7 @@ checkpoint has one). Between stages travel hidden states ``[N, hidden]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -139,7 +139,7 @@ class StageModel:
                                           getattr(source, "release_view", None))
             if want_mtp:
                 stage.mtp = MTPLayer(spec, get)
-        _settle(stage.weights())
+            _settle([stage.head, *(stage.mtp.weights() if stage.mtp is not None else ())])
         if release is not None:
             release()  # the repacked weights hold their own copies of the blocks they came from
         return stage
@@ -327,7 +327,7 @@ def _positions(segments: list[Segment]) -> torch.Tensor:
     return torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)])
 
 
-def _settle(weights: Iterator[Weight]) -> None:
+def _settle(weights: Iterable[Weight]) -> None:
     for w in weights:
         if isinstance(w, FusedWeight):
             w.settle()

@@ -19,10 +19,11 @@ _CACHED_GRAPHS = 8  # per weight
 
 class Graph:
     """A ggml graph over memory we own: ``build(ctx)`` creates the tensors and returns (inputs, outputs, also) -
-    ``also``: results that write into inputs (a state updated in place) and must run too. Weights were pointed at
-    their memory by ``build``; inputs and outputs are re-pointed per call, and every view after its source; the other
-    intermediates and ggml's work area live in the calling thread's arena (:func:`_arena`: one buffer a thread, not
-    one a graph - a stage keeps graphs for every weight and several row counts)."""
+    ``also``: results that write into inputs (a state updated in place) and must run too; an input may be an
+    operation's result, which then writes where the call points it (ggml_layer's state written in place). Weights
+    were pointed at their memory by ``build``; inputs and outputs are re-pointed per call, and every view after its
+    source; the other intermediates and ggml's work area live in the calling thread's arena (:func:`_arena`: one
+    buffer a thread, not one a graph - a stage keeps graphs for every weight and several row counts)."""
 
     def __init__(self, lib: Any, threads: int, build: Callable[[Any], tuple[list[Any], list[Any], list[Any]]],
                  nodes: int = 16) -> None:

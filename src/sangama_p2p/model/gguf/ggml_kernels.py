@@ -202,6 +202,8 @@ class GgmlWeight(FusedWeight):
         """Repack the blocks as llama.cpp's CPU backend does (ggml_repack.py), once, where ggml has a layout for them
         (a stage calls this when the layer is built: a weight may be joined before; else the first graph does). A
         copy of the file's rows that was repacked is dropped (read again only by :meth:`dequantize`)."""
+        if self._packed is not None:
+            return
         with _SETTLING:  # (two threads' first graphs must not repack twice: a graph would keep a freed buffer)
             if self._packed is None:
                 self._packed = self._repack([self.blocks]) or False
@@ -296,8 +298,8 @@ class GgmlWeight(FusedWeight):
         if not GgmlWeight.joinable(parts):
             return None
         ws: list[GgmlWeight] = parts  # type: ignore[assignment]
-        first = ws[0]
-        if (packed := first._repack([p.stored() for p in ws])) is not None:
+        first, blocks = ws[0], [p.stored() for p in ws]
+        if (packed := first._repack(blocks)) is not None:
             n = sum(p.n for p in ws)
             joined = GgmlWeight(torch.empty(n, first.blocks.shape[1], dtype=torch.uint8, device="meta"), first.qtype,
                                 first.k, lib=first.lib, parts=tuple(ws))
@@ -307,7 +309,7 @@ class GgmlWeight(FusedWeight):
                 if p.reread is not None:
                     p.blocks = torch.empty(p.blocks.shape, dtype=torch.uint8, device="meta")
             return joined
-        return GgmlWeight(torch.cat([p.stored() for p in ws]), first.qtype, first.k, lib=first.lib)
+        return GgmlWeight(torch.cat(blocks), first.qtype, first.k, lib=first.lib)
 
 
 def ggml_weight(qt: QuantTensor) -> GgmlWeight | None:

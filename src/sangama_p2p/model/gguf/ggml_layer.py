@@ -70,8 +70,7 @@ class DeltaNetStep:
                        net.norm.contiguous()]
         perm = net.out.in_perm
         self.perm = None if perm is None else perm.to(torch.int32).contiguous()
-        self._graphs = Graphs(lambda rows, threads: self._make(threads, False))
-        self._in_place = Graphs(lambda rows, threads: self._make(threads, True))
+        self._graphs = {p: Graphs(lambda rows, threads, p=p: self._make(threads, p)) for p in (False, True)}
 
     def _make(self, threads: int, in_place: bool) -> Graph:
         def build(ctx: Any) -> tuple[list[Any], list[Any], list[Any]]:
@@ -140,11 +139,15 @@ class DeltaNetStep:
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.net.spec.hidden_size)
-        if (region := rec_region(rec)) is not None:
-            self._in_place.run(1, [x.float().contiguous(), conv, rec, region], [out])
-        else:
-            self._graphs.run(1, [x.float().contiguous(), conv, rec], [out])
+        in_place, state = _state(conv, rec)
+        self._graphs[in_place].run(1, [x.float().contiguous(), *state], [out])
         return out
+
+
+def _state(conv: torch.Tensor, rec: torch.Tensor) -> tuple[bool, list[torch.Tensor]]:
+    """Whether the step writes ``rec`` in place (:func:`rec_region`), and the state's inputs of that graph."""
+    region = rec_region(rec)
+    return (False, [conv, rec]) if region is None else (True, [conv, rec, region])
 
 
 def rec_region(rec: torch.Tensor) -> torch.Tensor | None:
@@ -256,8 +259,7 @@ class LayerStep:
 
     def __init__(self, layer: Any, mixer: DeltaNetStep | None, moe: MoEStep, lib: Any) -> None:
         self.layer, self.mixer, self.moe, self.lib = layer, mixer, moe, lib
-        self._whole = Graphs(lambda rows, threads: self._make(rows, threads, True))
-        self._whole_in_place = Graphs(lambda rows, threads: self._make(rows, threads, True, True))
+        self._whole = {p: Graphs(lambda rows, threads, p=p: self._make(rows, threads, True, p)) for p in (False, True)}
         self._half = Graphs(lambda rows, threads: self._make(rows, threads, False))
 
     def _norm(self, ctx: Any, x: Any, w: torch.Tensor) -> Any:
@@ -284,10 +286,8 @@ class LayerStep:
 
     def __call__(self, x: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
         out = torch.empty(1, self.layer.spec.hidden_size)
-        if (region := rec_region(rec)) is not None:
-            self._whole_in_place.run(1, [x.contiguous(), conv, rec, region], [out])
-        else:
-            self._whole.run(1, [x.contiguous(), conv, rec], [out])
+        in_place, state = _state(conv, rec)
+        self._whole[in_place].run(1, [x.contiguous(), *state], [out])
         return out
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
