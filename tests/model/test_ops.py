@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sangama_p2p.model.ops import (apply_rope, delta_rule_one, delta_rule_short, delta_rule_steps, rope_tables,
-                                   rotate_half_index)
+from sangama_p2p.model import ops
+from sangama_p2p.model.ops import (apply_rope, delta_rule_chunked, delta_rule_one, delta_rule_short, delta_rule_steps,
+                                   rope_tables, rotate_half_index)
 
 
 def _delta_inputs(bsz: int, t: int, seed: int, heads: int = 4, dk: int = 16, dv: int = 8):
@@ -49,6 +50,45 @@ def test_delta_rule_one_equals_the_position_loop_at_one_position(bsz):
     assert state.data_ptr() == ptr and out.shape == ref_out.shape == (bsz, 1, 8, 64)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=2e-6)
     torch.testing.assert_close(state, ref_state, rtol=0, atol=2e-6)
+
+
+def _denormals(x: torch.Tensor) -> int:
+    return int(((x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)).sum())
+
+
+@pytest.mark.parametrize("scale", [3.0, 60.0])
+def test_delta_rule_chunked_with_decays_far_below_floats_range_equals_the_loop(scale):
+    """Prefill's chunked rule against the position loop, with log-decays of up to -``scale`` a position (the made
+    MoE's reach -57: cumulated over a chunk, -1000): equal outputs and state, and no denormal in either (the CPU's
+    arithmetic on them is many times slower; ops.delta_rule_chunked). The calling thread's IEEE arithmetic is back
+    after the call."""
+    q, k, v, _, beta, state = _delta_inputs(1, 200, seed=5, heads=4, dk=32, dv=32)
+    log_decay = -scale * torch.rand(1, 200, 4, generator=torch.Generator().manual_seed(6))
+    ref_state = state.clone()
+    ref = delta_rule_steps(q, k, v, log_decay.exp(), beta, ref_state)
+    got_state = state[0].clone()
+    got = delta_rule_chunked(q[0], k[0], v[0], log_decay[0], beta[0], got_state, chunk=64)
+    torch.testing.assert_close(got, ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_state, ref_state[0], rtol=1e-4, atol=1e-5)
+    assert _denormals(got) == _denormals(got_state) == 0
+    assert float(torch.tensor([2.0**-100]) * 2.0**-40) > 0  # a denormal: the thread no longer flushes them
+
+
+def test_delta_rule_chunked_runs_with_denormals_flushed(monkeypatch):
+    """Inside the chunked rule the calling thread flushes denormals to zero (where the CPU can), and not after."""
+    seen = []
+    real = ops._chunked
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        seen.append(float(torch.tensor([2.0**-100]) * 2.0**-40))
+        return real(*args)
+
+    monkeypatch.setattr(ops, "_chunked", spy)
+    q, k, v, log_decay, beta, state = _delta_inputs(1, 70, seed=7)
+    delta_rule_chunked(q[0], k[0], v[0], log_decay[0], beta[0], state[0], chunk=64)
+    if torch.set_flush_denormal(False):  # (False: this CPU has no such mode)
+        assert seen == [0.0]
+    assert float(torch.tensor([2.0**-100]) * 2.0**-40) > 0
 
 
 def test_delta_rule_short_without_ring_and_with_strong_decay():

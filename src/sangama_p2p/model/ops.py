@@ -229,6 +229,16 @@ def delta_rule_short(
     return (keep * q[..., None]).sum(-2)
 
 
+_DECAY_FLOOR = -60.0  # a decay under e^-60 (9e-27) is taken as 0 (see _decay)
+
+
+def _decay(log: torch.Tensor) -> torch.Tensor:
+    """``exp(log)``, 0 where ``log`` is under :data:`_DECAY_FLOOR` (whose exponentials, and their products, would be
+    denormals: see :func:`delta_rule_chunked`). A term it drops is under 2^-86 of its scale, beside each position's
+    own term at e^0 = 1 (its pair with itself)."""
+    return log.masked_fill(log < _DECAY_FLOOR, float("-inf")).exp()
+
+
 def delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
     chunk: int = 64,
@@ -237,7 +247,23 @@ def delta_rule_chunked(
 
     Within a chunk the delta-rule updates are condensed with a unit-lower-triangular solve (the UT transform of the
     DeltaNet paper); between chunks the recurrent state carries over. ``state`` [H, Dk, Dv] is updated in place.
+
+    Denormals: a chunk's decays multiply into products far below float32's normal range (cumulated log-decays reach
+    -1000 on the made MoE), and the CPU's arithmetic on denormals is many times slower: this runs with them flushed
+    to zero on the calling thread (FTZ/DAZ, as TensorFlow's CPU kernels do; torch's other threads keep IEEE
+    arithmetic, so decays under e^-60 are also taken as 0 before any product, :func:`_decay`). Measured on the mid
+    made MoE's 512-token prefill, one thread: 295 ms a layer as before, 150 with the floor, 105 with both.
     """
+    flushed = torch.set_flush_denormal(True)  # (False where the CPU has no such mode: then nothing changed)
+    try:
+        return _chunked(q, k, v, g, beta, state, chunk)
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, chunk: int) -> torch.Tensor:
     t_len = q.shape[0]
     pad = (chunk - t_len % chunk) % chunk
     # [H, T, D] layout, fp32
@@ -250,17 +276,18 @@ def delta_rule_chunked(
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     cum = g.cumsum(-1)  # [H, N, C]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, N, C, C]
+    pair = _decay((cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")))  # [H, N, C, C]
     system = (k_beta @ k.transpose(-1, -2)) * pair
     system = system.masked_fill(~torch.ones_like(upper).tril(-1), 0.0)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     a = system + eye
     u = torch.linalg.solve_triangular(a, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(a, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    decay = _decay(cum)[..., None]
+    w = torch.linalg.solve_triangular(a, k_beta * decay, upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * pair
-    q_dec = q * cum.exp()[..., None]
-    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    q_dec = q * decay
+    k_dec = k * _decay(cum[..., -1:] - cum)[..., None]
+    chunk_decay = _decay(cum[..., -1])[..., None, None]  # [H, N, 1, 1]
     out = torch.empty_like(v)
     s = state
     for i in range(n):
