@@ -202,7 +202,24 @@ def measure_network(
     out: dict[str, Any] = {"model": label, "split": list(split), "new_tokens": new_tokens,
                            "guesses": [], "requests": []}
 
+    interrupted: list[int] = []
+
     async def main() -> None:
+        # Ctrl-C (or SIGTERM) cancels the run and is raised once everything has unwound: trio raising it inside
+        # whatever task runs could land in py-libp2p's service manager mid-exit and leave a corrupted nursery stack
+        # (a RuntimeError and exit 1 instead of 130, seen once in the suite)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                async def watch() -> None:
+                    async for signum in signals:
+                        interrupted.append(int(signum))
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await run()
+                nursery.cancel_scope.cancel()
+
+    async def run() -> None:
         async with Peer(config, key_pair=generate_key_pair()) as peer:
             t = time.perf_counter()
             await peer.generate(prompt, 4)  # warm up: route, sessions, streams, first-call costs
@@ -246,6 +263,8 @@ def measure_network(
                 _progress(f"{n} requests at once: {wall:.1f} s")
 
     trio.run(main)
+    if interrupted:
+        raise KeyboardInterrupt
     if "where_the_time_goes" not in out:
         out["where_the_time_goes"] = {"trips": 0, "trip_ms": 0.0, "network_ms": 0.0, "stages": []}
     return out
