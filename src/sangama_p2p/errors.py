@@ -266,14 +266,17 @@ class OutboxFull(NetworkError):
 class ChainBroken(NetworkError):
     """The chain cannot finish this trip; ``misbehaving`` are peers that answered against the protocol (excluded
     without a probe; every other peer of the chain is probed before it is excluded). ``keep``: only the first
-    ``keep`` new tokens stand (a verifier found the chain wrong after them: the generation rewinds to them)."""
+    ``keep`` new tokens stand (a verifier found the chain wrong after them: the generation rewinds to them).
+    ``ring``: what failed is the ring's hand-on (the last stage's link to the first, or a trip it handed on that
+    never came round): the client goes on through itself, on a chain that may be the same, nobody blamed."""
 
     def __init__(self, message: str, misbehaving: frozenset[str] = frozenset(),
-                 stalled: frozenset[str] = frozenset(), keep: int | None = None) -> None:
+                 stalled: frozenset[str] = frozenset(), keep: int | None = None, ring: bool = False) -> None:
         super().__init__(message)
         self.misbehaving = misbehaving
         self.stalled = stalled  # the route of a trip that stalled past its trip clock (one of them swallowed it)
         self.keep = keep
+        self.ring = ring
 
 
 class RouteError(SangamaError):

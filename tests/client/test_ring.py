@@ -11,6 +11,7 @@ import trio
 
 from sangama_p2p.client import ChainClient, ClientConfig
 from sangama_p2p.client.session import ChainSession
+from sangama_p2p.errors import NetworkError
 from sangama_p2p.wire.messages import Step
 
 from .fleet import MODEL, fleet, local_chain, make_checkpoint
@@ -63,11 +64,11 @@ def test_the_ring_gives_the_tokens_of_the_local_chain_with_one_trip_sent(ckpt, m
 
 
 def test_without_the_ring_every_trip_goes_through_the_client(ckpt, monkeypatch):
-    """The default (ClientConfig.ring False): the ring's extra link is one more for NATed stages to punch."""
+    """``ring=False`` (``--no-ring``): the client sends every trip."""
     chain = local_chain(ckpt, SPLIT)
     want = chain.generate(PROMPT, 12, guesses=2)
     sent = _count_client_steps(monkeypatch)
-    (got,) = _generate(ckpt, SPLIT, [{"max_new_tokens": 12, "guesses": 2}])
+    (got,) = _generate(ckpt, SPLIT, [{"max_new_tokens": 12, "guesses": 2}], ring=False)
     assert got.tokens == want.tokens
     assert len(sent) == got.steps + 1 and not any(s.ring for s in sent)
 
@@ -155,6 +156,69 @@ def test_a_last_stage_that_hands_on_other_tokens_than_it_answers_is_left_out(ckp
     res, liar_id, poisoned = trio.run(main)
     assert poisoned >= 1
     assert res.tokens == want and res.failovers >= 1 and liar_id not in res.route
+
+
+def _ring_breaks(ckpt: Any, monkeypatch: Any, breaker: Any) -> tuple[Any, list[Step], int, list[str]]:
+    """A 20-token generation with the ring on an otherwise healthy chain; ``breaker(first, last, handed)`` breaks
+    the ring once ``handed`` (the steps the last stage handed on so far) holds four; returns the result, the steps
+    the client sent, the handed-on count and the chain's peers."""
+    sent = _count_client_steps(monkeypatch)
+
+    async def main() -> tuple[Any, int, list[str]]:
+        with trio.fail_after(120):
+            async with fleet(ckpt, SPLIT) as f:
+                first, last = f.stages[0][1], f.stages[-1][1]
+                handed: list[int] = []
+                real = last._send_on
+
+                def send_on(session: Any, m: Any, peer: str, item: Any, nbytes: int, what: str) -> None:
+                    if what.startswith("the ring"):
+                        handed.append(m.step)
+                        if len(handed) == 4:
+                            breaker(first, last)
+                    real(session, m, peer, item, nbytes, what)
+
+                last._send_on = send_on
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=True, verify=0)) as client:
+                    res = await client.generate(PROMPT, 20, guesses=2)
+                return res, len(handed), [s[1].peer_id for s in f.stages]
+
+    res, n_handed, peers = trio.run(main)
+    return res, sent, n_handed, peers
+
+
+def test_a_ring_whose_last_to_first_link_fails_goes_on_through_the_client(ckpt, monkeypatch):
+    """The last stage's link to the first stage (which the client cannot probe: a relayed link whose relay restarted)
+    is reset and cannot be dialled again: the hand-on's frame is reported lost, and the generation goes on through
+    the client on the same chain - nobody blamed, nobody left out - with the local chain's tokens."""
+    want = local_chain(ckpt, SPLIT).generate(PROMPT, 20, guesses=2)
+
+    def cut(first: Any, last: Any) -> None:
+        async def unreachable(peer: str) -> Any:
+            raise NetworkError(f"{peer} cannot be reached (the test's cut)")
+
+        link = last.next_hops.links[first.peer_id]
+        last.next_hops._open_stream = unreachable
+        link.close()  # the stream is gone; the next hand-on dials again, and fails
+
+    res, sent, n_handed, peers = _ring_breaks(ckpt, monkeypatch, cut)
+    assert res.tokens == want.tokens and res.failovers == 1 and res.route == peers
+    ring = [s.ring for s in sent]
+    assert ring[0] and not any(ring[1:]) and len(sent) > 5  # after the first, every trip went through the client
+
+
+def test_a_ring_whose_hand_on_vanishes_goes_on_through_the_client(ckpt, monkeypatch):
+    """A link that swallows what the last stage hands on (a dead relay that has not said so): the trip never comes
+    round; after the stall clock the client sends the trips itself, on the same chain, with the local tokens."""
+    want = local_chain(ckpt, SPLIT).generate(PROMPT, 20, guesses=2)
+
+    def swallow(first: Any, last: Any) -> None:
+        real = first._on_step
+        first._on_step = lambda peer, *a, **k: None if peer == last.peer_id else real(peer, *a, **k)
+
+    res, sent, n_handed, peers = _ring_breaks(ckpt, monkeypatch, swallow)
+    assert res.tokens == want.tokens and res.failovers == 1 and res.route == peers
+    assert sent[0].ring and not any(s.ring for s in sent[1:]) and len(sent) > 5
 
 
 def test_several_windows_in_flight_give_the_tokens_of_one(tmp_path, monkeypatch):

@@ -27,12 +27,12 @@ def test_trip_timing_from_stamps_on_separate_clocks():
 
 
 def test_stage_times_and_network_add_up_to_the_measured_trip(ckpt):
-    """Every trip through the client (the default, no ring): the client times each from its send to the answer."""
+    """Every trip through the client (``ring=False``): the client times each from its send to the answer."""
     async def main():
         with trio.fail_after(60):
             async with fleet(ckpt, SPLIT) as f:
                 peers = [n.peer_id.to_base58() for n, _, _ in f.stages]
-                async with ChainClient(f.clients[0], ClientConfig(MODEL)) as client:
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, ring=False)) as client:
                     return peers, await client.generate([1, 2, 3, 4], 12, guesses=2)
 
     peers, res = trio.run(main)

@@ -76,9 +76,9 @@ def add_verify_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", type=fraction, default=None, metavar="FRACTION",
                    help="re-run this fraction of trips on a second chain of other peers and ban a peer caught lying "
                    "(default: 0.05 in a public swarm, 0 with --fleet-secret-file); bans: ~/.sangama/bans.json")
-    p.add_argument("--ring", action="store_true",
+    p.add_argument("--ring", action=argparse.BooleanOptionalAction, default=None,
                    help="the last stage hands each next trip on to the first stage itself, and this client only "
-                   "checks the answers (default: every trip goes through this client)")
+                   "checks the answers (default: on; --no-ring: every trip goes through this client)")
     p.add_argument("--windows", type=int, default=1, choices=range(1, 5), metavar="N",
                    help="with the ring (implied), greedy and a fixed --guesses: up to N guess windows in flight at "
                    "once (default 1)")
@@ -135,7 +135,7 @@ def client_peer_config(args: argparse.Namespace, model: str) -> tuple[PeerConfig
     require_pin(chosen, model_id, private=host.fleet_secret is not None)
     client = ClientConfig(model_id=model_id, fingerprint=chosen.fingerprint, num_layers=chosen.num_layers,
                           verify=getattr(args, "verify", None), bans_file=default_bans_path(),
-                          ring=getattr(args, "ring", False), windows=getattr(args, "windows", 1))
+                          ring=getattr(args, "ring", None) is not False, windows=getattr(args, "windows", 1))
     config = PeerConfig(host=host, client=client, tokenizer_path=tokenizer)
     return config, model_id
 

@@ -54,9 +54,10 @@ class ClientConfig:
     ``ring``: the ring closes at the first stage - the last stage hands each next trip on to the first stage itself
     (and a copy of its answer to the client), so a decode trip crosses the stages only, not the client; the client
     stays the owner (it checks every answer and the first stage's echo of every trip handed on, fails over, verifies,
-    and closes the session to stop). False (the default): every trip goes through the client - the ring's link from
-    the last stage to the first is one more link for NATed stages to punch, and until it is direct a relay's
-    restart breaks a generation that only direct links would have carried (issue 27's heal tests).
+    and closes the session to stop). On by default. When the hand-on fails - the last stage's link to the first
+    (which the client cannot probe: one more link for NATed stages to punch, relayed until it is punched) fails or
+    swallows a trip - the request goes on through the client, on the same chain, nobody blamed (one re-open and
+    replay, counted in ``failovers`` but not against ``max_failovers``). False: every trip goes through the client.
     ``windows``: with the ring, how many guess windows may be in flight at once: after a trip whose guesses were all
     kept, the last stage drafts a window past the next trip - its first token the guess of that trip's new token -
     and hands it on before the next trip is checked; a window that does not stand is dropped and every stage rolls
@@ -87,7 +88,7 @@ class ClientConfig:
     ban_s: float = 24 * 3600.0
     recover_s: float = 60.0
     recover_every_s: float = 2.0
-    ring: bool = False
+    ring: bool = True
     windows: int = 1
 
     @property

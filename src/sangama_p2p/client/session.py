@@ -9,7 +9,9 @@ ends the trip with a typed failure:
   did not may be dead), excludes those that do not answer and ``misbehaving`` peers, re-routes and replays (see ``generate.py``). A decode trip times out early, after ``stall_factor`` x the session's smoothed
   decode trip time (at least ``stall_floor`` s, at most ``step_timeout``), once three decode trips were measured:
   a stage that accepted the session and then swallows its steps costs about a second, not ``step_timeout``. Such a
-  timeout names the route's peers as ``stalled`` (the caller avoids them where it can).
+  timeout names the route's peers as ``stalled`` (the caller avoids them where it can). With the ring closed, a
+  failed hand-on (the last stage's link to the first lost a frame, or a trip it handed on never came round) raises
+  it with ``ring`` set: the caller goes on through itself, blaming nobody.
 * :class:`~sangama_p2p.errors.StageError` (with ``code`` and ``peer``) - a stage refused the request (capacity,
   wrong model, bad position...).
 * :class:`NonFiniteHidden` (a ``StageRefused`` with code ``NON_FINITE``) - a stage refused hidden states holding NaN
@@ -165,6 +167,7 @@ class ChainSession:
             raise ChainBroken(f"trip {step} is not the one the ring hands on (from {handed[0]}): the session cannot "
                               "take it")
         ring = ring or handed is not None  # a trip the ring handed on is one too: the ring goes on after it
+        hand_on = ring and len(self.route) > 1  # the last stage sends on to the first: a link the client cannot see
         if handed is None:
             t0 = clock.now()
             await self._send_to(self.links[0], Step(self.session_id, step, start, tuple(token_ids), None, guesses,
@@ -198,10 +201,12 @@ class ChainSession:
                 if isinstance(got, ErrorMessage) and got.step is not None and (
                         got.step != step if handed is None else got.step <= after):
                     continue  # about an earlier trip
-                self._fail(peer, got)
-        if got_result is not None:
+                self._fail(peer, got, hand_on)
+        if got_result is not None:  # the hand-on never reached the first stage, or its echo never reached us
             raise ChainBroken(f"the first stage {self.route[0].peer_id} did not show trip {got_result.step}, which "
-                              f"the ring handed on, in {limit:.2f} s", misbehaving=frozenset({self.route[0].peer_id}))
+                              f"the ring handed on, in {limit:.2f} s", ring=True)
+        if handed is not None:  # a trip the ring handed on, never answered: its link may have died silently
+            raise ChainBroken(f"trip {step}, which the ring handed on, was not answered in {limit:.2f} s", ring=True)
         if limit < self.step_timeout:
             raise ChainBroken(f"trip {step} stalled: no answer in {limit:.2f} s (decode trips take "
                               f"{self.decode_trip_s:.3f} s here)", stalled=frozenset(self.peers))
@@ -270,14 +275,19 @@ class ChainSession:
             return self.step_timeout
         return min(self.step_timeout, max(self.stall_floor, self.stall_factor * self.decode_trip_s))
 
-    def _fail(self, peer: str, msg: object) -> None:
+    def _fail(self, peer: str, msg: object, hand_on: bool = False) -> None:
+        """Raise what a message other than the trip's answer means; ``hand_on``: the ring is closed on a chain of
+        several stages, so the last stage sends on to the first."""
         if isinstance(msg, LinkLost):
             raise ChainBroken(f"stream to {peer} ended: {msg.reason}")
         if isinstance(msg, ErrorMessage):
             # INTERNAL: e.g. its next hop died; OVERLOADED: its next hop takes no frames; EXPIRED: idle too long.
-            # Each: probe the chain, re-route, replay
+            # Each: probe the chain, re-route, replay. A ring's last stage has one hop to send on, the ring's
+            # first stage: its INTERNAL or OVERLOADED may be that link (or its own compute failing, which the
+            # trips through the client then show as any failure)
             if msg.code in (ErrorCode.INTERNAL, ErrorCode.OVERLOADED, ErrorCode.EXPIRED):
-                raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}")
+                ring = hand_on and msg.code != ErrorCode.EXPIRED and peer == self.route[-1].peer_id
+                raise ChainBroken(f"{peer}: {msg.code.name}: {msg.message}", ring=ring)
             if msg.code == ErrorCode.NON_FINITE:
                 at = self.peers.index(peer) if peer in self.peers else 0
                 producer = self.peers[at - 1] if at else None

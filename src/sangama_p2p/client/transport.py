@@ -11,6 +11,7 @@ every answered trip in its original shape (``generation.Generation.finish``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -66,6 +67,7 @@ class ChainTransport:
         self.avoid: frozenset[str] = frozenset()  # peers of chains that stalled, or that computed NaN/Inf
         self.non_finite_from: set[str] = set()  # peers whose hidden states a stage refused as NaN/Inf
         self.verify_reroutes = 0  # re-routes the verifier asked for (a lie caught, a trip not confirmed)
+        self.ring_broke = False  # the ring's hand-on failed once: the request's trips go through the client
         self.sent: list[Trip] = []  # the trips the session was sent and answered, in order (a verifier replays them)
         # a fraction of trips re-run on a second chain of other peers (client/verifier.py); None: not verifying
         self.verifier: TripVerifier | None = client.verification.start(params)
@@ -129,6 +131,9 @@ class ChainTransport:
                                           self.result.prompt_ids, self.result.tokens, self.sent)
             self.sent.append(trip)
         except ChainBroken as exc:
+            if exc.ring and self.params.ring_until:
+                await self._ring_off(trip, exc)
+                return [None]
             bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
             await self._fail_over(trip, exc, bad, exc.stalled, verifying=exc.keep is not None)
             return [None if exc.keep is None else Rewind(exc.keep)]  # a verifier's catch: back to its tokens
@@ -156,6 +161,20 @@ class ChainTransport:
         seen.add(producer)
         return frozenset({producer})
 
+    async def _ring_off(self, trip: Trip, exc: ChainBroken) -> None:
+        """The ring's hand-on failed (the last stage's link to the first stage, which the client cannot probe: a
+        relayed link whose relay restarted, a hole not punched yet): the rest of the request goes through the client,
+        on a chain that may be the same one (nobody is blamed, nor counted against ``max_failovers``: the ring goes
+        off once a request); the loop replays."""
+        log.info("the ring of chain %s broke at trip %d (%s): the trips go through the client from here",
+                 self.session.peers, trip.number, exc)
+        self.result.failovers += 1
+        self.ring_broke = True
+        self.params = dataclasses.replace(self.params, ring_until=0, ring_stop=(), windows=1)
+        await self.session.close()
+        self.session, self.sent = await self._reopen(self.session.fingerprint), []
+        self.client.active[id(self.result)] = self.session
+
     async def _fail_over(self, trip: Trip, exc: Exception, bad: set[str], stalled: frozenset[str], *,
                          verifying: bool = False) -> None:
         """Re-route around ``bad`` (excluded) or, when nobody is known bad, around ``stalled`` (avoided where a
@@ -170,7 +189,7 @@ class ChainTransport:
         await session.close()
         if verifying and self.verify_reroutes > config.max_verify_reroutes:
             raise RouteError(f"gave up after {self.verify_reroutes - 1} re-routes for verification: {exc}") from exc
-        if result.failovers - self.verify_reroutes > config.max_failovers:
+        if result.failovers - self.verify_reroutes - self.ring_broke > config.max_failovers:
             raise RouteError(f"gave up after {result.failovers - 1} re-routes: {exc}") from exc
         self.exclude |= bad
         if not bad:  # every peer answers its probe, yet the trip stalled: route around them if we can
