@@ -58,15 +58,18 @@ def lie_constant(server: StageServer, token: int, *, when: Callable[[Any], bool]
 def lie_noise(server: StageServer, scale: float, *, seed: int = 0,
               when: Callable[[Any], bool] | None = None) -> list[int]:
     """Make ``server`` (a middle stage) add noise to the hidden states it forwards (``when(job)``: only on the steps
-    it says); returns its lie counter."""
+    it says); returns its lie counter. The noise is drawn from ``seed`` and the step's number and position, so a
+    replay of a trip gets the noise its live run got (a stage whose lies are consistent): drawn in turn from one
+    generator, a replay's noise depended on how many trips the ring had run ahead meanwhile, and now and then left
+    the replay's token the honest one - nobody could be blamed."""
     assert not server.model.is_last
     _attractive(server)
     real, lies = server.scheduler.deliver, []
-    gen = torch.Generator().manual_seed(seed)
 
     def deliver(job: Any, out: Any) -> None:
         if out.error is None and out.hidden is not None and (when is None or when(job)):
             h = from_wire(out.hidden, dtype=torch.float32)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + job.msg.step * 1009 + job.msg.start_pos)
             noisy = h + scale * h.std() * torch.randn(h.shape, generator=gen)
             out = dataclasses.replace(out, hidden=to_wire(noisy, out.hidden.dtype))
             lies.append(job.msg.step)
