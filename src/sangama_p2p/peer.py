@@ -41,7 +41,6 @@ from .model.memory import auto_span
 from .model.pin import EMBEDDED_HOW, Pin, local_pin, require_pin
 from .model.spec import ModelSpec, parse_auto_span, parse_layer_range
 from .model.tokenizer import Tokenizer
-from .net.discovery import find_serving_peers
 from .net.host import open_host
 from .net.identity import KeyPair
 from .net.logs import keep_probe_hang_ups_quiet
@@ -49,7 +48,7 @@ from .net.node import Node
 from .net.traversal import Traversal, TraversalConfig
 from .placement.rebalance import thinnest_range
 from .stage.config import StageConfig
-from .stage.rebalance import Rebalancer, ask_ranges
+from .stage.rebalance import Rebalancer, live_ranges
 from .stage.server import StageServer
 
 # PeerConfig, default_model_id: from sangama_p2p.config, named here too (``from sangama_p2p.peer import PeerConfig``)
@@ -286,8 +285,9 @@ class Peer:
             await trio.to_thread.run_sync(auto_span, ckpt, device) if ckpt else None)
         # only peers of our own checkpoint count: others will never be chained with us
         mine = (await trio.to_thread.run_sync(stage_identity, ckpt.spec, ckpt.source)).fingerprint if ckpt else None
-        records = await find_serving_peers(self.node, model_id, include_self=False, fingerprint=mine, walk=False)
-        live = await ask_ranges(self.node, records, model_id)  # a departed peer's record would hide its gap
+        # what the others serve as they answer now (a departed peer's record would hide its gap), a few asked of a
+        # crowded range: a peer joining a swarm of N dials per range, not N
+        live, records = await live_ranges(self.node, model_id, mine, num_layers)
         records = [r for r in records if r.peer_id in live]
         return choose_layers([live[r.peer_id] for r in records], num_layers, span, [r.throughput for r in records])
 

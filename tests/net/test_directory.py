@@ -299,6 +299,53 @@ def test_a_rebalancers_look_dials_a_few_peers_per_range_and_sybil_records_hide_n
     trio.run(main)
 
 
+def test_a_walk_crosses_a_gap_and_a_peer_joining_auto_dials_a_few_peers_per_range(monkeypatch):
+    """Nobody serves layers 3:5 (its only peer left, or nobody came yet). The walk from layer 0 stopped at 3 and the
+    survey enumerated every provider - a dial to each, for every client's survey and every retry while the gap
+    lasted, and for every ``--layers auto`` peer joining. Now the walk looks past the gap, a lookup per layer, and
+    finds 5:8 without enumerating; a peer joining with ``auto`` asks a few peers of the crowded range (as the
+    rebalancer does) and takes the gap."""
+    from types import SimpleNamespace
+
+    from sangama_p2p.net import discovery as discovery_mod
+    from sangama_p2p.peer import Peer
+    from sangama_p2p.stage import rebalance
+    from sangama_p2p.stage.rebalance import PROBE_UP_TO
+
+    async def no_enumerating(*args, **kwargs):
+        raise AssertionError("every provider was enumerated")
+
+    monkeypatch.setattr(discovery_mod, "_enumerate", no_enumerating)
+    asked: list[str] = []
+
+    async def ask_ranges(node, records, model_id, timeout=5.0, lanes=None):
+        asked.extend(r.peer_id for r in records)
+        return {r.peer_id: (r.start, r.end) for r in records}  # (no stage runs here)
+
+    monkeypatch.setattr(rebalance, "ask_ranges", ask_ranges)
+
+    async def main():
+        with trio.fail_after(90):
+            async with swarm(11) as nodes:
+                ranges = [(0, 3)] * 8 + [(5, 8)] * 2
+                for node, (lo, hi) in zip(nodes[1:], ranges):
+                    await Announcer(node).update(ServingOffer("m", lo, hi, 1.0, 1, ttl=60, fingerprint=FP,
+                                                              num_layers=8))
+                cfg = config(bootstrap_addrs=(first_addr(nodes[0]),), dht_server=False)
+                async with open_host(cfg, key_pair=generate_key_pair()) as client:
+                    for depth in (8, 0):  # the model's depth known to the caller, or read from the records
+                        facts = SurveyFacts()
+                        found = await find_serving_peers(client, "m", facts=facts, num_layers=depth)
+                        assert sorted({(r.start, r.end) for r in found}) == [(0, 3), (5, 8)], depth
+                        assert facts.records == 10 and facts.directories == 6, facts  # 0, 3, then 4 to 7
+                joining = SimpleNamespace(node=nodes[0], config=SimpleNamespace(stage=None))
+                layers = await Peer._resolve_layers(joining, "auto:2", "m", 8)
+                assert layers == (3, 5)
+                assert len(asked) == PROBE_UP_TO + 2 < len(ranges), asked
+
+    trio.run(main)
+
+
 def test_updates_racing_each_other_and_the_loop_all_publish():
     """Updates of one model started together (and the loop's own publication of a new offer) each store a record:
     publications of a model run one at a time, their seq taken in turn, so none stores an older record after a newer

@@ -41,6 +41,7 @@ import trio
 from ..errors import ModelError, NetworkError, RouteError, SangamaError, TokensRetracted
 from ..generation import Generation, GenerationLoop, GenerationResult
 from ..guesses import AUTO_MAX_GUESSES, MAX_GUESSES, parse_guesses
+from ..net.directory import PER_RANGE
 from ..net.discovery import SurveyFacts, find_serving_peers
 from ..net.lineup import choose_lineup
 from ..net.seam import Network
@@ -144,7 +145,9 @@ class ChainClient:
         records = await find_serving_peers(
             self.node, self.config.model_id, include_self=self.local_stage is not None, facts=facts,
             usable=lambda rec: probes.usable(rec, retry_slow), num_layers=self.config.num_layers or 0,
-            walk=self.config.walk and not retry_slow,  # a caller that found no route with the walk: every provider
+            # a caller that found no route: twice the candidates a range (the walk's, never every provider: a gap
+            # nobody serves would make every client's retries dial the whole swarm)
+            walk=self.config.walk, per_range=2 * PER_RANGE if retry_slow else PER_RANGE,
             ask_authors=lambda peer: peer not in probes.silent and (retry_slow or not probes.still_slow(peer)))
         self.survey_facts = facts
         probes.seen(records)

@@ -286,25 +286,22 @@ async def find_serving_peers(node: Node, model_id: str, *, include_self: bool = 
     ``fingerprint``: only the peers of that checkpoint (the only ones a stage of it is ever chained with);
     ``facts``: filled with what the survey found on its way.
 
-    ``walk``: walk the range directories from layer 0 (:mod:`.directory`: one lookup per boundary, whatever the
-    swarm's size), keeping ``per_range`` records per range of those ``usable`` says may be chosen; ``num_layers``:
-    the model's depth where the caller knows it (else each record's). Every peer is enumerated instead (the
-    provider key, then each provider's record) with ``walk=False``, or when no directory was found (a DHT of
-    go-libp2p servers keeps none). ``ask_authors``: which providers whose record no
+    ``walk``: walk the range directories from layer 0 (:mod:`.directory`: one lookup per boundary, and one per
+    layer past a layer nobody serves, whatever the swarm's size), keeping ``per_range`` records per range of those
+    ``usable`` says may be chosen; ``num_layers``: the model's depth where the caller knows it (else each record's).
+    Every peer is enumerated instead (the provider key, then each provider's record) with ``walk=False``, or when
+    no directory was found (a DHT of go-libp2p servers keeps none). ``ask_authors``: which providers whose record no
     DHT server gave to ask for it themselves (default: every one; a caller that knows which ones left says)."""
     facts = facts if facts is not None else SurveyFacts()
     if walk:
         for pause in (*NO_ANSWER_RETRY_S, None):
             walked = await walk_directories(node, model_id, fingerprint=fingerprint, facts=facts, usable=usable,
                                  per_range=per_range, num_layers=num_layers)
-            depth = num_layers or max((r.num_layers for r in walked), default=0)
-            if any(r.end >= depth for r in walked) or (facts.providers and not walked):
-                # a chain's worth of records (or records found, only none may be chosen now): no need to enumerate
+            if facts.providers:
+                # the directories are there (records found, maybe none usable now, maybe a layer nobody serves: the
+                # walk looked past it): enumerating every peer would find no more than a dial to each costs
                 ours = [r for r in walked if include_self or r.peer_id != node.peer_id.to_base58()]
                 return sorted(ours, key=lambda r: (r.start, r.end, r.peer_id))
-            if walked:  # a range's directory is missing (its peers are DHT clients, it was stored nowhere else)
-                log.info("the range directories of %r reach no end: enumerating its providers", model_id)
-                break
             if facts.replied or not facts.asked:  # servers replied and hold no directory (go-libp2p's): enumerate
                 break
             if pause is None:  # nobody replied (a busy swarm): enumerating every peer would only add to it

@@ -33,17 +33,20 @@ async def find_starting_at(node: Node, model_id: str, start: int, *, fingerprint
 
 
 MAX_WALK = 64  # directory lookups one survey makes at most
+GAP_BATCH = 8  # directory lookups at once past a layer that no record found covers
 
 
 async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None, facts: Any,
                            usable: Callable[[ServingRecord], bool] | None, per_range: int,
                            num_layers: int) -> list[ServingRecord]:
-    """The candidates of the directories reachable from layer 0: each directory's ranges name the next ones. A peer
-    found in two directories (it moved: its old entry stays until its record expires) counts with its newest record
-    only."""
+    """The candidates of the directories from layer 0 on: each directory's ranges name the next ones, and where no
+    range found covers a layer (a gap: its only peer left, or nobody came yet), the walk goes on past it through the
+    next :data:`GAP_BATCH` start layers at a time, so that what serves after a gap is found by at most one lookup per
+    layer (a spare deciding where to go, a client waiting for one), never by asking every peer. A peer found in two
+    directories (it moved: its old entry stays until its record expires) counts with its newest record only."""
     lookup, looked, todo = DirectoryFacts(), set(), {0}
     newest: dict[str, ServingRecord] = {}
-    while todo and len(looked) < MAX_WALK:
+    while len(looked) < MAX_WALK and (todo := todo or _past_gap(newest, looked, num_layers)):
         batch = sorted(todo)[:MAX_WALK - len(looked)]
         looked.update(batch)
         found: list[ServingRecord] = []
@@ -72,3 +75,13 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
     facts.providers = facts.records = len(newest)
     facts.candidates = len(chosen)
     return chosen
+
+
+def _past_gap(records: dict[str, ServingRecord], looked: set[int], num_layers: int) -> set[int]:
+    """The next start layers to look up past the first layer that no record of ``records`` covers: up to
+    :data:`GAP_BATCH` uncovered ones not ``looked`` up yet (empty: no gap, or no depth known)."""
+    depth = num_layers or max((r.num_layers for r in records.values()), default=0)
+    covered = [False] * depth
+    for r in records.values():
+        covered[r.start:min(r.end, depth)] = [True] * max(0, min(r.end, depth) - r.start)
+    return set([i for i in range(depth) if not covered[i] and i not in looked][:GAP_BATCH])

@@ -3,8 +3,9 @@
 Every ``every`` seconds (times a random factor in 0.75..1.25, so the peers of a swarm do not all look at once) it
 lists the model's serving peers of its own checkpoint fingerprint from the range directories
 (:func:`~sangama_p2p.net.discovery.find_serving_peers`), and asks peers over their stage streams for their live
-ranges (``InfoRequest``; a few of a crowded range, :meth:`Rebalancer.live_ranges`): a record outlives its peer by up
-to its TTL (180 s by default), so a peer that does not answer within ``probe_timeout`` counts as gone.
+ranges (``InfoRequest``; a few of a crowded range: :func:`live_ranges`, which ``--layers auto`` uses at join too):
+a record outlives its peer by up to its TTL (180 s by default), so a peer that does not answer within
+``probe_timeout`` counts as gone.
 :func:`~sangama_p2p.placement.rebalance.choose_move` decides on the live ranges. When peers with lower ids would
 make the same move (:func:`~sangama_p2p.placement.rebalance.first_mover`), it holds back for up to ``max_defer``
 re-checks (one of them moves; a fixed-range peer never does, hence the bound). Then it waits a short random delay
@@ -37,7 +38,7 @@ from ..net.stage_stream import open_stage_stream
 from ..placement.rebalance import choose_move, first_mover
 from ..wire.messages import InfoRequest, InfoResponse
 
-__all__ = ["Move", "Rebalancer", "ask_ranges"]
+__all__ = ["Move", "Rebalancer", "ask_ranges", "live_ranges"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,38 @@ async def ask_ranges(node: Network, records: Sequence[Any], model_id: str, timeo
     return dict(sorted(found.items()))
 
 
+async def live_ranges(node: Network, model_id: str, fingerprint: str | None, num_layers: int, *,
+                      timeout: float = 5.0, lanes: LaneDialer | None = None,
+                      rng: random.Random | None = None) -> tuple[dict[str, Range], list[Any]]:
+    """Peer id -> the range each other peer of ``fingerprint`` serves, as it answers now, and the records they were
+    found by: every peer of a range with at most :data:`PROBE_UP_TO` records (a leave there can open a gap),
+    :data:`PROBE_UP_TO` drawn at random of a crowded range - whose other peers count as recorded if all of those
+    answered, and are asked too if one did not (records of peers that left, or that never served: Sybils' records
+    must not hide a gap).
+
+    The records come from the range directories (one lookup per boundary, and per layer past a gap). A look costs
+    dials per range, not per peer: every auto-placed peer looks every ~20 s and every ``--layers auto`` peer once as
+    it joins, and probing every peer of a swarm of N made each look N dials (N x N a period, swarm-wide)."""
+    rng = rng or random.Random()
+    records = await find_serving_peers(node, model_id, include_self=False, fingerprint=fingerprint,
+                                       per_range=MAX_ENTRIES, num_layers=num_layers)
+    by_range: dict[Range, list[Any]] = {}
+    for rec in records:
+        by_range.setdefault((rec.start, rec.end), []).append(rec)
+    drawn = {key: recs if len(recs) <= PROBE_UP_TO else rng.sample(recs, PROBE_UP_TO)
+             for key, recs in by_range.items()}
+    live = await ask_ranges(node, [rec for recs in drawn.values() for rec in recs], model_id, timeout, lanes)
+    rest: list[Any] = []
+    for key, recs in by_range.items():
+        others = [rec for rec in recs if rec not in drawn[key]]
+        if all(rec.peer_id in live for rec in drawn[key]):
+            live.update((rec.peer_id, key) for rec in others)
+        else:
+            rest += others
+    live.update(await ask_ranges(node, rest, model_id, timeout, lanes) if rest else {})
+    return dict(sorted(live.items())), list(records)
+
+
 class Rebalancer:
     """Periodic re-checks of the swarm and moves of one auto-placed stage (see the module docstring)."""
 
@@ -121,35 +154,10 @@ class Rebalancer:
 
     # ---- looking -------------------------------------------------------------------------------------------
     async def live_ranges(self) -> dict[str, Range]:
-        """Peer id -> the range each other peer of our fingerprint serves, as it answers now: every peer of a range
-        with at most :data:`PROBE_UP_TO` records (a leave there can open a gap), :data:`PROBE_UP_TO` drawn at random
-        of a crowded range - whose other peers count as recorded if all of those answered, and are asked too if
-        one did not (records of peers that left, or that never served: Sybils' records must not hide a gap).
-
-        The records come from the range directories (one lookup per boundary; with a gap, the walk reaches no end
-        and every provider is enumerated, as before directories). A look costs dials per range, not per peer:
-        every auto-placed peer looks every ``every`` s, and probing every peer of a swarm of N made each look N
-        dials (N x N a period, swarm-wide)."""
-        records = await find_serving_peers(self.node, self.model_id, include_self=False, fingerprint=self.fingerprint,
-                                           per_range=MAX_ENTRIES, num_layers=self.num_layers)
-        by_range: dict[Range, list[Any]] = {}
-        for rec in records:
-            by_range.setdefault((rec.start, rec.end), []).append(rec)
-        drawn = {key: recs if len(recs) <= PROBE_UP_TO else self.rng.sample(recs, PROBE_UP_TO)
-                 for key, recs in by_range.items()}
-        live = await self._ask([rec for recs in drawn.values() for rec in recs])
-        rest: list[Any] = []
-        for key, recs in by_range.items():
-            others = [rec for rec in recs if rec not in drawn[key]]
-            if all(rec.peer_id in live for rec in drawn[key]):
-                live.update((rec.peer_id, key) for rec in others)
-            else:
-                rest += others
-        live.update(await self._ask(rest) if rest else {})
-        return dict(sorted(live.items()))
-
-    async def _ask(self, records: Sequence[Any]) -> dict[str, Range]:
-        return await ask_ranges(self.node, records, self.model_id, self.probe_timeout, self._lanes)
+        """Peer id -> the range each other peer of our fingerprint serves, as it answers now (:func:`live_ranges`)."""
+        live, _ = await live_ranges(self.node, self.model_id, self.fingerprint, self.num_layers,
+                                    timeout=self.probe_timeout, lanes=self._lanes, rng=self.rng)
+        return live
 
     async def check(self) -> Range | None:
         """The range to move to now, or None (one look at the swarm)."""
