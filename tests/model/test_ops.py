@@ -91,6 +91,36 @@ def test_delta_rule_chunked_runs_with_denormals_flushed(monkeypatch):
     assert float(torch.tensor([2.0**-100]) * 2.0**-40) > 0
 
 
+def test_the_cli_flushes_denormals_on_every_thread_it_starts_and_the_chunked_rule_leaves_it_so():
+    """``cli.threads.set_threads`` flushes denormals for the whole process before torch's pool starts: a thread
+    started after it inherits the mode (torch's intra-op threads too, which the chunked rule's products run on at 2
+    threads), and the chunked rule no longer clears it after its call. In a child process: the mode is the
+    process's."""
+    import subprocess
+    import sys
+
+    code = """
+import threading, torch
+from sangama_p2p.cli.threads import set_threads
+from sangama_p2p.model import ops
+tiny = lambda: float(torch.tensor([2.0**-100]) * 2.0**-40)
+assert tiny() > 0
+set_threads(2)
+if not ops._PROCESS_FLUSHES:
+    print("no FTZ on this CPU"); raise SystemExit(0)
+seen = []
+t = threading.Thread(target=lambda: seen.append(tiny())); t.start(); t.join()
+g = torch.Generator().manual_seed(7)
+q, k, v = (torch.randn(70, 2, 8, generator=g) for _ in range(3))
+ops.delta_rule_chunked(q, k, v, -torch.rand(70, 2, generator=g), torch.rand(70, 2, generator=g),
+                       torch.zeros(2, 8, 8))
+print(seen, tiny())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("[0.0] 0.0", "no FTZ on this CPU"), out.stdout
+
+
 def test_delta_rule_short_without_ring_and_with_strong_decay():
     """No ring: only the final state is written. Decays that underflow exp() stay finite (log-space pair decays)."""
     q, k, v, log_decay, beta, state = _delta_inputs(2, 6, seed=3)
