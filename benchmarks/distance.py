@@ -21,8 +21,9 @@ one after the other, then again); the table gives the median ``decode_tokens_per
 tokens per trip, and whether the tokens equal ``generate --local``'s (greedy: they must, in every run). Results in
 ``benchmarks/results/distance.json`` (``--out``).
 
-Issue 29's comparison: ``--ring off on w2`` runs every (prompt, guesses) through the client (the default), with the
-ring closed at the first stage (``generate --ring``) and with up to 2 guess windows in flight (``--windows 2``), one
+Issue 29's comparison: ``--ring off on w2`` runs every (prompt, guesses) through the client (``generate
+--no-ring``), with the ring closed at the first stage (``--ring``, the default since 2026-12-08) and with up to 2
+guess windows in flight (``--windows 2``), one
 right after the other; ``--client-apart`` puts the client
 in a fourth region D, ``--rtt`` from every other (the issue's "20 ms between every pair, three stages and the client":
 through the client a trip then crosses four such links, closed at the first stage three); ``--single`` keeps one peer
@@ -66,7 +67,7 @@ def _ring_args(mode: str) -> list[str]:
     """``generate``'s flags for a ``--ring`` mode: off (every trip through the client), on (the ring, one window),
     wN (the ring, up to N guess windows in flight)."""
     if mode == "off":
-        return []
+        return ["--no-ring"]
     return ["--ring", "--windows", mode[1:]] if mode.startswith("w") else ["--ring"]
 
 

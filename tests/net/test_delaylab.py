@@ -145,7 +145,7 @@ def test_a_fleet_across_the_lab_gives_local_tokens_at_the_chains_distance(tmp_pa
 @pytest.mark.slow
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_lab(tmp_path: Path) -> None:
-    """Issue 29: stages and the client each in a region of their own, 20 ms apart. With the ring (``--ring``),
+    """Issue 29: stages and the client each in a region of their own, 20 ms apart. With the ring (the default),
     without it and with two windows in flight, with and without guesses, the tokens are ``generate --local``'s,
     and no trip through the client beats the wire it must cross (client -> s0 -> s1 -> client).
     Speed: ``benchmarks/distance.py --ring off on --client-apart``."""
@@ -156,7 +156,7 @@ def test_the_ring_and_the_trips_through_the_client_give_local_tokens_across_the_
     hosts = {"boot": "c", "client": "c", "s0": "a", "s1": "b"}
     rtt = {("a", "a"): 2, ("b", "b"): 2, ("c", "c"): 2, ("a", "b"): 20, ("a", "c"): 20, ("b", "c"): 20}
     results = {}
-    flags = {"on": ["--ring"], "off": [], "w2": ["--windows", "2"]}
+    flags = {"on": ["--ring"], "off": ["--no-ring"], "w2": ["--windows", "2"]}
     stages = (("s0", "0:4"), ("s1", "4:8"))
     with DelayLab(hosts, rtt_ms=rtt) as lab, lab_fleet(lab, tmp_path, tiny, stages) as (boot, _):
         for ring, guesses in (("on", "0"), ("on", "2"), ("off", "0"), ("off", "2"), ("w2", "2")):
