@@ -161,8 +161,10 @@ def run_ours(path: str, threads: int, prompt: int, gen: int) -> None:
     from sangama_p2p.cli.threads import set_threads
     from sangama_p2p.model.chain import LocalChain
     from sangama_p2p.model.checkpoint import open_checkpoint
+    from sangama_p2p.model.ops import flush_denormals_in_process
     from sangama_p2p.model.spec import LayerRange
 
+    flush_denormals_in_process()  # as the console script's process does
     set_threads(threads)
     ckpt = open_checkpoint(path, need_tokenizer=False)
     chain = LocalChain.load(ckpt, [LayerRange(0, ckpt.spec.num_layers)])

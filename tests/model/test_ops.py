@@ -91,23 +91,21 @@ def test_delta_rule_chunked_runs_with_denormals_flushed(monkeypatch):
     assert float(torch.tensor([2.0**-100]) * 2.0**-40) > 0
 
 
-def test_the_cli_flushes_denormals_on_every_thread_it_starts_and_the_chunked_rule_leaves_it_so():
-    """``cli.threads.set_threads`` flushes denormals for the whole process before torch's pool starts: a thread
-    started after it inherits the mode (torch's intra-op threads too, which the chunked rule's products run on at 2
-    threads), and the chunked rule no longer clears it after its call. In a child process: the mode is the
-    process's."""
+def test_a_process_that_flushes_denormals_does_so_on_every_thread_it_starts_and_the_chunked_rule_leaves_it_so():
+    """``flush_denormals_in_process`` (the console script's, before any torch work): a thread started after it
+    inherits the mode (torch's intra-op threads too, which the chunked rule's products run on at 2 threads), and the
+    chunked rule no longer clears it after its call. In a child process: the mode is the process's."""
     import subprocess
     import sys
 
     code = """
 import threading, torch
-from sangama_p2p.cli.threads import set_threads
 from sangama_p2p.model import ops
 tiny = lambda: float(torch.tensor([2.0**-100]) * 2.0**-40)
 assert tiny() > 0
-set_threads(2)
-if not ops._PROCESS_FLUSHES:
+if not ops.flush_denormals_in_process():
     print("no FTZ on this CPU"); raise SystemExit(0)
+torch.set_num_threads(2)
 seen = []
 t = threading.Thread(target=lambda: seen.append(tiny())); t.start(); t.join()
 g = torch.Generator().manual_seed(7)
@@ -119,6 +117,20 @@ print(seen, tiny())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("[0.0] 0.0", "no FTZ on this CPU"), out.stdout
+
+
+def test_only_the_console_scripts_own_process_flushes_denormals(monkeypatch, tmp_path):
+    """``cli.main.entry`` runs the command with ``whole_process``: the mode is set once torch is imported; a command
+    run in-process by ``main`` (tests, a library user) leaves the process's mode alone (the whole suite's hypothesis
+    tests refused to draw floats after an in-process command had set it)."""
+    from sangama_p2p.cli import main as cli_main
+
+    calls = []
+    monkeypatch.setattr(ops, "flush_denormals_in_process", lambda: calls.append(1) or True)
+    argv = ["generate", "--local", str(tmp_path / "missing"), "--prompt-ids", "1", "--max-new-tokens", "1"]
+    assert cli_main.main(argv) == 2 and calls == []  # (the checkpoint is missing: a typed error, after torch)
+    assert cli_main.main(argv, whole_process=True) == 2 and calls == [1]
+    assert float(torch.tensor([2.0**-100]) * 2.0**-40) > 0
 
 
 def test_delta_rule_short_without_ring_and_with_strong_decay():

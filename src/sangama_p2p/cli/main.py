@@ -76,7 +76,9 @@ def import_keeping_interrupts(name: str) -> None:
         raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, whole_process: bool = False) -> int:
+    """Run one command; ``whole_process``: this process is the command's own (the console script), so its
+    floating-point mode is set for every thread before any torch work (``model.ops.flush_denormals_in_process``)."""
     try:
         args = build_parser().parse_args(argv)
         verbose = args.verbose + getattr(args, "sub_verbose", 0)
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if getattr(args, "command", None) not in _WITHOUT_TORCH:
             import_keeping_interrupts(_TORCH)
+            if whole_process:
+                from ..model.ops import flush_denormals_in_process
+
+                flush_denormals_in_process()
         torch = sys.modules.get("torch")
         grad = torch.is_grad_enabled() if torch is not None else True
         try:
@@ -127,7 +133,7 @@ def entry() -> None:
     """The console script: :func:`main`, then exit at once. By the time ``main`` returns every nursery has closed and
     every child process is reaped; tearing down the interpreter (torch's and libp2p's modules) took another 1-3 s after
     a stage stopped on SIGTERM, so the output is flushed and the process exits without it."""
-    rc = main()
+    rc = main(whole_process=True)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -35,14 +35,9 @@ def default_threads(cores: int | None = None) -> int:
 
 
 def set_threads(n: int | None) -> int:
-    """torch's intra-op threads: ``n``, or :func:`default_threads` when None, with denormals flushed to zero on every
-    thread (``model.ops.flush_denormals_in_process``: before torch's pool starts, so that its threads inherit the
-    mode). Returns the number set."""
+    """torch's intra-op threads: ``n``, or :func:`default_threads` when None. Returns the number set."""
     import torch
 
-    from ..model.ops import flush_denormals_in_process
-
-    flush_denormals_in_process()
     count = n if n is not None else default_threads()
     torch.set_num_threads(count)
     return count
