@@ -247,11 +247,11 @@ def flush_denormals_in_process() -> bool:
     """Flush float32 denormals to zero (FTZ/DAZ) on this thread for good, and so on every thread started after it:
     a new thread inherits its creator's floating-point mode, torch's intra-op pool included, which starts at the
     first parallel operation. Call it before any torch work (the console script does, ``cli.main.entry``; a library
-    user decides for their process, and a CLI command run in-process by ``cli.main.main`` leaves it alone). Then the chunked delta rule's products are flushed on every thread that computes
-    them, not only on the calling one: measured on the mid made MoE's 512-token prefill at 2 threads, 31.3-32.0 ->
-    34.0-35.2 tokens/s (the rule alone 88-93 -> 73-76 ms a layer); at one thread nothing changes. Values below
-    float32's normal range (1.2e-38) become 0 everywhere, as they do inside the chunked rule anyway. Returns whether
-    the CPU has the mode."""
+    user decides for their process, and a CLI command run in-process by ``cli.main.main`` leaves it alone). Then the
+    chunked delta rule's products are flushed on every thread that computes them, not only on the calling one:
+    measured on the mid made MoE's 512-token prefill at 2 threads, 31.3-32.0 -> 34.0-35.2 tokens/s (the rule alone
+    88-93 -> 73-76 ms a layer); at one thread nothing changes. Values below float32's normal range (1.2e-38) become
+    0 everywhere, as they do inside the chunked rule anyway. Returns whether the CPU has the mode."""
     global _PROCESS_FLUSHES
     _PROCESS_FLUSHES = bool(torch.set_flush_denormal(True))
     return _PROCESS_FLUSHES
@@ -271,8 +271,8 @@ def delta_rule_chunked(
     to zero on the calling thread (FTZ/DAZ, as TensorFlow's CPU kernels do; torch's other threads keep IEEE
     arithmetic, so decays under e^-60 are also taken as 0 before any product, :func:`_decay`). The mode is cleared
     after the call (torch cannot read it back: a caller that had set it sets it again), unless the whole process
-    flushes (:func:`flush_denormals_in_process`, which the console script sets). Measured on the mid made MoE's 512-token
-    prefill, one thread: 295 ms a layer as before, 150 with the floor, 92 with both.
+    flushes (:func:`flush_denormals_in_process`, which the console script sets). Measured on the mid made MoE's
+    512-token prefill, one thread: 295 ms a layer as before, 150 with the floor, 92 with both.
     """
     if _PROCESS_FLUSHES:
         return _chunked(q, k, v, g, beta, state, chunk)
