@@ -146,7 +146,9 @@ def test_verification_is_on_by_default_in_public_swarms_and_off_in_private_fleet
     client = SimpleNamespace(node=node, config=ClientConfig(MODEL))
     v = Verification.for_client(client)
     assert v.fraction == (0.0 if private else PUBLIC_FRACTION)
-    assert (v.start(None) is None) == private
+    from sangama_p2p.client.session import SessionParams
+
+    assert (v.start(SessionParams(MODEL, "me", 64)) is None) == private
     assert Verification.for_client(SimpleNamespace(node=node, config=ClientConfig(MODEL, verify=0.5))).fraction == 0.5
 
 

@@ -221,6 +221,33 @@ def test_a_ring_whose_hand_on_vanishes_goes_on_through_the_client(ckpt, monkeypa
     assert sent[0].ring and not any(s.ring for s in sent[1:]) and len(sent) > 5
 
 
+def test_the_verifiers_chains_never_close_a_ring(ckpt):
+    """With the ring on (the default) and every trip verified, only the generation's own chain opens with a ring:
+    the verifier's chains step trip by trip, and a ring there would have their last stage dial their first one (and
+    every stage keep rollback for windows in flight) for nothing."""
+    want = local_chain(ckpt, SPLIT, batch_invariant=True).generate(PROMPT, 8).tokens
+
+    async def main() -> tuple[Any, list[bool]]:
+        with trio.fail_after(120):
+            async with fleet(ckpt, [*SPLIT, *SPLIT], batch_invariant=True) as f:
+                opened: list[bool] = []
+                for _, server, _ in f.stages:
+                    real = server.table.open
+
+                    def spy(msg: Any, *args: Any, real: Any = real, **kwargs: Any) -> Any:
+                        opened.append(msg.ring is not None)
+                        return real(msg, *args, **kwargs)
+
+                    server.table.open = spy
+                async with ChainClient(f.clients[0], ClientConfig(MODEL, verify=1.0)) as client:
+                    res = await client.generate(PROMPT, 8)
+                return res, opened
+
+    res, opened = trio.run(main)
+    assert res.tokens == want and res.verified_trips
+    assert opened.count(True) == 2 and opened.count(False) >= 3, opened  # the ring's two ends; the verifier's chains
+
+
 def test_several_windows_in_flight_give_the_tokens_of_one(tmp_path, monkeypatch):
     """Issue 29, item 2: after a trip whose guesses were all kept, the last stage drafts a window past the next trip
     and hands it on before that trip is checked; a window that does not stand is dropped and every stage rolls back

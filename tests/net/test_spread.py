@@ -54,7 +54,8 @@ def test_the_client_chains_the_near_successor_by_the_stages_measured_links(tmp_p
     assert result["tokens"] == expected
     assert result["route"] == [ids["s0"], ids["near"]], (result["route"], ids)
     hop = result["hops"][1]
-    assert (hop["from"], hop["to"], hop["measured"]) == (ids["s0"], ids["near"], True) and hop["ms"] < 10, hop
+    # 1 ms one way configured, 40 and 80 ms round trips elsewhere (a whole suite beside it once measured 10.1 ms)
+    assert (hop["from"], hop["to"], hop["measured"]) == (ids["s0"], ids["near"], True) and hop["ms"] < 20, hop
     print(f"\nnear/far: chained {ids['near'][-6:]} ({1e3 * links[ids['near']]:.1f} ms from the first stage, the far one "
           f"{1e3 * links[ids['far']]:.1f} ms); decode {result['decode_ms'] / max(1, result['steps']):.1f} ms per token")
 

@@ -205,8 +205,10 @@ class ChainSession:
         if got_result is not None:  # the hand-on never reached the first stage, or its echo never reached us
             raise ChainBroken(f"the first stage {self.route[0].peer_id} did not show trip {got_result.step}, which "
                               f"the ring handed on, in {limit:.2f} s", ring=True)
-        if handed is not None:  # a trip the ring handed on, never answered: its link may have died silently
-            raise ChainBroken(f"trip {step}, which the ring handed on, was not answered in {limit:.2f} s", ring=True)
+        if handed is not None:  # a trip the ring handed on, never answered: its link may have died silently, or a
+            # stage swallowed it (a black hole): the ring goes off, and the chain is avoided where another exists
+            raise ChainBroken(f"trip {step}, which the ring handed on, was not answered in {limit:.2f} s", ring=True,
+                              stalled=frozenset(self.peers))
         if limit < self.step_timeout:
             raise ChainBroken(f"trip {step} stalled: no answer in {limit:.2f} s (decode trips take "
                               f"{self.decode_trip_s:.3f} s here)", stalled=frozenset(self.peers))

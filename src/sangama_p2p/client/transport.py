@@ -165,12 +165,14 @@ class ChainTransport:
         """The ring's hand-on failed (the last stage's link to the first stage, which the client cannot probe: a
         relayed link whose relay restarted, a hole not punched yet): the rest of the request goes through the client,
         on a chain that may be the same one (nobody is blamed, nor counted against ``max_failovers``: the ring goes
-        off once a request); the loop replays."""
+        off once a request; a trip handed on that was never answered avoids the chain's peers where a route without
+        them exists, as a stall does: a black hole and a dead ring link look alike); the loop replays."""
         log.info("the ring of chain %s broke at trip %d (%s): the trips go through the client from here",
                  self.session.peers, trip.number, exc)
         self.result.failovers += 1
         self.ring_broke = True
         self.params = dataclasses.replace(self.params, ring_until=0, ring_stop=(), windows=1)
+        self.avoid |= exc.stalled
         await self.session.close()
         self.session, self.sent = await self._reopen(self.session.fingerprint), []
         self.client.active[id(self.result)] = self.session

@@ -28,7 +28,7 @@ import logging
 import os
 import random
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -109,7 +109,9 @@ class TripVerifier:
     def __init__(self, owner: Verification, params: SessionParams, rng: random.Random) -> None:
         self.owner = owner
         self.client = owner.client
-        self.params = params
+        # its chains step trip by trip from here, never round a ring (a ring's session would have its last stage
+        # dial the first one, and every stage keep rollback for the windows in flight, for nothing)
+        self.params = replace(params, ring_until=0, ring_stop=(), windows=1)
         self.rng = rng
         self.alt: ChainSession | None = None
         self.alt_pos = 0  # positions the second chain holds valid state for
