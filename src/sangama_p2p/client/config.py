@@ -56,8 +56,9 @@ class ClientConfig:
     stays the owner (it checks every answer and the first stage's echo of every trip handed on, fails over, verifies,
     and closes the session to stop). On by default. When the hand-on fails - the last stage's link to the first
     (which the client cannot probe: one more link for NATed stages to punch, relayed until it is punched) fails or
-    swallows a trip - the request goes on through the client, on the same chain, nobody blamed (one re-open and
-    replay, counted in ``failovers`` but not against ``max_failovers``). False: every trip goes through the client.
+    swallows a trip - the request goes on through the client, nobody blamed, on the same chain or (after a trip that
+    never came round) another where one exists (one re-open and replay, counted in ``failovers`` but not against
+    ``max_failovers``). False: every trip goes through the client.
     ``windows``: with the ring, how many guess windows may be in flight at once: after a trip whose guesses were all
     kept, the last stage drafts a window past the next trip - its first token the guess of that trip's new token -
     and hands it on before the next trip is checked; a window that does not stand is dropped and every stage rolls
