@@ -159,9 +159,9 @@ def test_a_last_stage_that_hands_on_other_tokens_than_it_answers_is_left_out(ckp
 
 
 def _ring_breaks(ckpt: Any, monkeypatch: Any, breaker: Any) -> tuple[Any, list[Step], int, list[str]]:
-    """A 20-token generation with the ring on an otherwise healthy chain; ``breaker(first, last, handed)`` breaks
-    the ring once ``handed`` (the steps the last stage handed on so far) holds four; returns the result, the steps
-    the client sent, the handed-on count and the chain's peers."""
+    """A 20-token generation with the ring on an otherwise healthy chain (no spare: the only chain); ``breaker(first,
+    last)`` (the stage servers) breaks the ring at the last stage's fourth hand-on; returns the result, the steps the
+    client sent, the number of hand-ons and the chain's peers."""
     sent = _count_client_steps(monkeypatch)
 
     async def main() -> tuple[Any, int, list[str]]:
