@@ -308,6 +308,7 @@ def test_a_walk_crosses_a_gap_and_a_peer_joining_auto_dials_a_few_peers_per_rang
     from types import SimpleNamespace
 
     from sangama_p2p.net import discovery as discovery_mod
+    from sangama_p2p.net.walk import GAP_BATCH, walk_directories
     from sangama_p2p.peer import Peer
     from sangama_p2p.stage import rebalance
     from sangama_p2p.stage.rebalance import PROBE_UP_TO
@@ -338,6 +339,11 @@ def test_a_walk_crosses_a_gap_and_a_peer_joining_auto_dials_a_few_peers_per_rang
                         found = await find_serving_peers(client, "m", facts=facts, num_layers=depth)
                         assert sorted({(r.start, r.end) for r in found}) == [(0, 3), (5, 8)], depth
                         assert facts.records == 10 and facts.directories == 6, facts  # 0, 3, then 4 to 7
+                    # a model nobody serves: layer 0 and one batch past it, then the walk stops
+                    facts = SurveyFacts()
+                    assert await walk_directories(client, "nobody", fingerprint=None, facts=facts, usable=None,
+                                                  per_range=6, num_layers=60) == []
+                    assert facts.directories == 1 + GAP_BATCH, facts
                 joining = SimpleNamespace(node=nodes[0], config=SimpleNamespace(stage=None))
                 layers = await Peer._resolve_layers(joining, "auto:2", "m", 8)
                 assert layers == (3, 5)

@@ -42,11 +42,15 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
     """The candidates of the directories from layer 0 on: each directory's ranges name the next ones, and where no
     range found covers a layer (a gap: its only peer left, or nobody came yet), the walk goes on past it through the
     next :data:`GAP_BATCH` start layers at a time, so that what serves after a gap is found by at most one lookup per
-    layer (a spare deciding where to go, a client waiting for one), never by asking every peer. A peer found in two
-    directories (it moved: its old entry stays until its record expires) counts with its newest record only."""
+    layer (a spare deciding where to go, a client waiting for one), never by asking every peer. Where layer 0 and the
+    first batch past it hold no entry at all (of any checkpoint), it stops: nobody serves the model (or the DHT keeps
+    no directories), and a model of 60 layers must not cost 60 lookups to say so. A peer found in two directories (it
+    moved: its old entry stays until its record expires) counts with its newest record only."""
     lookup, looked, todo = DirectoryFacts(), set(), {0}
     newest: dict[str, ServingRecord] = {}
-    while len(looked) < MAX_WALK and (todo := todo or _past_gap(newest, looked, num_layers)):
+    seen_any = False  # an entry of any checkpoint in any directory looked up so far
+    while len(looked) < MAX_WALK and (todo := todo or (
+            _past_gap(newest, looked, num_layers) if seen_any or len(looked) == 1 else set())):
         batch = sorted(todo)[:MAX_WALK - len(looked)]
         looked.update(batch)
         found: list[ServingRecord] = []
@@ -58,6 +62,7 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
         async with trio.open_nursery() as nursery:
             for start in batch:
                 nursery.start_soon(one, start)
+        seen_any = seen_any or bool(found)
         for record in found:
             old = newest.get(record.peer_id)
             if (fingerprint is None or record.fingerprint == fingerprint) and (
