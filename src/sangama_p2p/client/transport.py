@@ -132,7 +132,8 @@ class ChainTransport:
             self.sent.append(trip)
         except ChainBroken as exc:
             if exc.ring and self.params.ring_until:
-                await self._ring_off(trip, exc)
+                self._ring_off(trip, exc)
+                await self._fail_over(trip, exc, set(), exc.stalled)  # nobody blamed: no probe, nobody left out
                 return [None]
             bad = set(exc.misbehaving) | await self.client.dead_peers(self.session)
             await self._fail_over(trip, exc, bad, exc.stalled, verifying=exc.keep is not None)
@@ -161,21 +162,16 @@ class ChainTransport:
         seen.add(producer)
         return frozenset({producer})
 
-    async def _ring_off(self, trip: Trip, exc: ChainBroken) -> None:
+    def _ring_off(self, trip: Trip, exc: ChainBroken) -> None:
         """The ring's hand-on failed (the last stage's link to the first stage, which the client cannot probe: a
-        relayed link whose relay restarted, a hole not punched yet): the rest of the request goes through the client,
-        on a chain that may be the same one (nobody is blamed, nor counted against ``max_failovers``: the ring goes
-        off once a request; a trip handed on that was never answered avoids the chain's peers where a route without
-        them exists, as a stall does: a black hole and a dead ring link look alike); the loop replays."""
+        relayed link whose relay restarted, a hole not punched yet): the rest of the request goes through the client.
+        The failover that follows blames nobody, so its chain may be the same one (a trip handed on that was never
+        answered avoids the chain's peers where a route without them exists, as a stall does: a black hole and a dead
+        ring link look alike), and it is not counted against ``max_failovers``: the ring goes off once a request."""
         log.info("the ring of chain %s broke at trip %d (%s): the trips go through the client from here",
                  self.session.peers, trip.number, exc)
-        self.result.failovers += 1
         self.ring_broke = True
         self.params = dataclasses.replace(self.params, ring_until=0, ring_stop=(), windows=1)
-        self.avoid |= exc.stalled
-        await self.session.close()
-        self.session, self.sent = await self._reopen(self.session.fingerprint), []
-        self.client.active[id(self.result)] = self.session
 
     async def _fail_over(self, trip: Trip, exc: Exception, bad: set[str], stalled: frozenset[str], *,
                          verifying: bool = False) -> None:

@@ -49,8 +49,11 @@ async def walk_directories(node: Node, model_id: str, *, fingerprint: str | None
     lookup, looked, todo = DirectoryFacts(), set(), {0}
     newest: dict[str, ServingRecord] = {}
     seen_any = False  # an entry of any checkpoint in any directory looked up so far
-    while len(looked) < MAX_WALK and (todo := todo or (
-            _past_gap(newest, looked, num_layers) if seen_any or len(looked) == 1 else set())):
+    while len(looked) < MAX_WALK:
+        if not todo and (seen_any or looked == {0}):  # (nothing at layer 0 nor one batch past it: nobody serves)
+            todo = _past_gap(newest, looked, num_layers)
+        if not todo:
+            break
         batch = sorted(todo)[:MAX_WALK - len(looked)]
         looked.update(batch)
         found: list[ServingRecord] = []
@@ -86,7 +89,5 @@ def _past_gap(records: dict[str, ServingRecord], looked: set[int], num_layers: i
     """The next start layers to look up past the first layer that no record of ``records`` covers: up to
     :data:`GAP_BATCH` uncovered ones not ``looked`` up yet (empty: no gap, or no depth known)."""
     depth = num_layers or max((r.num_layers for r in records.values()), default=0)
-    covered = [False] * depth
-    for r in records.values():
-        covered[r.start:min(r.end, depth)] = [True] * max(0, min(r.end, depth) - r.start)
-    return set([i for i in range(depth) if not covered[i] and i not in looked][:GAP_BATCH])
+    covered = {i for r in records.values() for i in range(r.start, min(r.end, depth))}
+    return set([i for i in range(depth) if i not in covered and i not in looked][:GAP_BATCH])

@@ -122,7 +122,7 @@ async def live_ranges(node: Network, model_id: str, fingerprint: str | None, num
         else:
             rest += others
     live.update(await ask_ranges(node, rest, model_id, timeout, lanes) if rest else {})
-    return dict(sorted(live.items())), list(records)
+    return dict(sorted(live.items())), records
 
 
 class Rebalancer:
